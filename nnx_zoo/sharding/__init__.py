@@ -1,0 +1,49 @@
+"""nnx_zoo.sharding: logical axis names -> mesh shardings.
+
+Model code annotates every Variable with logical names (``nnx.Param(v, out_sharding=("embed", "mlp"))``) and
+every activation it lays out with ``shard(x, names)``; a rule set (data, chosen by name) maps names to the mesh
+axes of ``make_mesh``; ``logical_to_mesh_axes`` is the one resolver. This package imports nothing else of nnx_zoo.
+"""
+
+from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES
+from nnx_zoo.sharding.constrain import current_rules, restore_sharding, shard, sharding_of, use_rules
+from nnx_zoo.sharding.create import (
+    abstract_module,
+    create_sharded,
+    iter_variables,
+    logical_names,
+    state_shardings,
+    variable_spec,
+)
+from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, shard_mode_of
+from nnx_zoo.sharding.report import ShardingReport, sharding_report
+from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, named_sharding
+from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, get_rules, validate_rules
+
+__all__ = [
+    "LOGICAL_AXES",
+    "MESH_AXES",
+    "RULE_SETS",
+    "Rules",
+    "ShardingError",
+    "ShardingReport",
+    "abstract_module",
+    "context_axes",
+    "create_sharded",
+    "current_rules",
+    "get_rules",
+    "iter_variables",
+    "logical_names",
+    "logical_to_mesh_axes",
+    "make_abstract_mesh",
+    "make_mesh",
+    "named_sharding",
+    "restore_sharding",
+    "shard",
+    "shard_mode_of",
+    "sharding_of",
+    "sharding_report",
+    "state_shardings",
+    "use_rules",
+    "validate_rules",
+]

@@ -1,0 +1,78 @@
+"""Constraining activations by logical names, and restoring an input's sharding.
+
+This module is the only place in the package that calls ``with_sharding_constraint``: under a mesh whose axes
+are all Explicit that call is a hard assert, so activations are moved with ``jax.reshard`` there instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+
+from nnx_zoo.sharding.mesh import shard_mode_of
+from nnx_zoo.sharding.resolve import logical_to_mesh_axes
+from nnx_zoo.sharding.rules import DEFAULT, Rules, get_rules
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("nnx_zoo_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | str) -> Iterator[Rules]:
+    """Make ``rules`` the rule set that ``shard`` resolves against inside this block.
+
+    Rules are read while tracing, so enter this block inside the function you jit (the models do this in their
+    ``__call__``, from the rules they were created with), not around a call to an already-compiled function.
+    """
+    token = _ACTIVE_RULES.set(get_rules(rules))
+    try:
+        yield _ACTIVE_RULES.get()
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def current_rules() -> Rules:
+    """The rule set in force (``use_rules``), or the ``default`` set."""
+    rules = _ACTIVE_RULES.get()
+    return DEFAULT if rules is None else rules
+
+
+def shard(x: jax.Array, names: Sequence[str | None], *, rules: Rules | str | None = None) -> jax.Array:
+    """Lay ``x`` out as its logical dimension ``names`` say, on the ambient mesh (``jax.set_mesh``).
+
+    Explicit mesh: ``jax.reshard``. Auto mesh: a sharding constraint. No mesh: ``x`` unchanged.
+
+    >>> h = shard(h, ("activation_batch", "activation_length", "activation_embed"))
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    rules = current_rules() if rules is None else get_rules(rules)
+    mode = shard_mode_of(mesh)
+    shape = x.shape if mode == "explicit" else None  # Auto may pad uneven shards; Explicit may not.
+    spec = logical_to_mesh_axes(names, rules, mesh, shape=shape, path="activation")
+    if mode == "explicit":
+        return jax.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def sharding_of(x: jax.Array) -> NamedSharding:
+    """The sharding carried by ``x``'s type (meaningful under Explicit meshes)."""
+    return jax.typeof(x).sharding
+
+
+def restore_sharding(out: Any, sharding: NamedSharding) -> Any:
+    """Give every array in ``out`` the sharding an input arrived with (``sharding_of(x)`` taken on entry).
+
+    Under an Explicit mesh this reshards, so a module that relays out activations internally hands them back
+    exactly as received and downstream constraints hold. Under Auto, array types carry no sharding and XLA's
+    propagation decides, so nothing is done.
+    """
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not all(t == AxisType.Explicit for t in mesh.axis_types):
+        return out
+    return jax.tree.map(lambda a: jax.reshard(a, sharding.spec), out)

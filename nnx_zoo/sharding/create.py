@@ -1,0 +1,106 @@
+"""Creating NNX modules directly sharded from their Variables' logical-name metadata.
+
+The model is first built abstractly (``nnx.eval_shape``: shapes only), every Variable's ``out_sharding`` names
+are resolved by ``logical_to_mesh_axes``, and the real initializer runs under ``jax.jit`` with those
+``out_shardings``, so each device only ever materializes its own shards. Flax's eager sharding (a dict lookup
+that drops fallback rules) is switched off while the module is built, so it never decides a placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from nnx_zoo.sharding.resolve import logical_to_mesh_axes
+from nnx_zoo.sharding.rules import Rules, get_rules
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """``('moe_layers', 'attn', 'q_proj', 'kernel')`` -> ``'moe_layers.attn.q_proj.kernel'``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                key = getattr(key, attr)
+                break
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+def logical_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Variable was annotated with (``out_sharding`` metadata), or None."""
+    names = variable.get_metadata().get("out_sharding")
+    if names is None:
+        return None
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    return tuple(names)
+
+
+def iter_variables(state_or_module: Any) -> Iterator[tuple[str, nnx.Variable]]:
+    """``(dotted path, Variable)`` for every Variable of a module or state, in a stable order."""
+    state = nnx.state(state_or_module) if isinstance(state_or_module, nnx.Module) else state_or_module
+    for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_variable):
+        if _is_variable(var):
+            yield path_str(path), var
+
+
+def variable_spec(
+    path: str, variable: nnx.Variable, rules: Rules, mesh: Mesh | AbstractMesh, *, strict: bool = True
+) -> PartitionSpec:
+    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names)."""
+    names = logical_names(variable)
+    shape = tuple(variable.shape)
+    if names is None:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(
+            f"{path}: {len(names)} logical names {names} for a {len(shape)}-d value of shape {shape}; annotate "
+            "one name per dimension"
+        )
+    return logical_to_mesh_axes(names, rules, mesh, strict=strict, shape=shape, path=path)
+
+
+def state_shardings(
+    state: nnx.State, mesh: Mesh, rules: Rules | str = "default", *, strict: bool = True
+) -> list[NamedSharding]:
+    """NamedShardings for the leaves of ``state`` (in ``jax.tree.leaves`` order)."""
+    rules = get_rules(rules)
+    return [NamedSharding(mesh, variable_spec(path, var, rules, mesh, strict=strict)) for path, var in
+            iter_variables(state)]
+
+
+def abstract_module(make: Callable[[], M]) -> M:
+    """The module ``make()`` would build, with shapes only (no memory), Flax eager sharding off."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(make)
+
+
+def create_sharded(
+    make: Callable[[], M], mesh: Mesh, rules: Rules | str = "default", *, strict: bool = True
+) -> M:
+    """Build ``make()`` with every Variable born on the sharding its logical names resolve to.
+
+    >>> mesh = make_mesh({"fsdp": 8})
+    >>> model = create_sharded(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, "default")
+    """
+    graphdef, abstract_state = nnx.split(abstract_module(make))
+    shardings = state_shardings(abstract_state, mesh, rules, strict=strict)
+    treedef = jax.tree.structure(abstract_state)
+
+    def init() -> list[jax.Array]:
+        with nnx.use_eager_sharding(False):
+            return jax.tree.leaves(nnx.state(make()))
+
+    leaves = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))

@@ -1,0 +1,254 @@
+"""Rule sets as data.
+
+A rule set is an ordered tuple of ``(logical_name, mesh_axes)`` pairs; ``mesh_axes`` is one mesh axis, a tuple
+of them, or ``None`` for replicated. A logical name may appear several times: later entries are fallbacks, tried
+(in order) when an earlier entry's mesh axes are already bound to another dimension of the same array. A rule may
+name a mesh axis the current mesh lacks or has at size 1; the resolver drops it. A declared logical name that a
+rule set does not mention is replicated.
+
+Switching parallelism strategy is choosing another set by name: ``get_rules("ep-as-cp")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+from nnx_zoo.sharding.axes import MESH_AXES
+
+MeshAxes = Union[str, tuple[str, ...], None]
+Rule = tuple[str, MeshAxes]
+Rules = tuple[Rule, ...]
+
+# Weights: the model width is sharded by every data-parallel-like axis (FSDP); fallbacks drop the axes that a
+# tensor-parallel dimension of the same weight already took.
+_EMBED = (
+    ("embed", ("fsdp", "fsdp_transpose", "tensor_transpose", "context", "expert")),
+    ("embed", ("fsdp", "tensor_transpose", "context", "expert")),
+    ("embed", ("fsdp", "fsdp_transpose", "context", "expert")),
+    ("embed", ("fsdp", "context", "expert")),
+)
+# Expert weights: like embed, but never on the axes that shard the expert dim.
+_EMBED_NO_EXP = (
+    ("embed_no_exp", ("fsdp", "fsdp_transpose", "tensor_transpose", "context")),
+    ("embed_no_exp", ("fsdp", "tensor_transpose", "context")),
+    ("embed_no_exp", ("fsdp", "fsdp_transpose", "context")),
+    ("embed_no_exp", ("fsdp", "context")),
+)
+_LORA = tuple(
+    (name, axes)
+    for name in ("q_lora", "kv_lora", "mtp_embed")
+    for axes in (("fsdp", "fsdp_transpose", "tensor_transpose", "context", "expert"), ("fsdp", "context", "expert"))
+)
+_TENSOR_PARAMS = (
+    ("vocab", ("tensor", "tensor_transpose")),
+    ("mlp", ("fsdp_transpose", "tensor")),
+    ("moe_mlp", ("fsdp_transpose", "tensor")),
+    ("heads", ("tensor", "tensor_transpose")),
+    ("heads", "tensor"),
+)
+_REPLICATED = (
+    ("kv", None),
+    ("norm", None),
+    ("bias", None),
+    ("exp_router", None),
+    ("lora_rank", None),
+    ("dense_layers", None),
+    ("moe_layers", None),
+    ("mtp_layers", None),
+)
+_ACT_COMMON = (
+    ("activation_embed", "tensor_transpose"),
+    ("activation_heads", ("tensor", "tensor_transpose")),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", ("tensor", "tensor_transpose")),
+    ("activation_moe_mlp", ("tensor", "tensor_transpose")),
+    ("activation_vocab", ("tensor", "tensor_transpose")),
+    ("activation_vocab", "tensor"),
+    ("activation_kv", None),
+    ("activation_kv_length", None),
+    ("activation_q_lora", None),
+    ("activation_kv_lora", None),
+    ("activation_topk", None),
+    ("activation_stack", None),
+    ("activation_microbatch", None),
+    ("cache_length", None),
+    ("cache_kv", None),
+)
+
+# default: FSDP over data-like axes, TP over tensor axes, EP over expert (expert also acts as extra FSDP for the
+# non-expert weights and as data parallelism for activations outside the MoE core), CP over context.
+DEFAULT: Rules = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_length", "context"),
+    ("activation_exp", "expert"),
+    ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_ACT_COMMON,
+    *_TENSOR_PARAMS,
+    ("exp", "expert"),
+    *_EMBED,
+    *_EMBED_NO_EXP,
+    *_LORA,
+    *_REPLICATED,
+)
+
+# pure-fsdp: only data/fsdp are used; every other mesh axis (if present) replicates.
+PURE_FSDP: Rules = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_tokens", ("data", "fsdp")),
+    ("cache_batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("embed_no_exp", "fsdp"),
+    ("q_lora", "fsdp"),
+    ("kv_lora", "fsdp"),
+    ("mtp_embed", "fsdp"),
+    ("vocab", "fsdp"),
+    ("mlp", "fsdp"),
+    ("moe_mlp", "fsdp"),
+    ("heads", "fsdp"),
+    ("exp", None),
+    *_REPLICATED,
+)
+
+# ep-as-cp: the expert axis shards the sequence (context parallelism) everywhere except inside the MoE core,
+# where it shards experts. The batch no longer uses it.
+EP_AS_CP: Rules = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_length", ("context", "expert")),
+    ("activation_exp", "expert"),
+    ("cache_batch", ("data", "fsdp", "fsdp_transpose")),
+    *_ACT_COMMON,
+    *_TENSOR_PARAMS,
+    ("exp", "expert"),
+    *_EMBED,
+    *_EMBED_NO_EXP,
+    *_LORA,
+    *_REPLICATED,
+)
+
+# cp-as-ep: the context axis shards the sequence outside the MoE core and also shards experts inside it.
+CP_AS_EP: Rules = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_length", "context"),
+    ("activation_exp", ("expert", "context")),
+    ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_ACT_COMMON,
+    *_TENSOR_PARAMS,
+    ("exp", ("expert", "context")),
+    ("exp", "expert"),
+    *_EMBED,
+    ("embed_no_exp", ("fsdp", "fsdp_transpose", "tensor_transpose")),
+    ("embed_no_exp", ("fsdp", "tensor_transpose")),
+    ("embed_no_exp", ("fsdp", "fsdp_transpose")),
+    ("embed_no_exp", "fsdp"),
+    *_LORA,
+    *_REPLICATED,
+)
+
+# ep-as-dp: the expert axis is one more data/FSDP axis; experts are not split across devices.
+EP_AS_DP: Rules = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_length", "context"),
+    ("activation_exp", None),
+    ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_ACT_COMMON,
+    *_TENSOR_PARAMS,
+    ("exp", None),
+    *_EMBED,
+    ("embed_no_exp", ("fsdp", "fsdp_transpose", "tensor_transpose", "context", "expert")),
+    ("embed_no_exp", ("fsdp", "tensor_transpose", "context", "expert")),
+    ("embed_no_exp", ("fsdp", "fsdp_transpose", "context", "expert")),
+    ("embed_no_exp", ("fsdp", "context", "expert")),
+    *_LORA,
+    *_REPLICATED,
+)
+
+# shard-exp-on-fsdp: FSDP shards the expert dim of MoE weights (exp -> expert x fsdp) instead of their model
+# width, so each device holds whole expert matrices (what non-elementwise optimizers such as Muon want).
+SHARD_EXP_ON_FSDP: Rules = (
+    ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_length", "context"),
+    ("activation_exp", ("expert", "fsdp")),
+    ("activation_exp", "expert"),
+    ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    ("exp", ("expert", "fsdp")),
+    ("exp", "expert"),
+    *_ACT_COMMON,
+    *_TENSOR_PARAMS,
+    *_EMBED,
+    *_EMBED_NO_EXP,
+    *_LORA,
+    *_REPLICATED,
+)
+
+RULE_SETS: dict[str, Rules] = {
+    "default": DEFAULT,
+    "pure-fsdp": PURE_FSDP,
+    "ep-as-cp": EP_AS_CP,
+    "cp-as-ep": CP_AS_EP,
+    "ep-as-dp": EP_AS_DP,
+    "shard-exp-on-fsdp": SHARD_EXP_ON_FSDP,
+}
+
+
+def _normalize_axes(logical: str, axes: object) -> MeshAxes:
+    if axes is None or isinstance(axes, str):
+        return axes
+    if isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes):
+        return tuple(axes)
+    raise TypeError(
+        f"rule for {logical!r} maps to {axes!r}; a rule's mesh axes must be a mesh axis name, a tuple of them, "
+        "or None (replicated)"
+    )
+
+
+def validate_rules(rules: Iterable[Sequence[object]]) -> Rules:
+    """Check a user-supplied rule set and return it as a tuple of ``(name, axes)`` pairs.
+
+    Mesh axes must come from ``MESH_AXES``; a typo there would otherwise silently replicate.
+    """
+    out = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise TypeError(f"rule #{i} is {rule!r}; each rule must be a pair (logical_name, mesh_axes)")
+        name, axes = rule[0], _normalize_axes(rule[0], rule[1])
+        unknown = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in MESH_AXES]
+        if unknown:
+            raise ValueError(
+                f"rule #{i} ({name!r} -> {axes!r}) names unknown mesh axes {unknown}; mesh axes are {MESH_AXES}"
+            )
+        out.append((name, axes))
+    return tuple(out)
+
+
+def get_rules(name_or_rules: str | Iterable[Sequence[object]]) -> Rules:
+    """A named rule set (``default``, ``pure-fsdp``, ``ep-as-cp``, ``cp-as-ep``, ``ep-as-dp``,
+    ``shard-exp-on-fsdp``), or a user-supplied sequence of ``(logical_name, mesh_axes)`` validated as such.
+
+    >>> get_rules("pure-fsdp")[0]
+    ('activation_batch', ('data', 'fsdp'))
+    """
+    if isinstance(name_or_rules, str):
+        try:
+            return RULE_SETS[name_or_rules]
+        except KeyError:
+            raise ValueError(
+                f"unknown rule set {name_or_rules!r}; choose one of {sorted(RULE_SETS)} or pass your own "
+                "sequence of (logical_name, mesh_axes) pairs"
+            ) from None
+    return validate_rules(name_or_rules)
+
+
+def context_axes(rules: Rules) -> tuple[str, ...]:
+    """The mesh axes acting as context parallelism: those of the first rule for ``activation_length``."""
+    for name, axes in rules:
+        if name == "activation_length":
+            if axes is None:
+                return ()
+            return (axes,) if isinstance(axes, str) else tuple(axes)
+    return ()
