@@ -1,0 +1,56 @@
+"""Plan a run: where every parameter of a model lives on a mesh, and what each device pays for it.
+
+Nothing is allocated (abstract model, abstract mesh), so this describes DeepSeek-V3 671B on 512 devices from a
+laptop:
+
+    python recipes/sharding_report.py --model deepseek3-671b --mesh fsdp=64,expert=8 --rules default
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flax import nnx
+
+from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.sharding import RULE_SETS, ShardingError, make_abstract_mesh, sharding_report
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'fsdp=64,expert=8' -> {'fsdp': 64, 'expert': 8}."""
+    sizes = {}
+    for part in filter(None, text.split(",")):
+        name, sep, value = part.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"mesh entry {part!r} must look like axis=size, e.g. fsdp=64")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="deepseek3-671b", help="a DeepSeekV3Config preset name")
+    parser.add_argument("--mesh", type=parse_mesh, default=parse_mesh("fsdp=32,expert=8"),
+                        help="mesh axis sizes, e.g. fsdp=64,expert=8 (default: %(default)s)")
+    parser.add_argument("--rules", default="default", choices=sorted(RULE_SETS), help="rule set name")
+    parser.add_argument("--json", help="also write the report as JSON to this path")
+    parser.add_argument("--summary", action="store_true", help="print only the totals, not every Variable")
+    args = parser.parse_args(argv)
+    try:
+        config = DeepSeekV3Config.preset(args.model)
+        mesh = make_abstract_mesh(args.mesh)
+        report = sharding_report(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), mesh, args.rules)
+    except (ShardingError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text = report.table()
+    print(text.split("\n\n", 1)[-1] if args.summary else text)
+    if args.json:
+        report.save_json(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
