@@ -1,0 +1,29 @@
+"""nnx_zoo.train: optimizer, data, step, metrics, checkpoints and the loop, for any model with the
+``model(input_ids, attention_mask=None) -> logits`` signature."""
+
+from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError
+from nnx_zoo.train.data import DataConfig, make_dataset, make_iterator
+from nnx_zoo.train.loop import NonFiniteLossError, TrainConfig, TrainState, train
+from nnx_zoo.train.metrics import MetricsWriter, peak_flops_per_device
+from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, make_tx
+from nnx_zoo.train.step import token_cross_entropy, train_step
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "DataConfig",
+    "MetricsWriter",
+    "NonFiniteLossError",
+    "OptimizerConfig",
+    "TrainConfig",
+    "TrainState",
+    "learning_rate_schedule",
+    "make_dataset",
+    "make_iterator",
+    "make_optimizer",
+    "make_tx",
+    "peak_flops_per_device",
+    "token_cross_entropy",
+    "train",
+    "train_step",
+]

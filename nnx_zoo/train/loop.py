@@ -1,0 +1,193 @@
+"""The training loop: sharded state, resume, steps, metrics, checkpoints, clean stops.
+
+Model-agnostic: it takes a function that builds the model, and the model's FLOPs per token for MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from nnx_zoo.sharding import create_sharded, get_rules, logical_to_mesh_axes, make_mesh
+from nnx_zoo.train.checkpoint import Checkpointer
+from nnx_zoo.train.data import DataConfig, make_iterator
+from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, peak_flops_per_device
+from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from nnx_zoo.train.step import train_step
+
+BATCH_NAMES = ("activation_batch", "activation_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How to run: length, parallelism, checkpoints, logging. Optimizer and data settings nest inside."""
+
+    steps: int = 20
+    run_dir: str = "runs/deepseek3-tiny"
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"fsdp": -1})
+    shard_mode: str = "auto"
+    rules: str = "default"
+    accum_steps: int = 1
+    mtp_weight: float = 0.3
+    log_every: int = 1
+    checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    seed: int = 0
+    tensorboard: bool = False
+    progress: bool = True
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.steps < 1:
+            problems.append(f"steps must be >= 1, got {self.steps}")
+        if self.accum_steps < 1 or self.data.global_batch % self.accum_steps:
+            problems.append(
+                f"accum_steps={self.accum_steps} must be >= 1 and divide the global batch {self.data.global_batch}"
+            )
+        if self.log_every < 1:
+            problems.append(f"log_every must be >= 1, got {self.log_every}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            problems.append("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+        if self.shard_mode not in ("auto", "explicit"):
+            problems.append(f"shard_mode must be 'auto' or 'explicit', got {self.shard_mode!r}")
+        if self.mtp_weight < 0:
+            problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
+        if problems:
+            raise ValueError("invalid training settings: " + "; ".join(problems))
+
+
+class TrainState(nnx.Module):
+    """The model and its optimizer: everything a checkpoint must hold besides the data position."""
+
+    def __init__(self, model: nnx.Module, optimizer: nnx.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+
+class _StopSignal:
+    """Turns SIGTERM/SIGINT into a flag checked between steps, so the loop can checkpoint and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+def train(
+    make_model: Callable[[], nnx.Module],
+    config: TrainConfig,
+    *,
+    vocab_size: int,
+    flops_per_token: float,
+    after_step: Callable[[TrainState, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a model; returns a summary. Metrics go to ``<run_dir>/metrics.jsonl``."""
+    run_dir = Path(config.run_dir)
+    mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
+    rules = get_rules(config.rules)
+    primary = jax.process_index() == 0
+
+    def make_state() -> TrainState:
+        model = make_model()
+        return TrainState(model, make_optimizer(config.optimizer, model, config.steps))
+
+    state = create_sharded(make_state, mesh, rules)
+    checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
+                               async_save=config.async_checkpoints)
+    data = make_iterator(config.data, vocab_size)
+    start_step = 0
+    if checkpoints.latest_step() is not None:
+        start_step, data_state, _ = checkpoints.restore_into(state)
+        data.set_state(data_state)
+
+    batch_sharding = NamedSharding(mesh, logical_to_mesh_axes(BATCH_NAMES, rules, mesh))
+    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight"))
+    schedule = learning_rate_schedule(config.optimizer, config.steps)
+    peak, peak_source = peak_flops_per_device()
+    writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
+    progress = ProgressLine(config.steps, enabled=config.progress and primary)
+
+    def save(step: int) -> None:
+        checkpoints.save(step, state, data_state=data.get_state(), meta={"step": step, "seed": config.seed})
+
+    summary: dict[str, Any] = {"start_step": start_step, "peak_flops_per_device": peak, "peak_source": peak_source}
+    step, last_logged, losses = start_step, None, []
+    window_start, window_tokens = time.perf_counter(), 0.0
+    try:
+        with _StopSignal() as stop, jax.set_mesh(mesh):
+            while step < config.steps and stop.received is None:
+                local = next(data)
+                batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
+                metrics = step_fn(state.model, state.optimizer, batch, accum_steps=config.accum_steps,
+                                  mtp_weight=config.mtp_weight)
+                loss = float(metrics["loss"])
+                if not math.isfinite(loss):
+                    raise NonFiniteLossError(
+                        f"loss is {loss} at step {step + 1}; stopping without saving. The last good checkpoint "
+                        f"(step {checkpoints.latest_step()}) in {checkpoints.directory} is kept: lower the learning "
+                        "rate or check the data, then rerun to resume from it."
+                    )
+                step += 1
+                losses.append(loss)
+                window_tokens += float(metrics["tokens"])
+                if after_step is not None:
+                    after_step(state, metrics)
+                if step % config.log_every == 0 or step == config.steps:
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = window_tokens / elapsed
+                    tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
+                    record = {
+                        "step": step,
+                        "loss": loss,
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "lr": float(schedule(int(metrics["step_index"]))),
+                        "tokens_per_s": tokens_per_s,
+                        "tflops_per_device": tflops,
+                        "mfu": tflops * 1e12 / peak if peak == peak else None,
+                        **{k: float(v) for k, v in metrics.items() if k.startswith(("mtp", "aux", "expert"))},
+                    }
+                    writer.write(record)
+                    progress.update(step, {"loss": loss, "tok/s": tokens_per_s})
+                    last_logged = record
+                    window_start, window_tokens = time.perf_counter(), 0.0
+                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                    save(step)
+            if step > start_step and (stop.received is not None or step == config.steps):
+                save(step)
+            summary["stopped_by_signal"] = stop.received
+    finally:
+        progress.close()
+        checkpoints.close()
+        writer.close()
+    summary.update(end_step=step, losses=losses, last=last_logged)
+    return summary
+

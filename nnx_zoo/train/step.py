@@ -1,0 +1,113 @@
+"""The training step: token cross-entropy, gradient accumulation, one optimizer update.
+
+Works for any model called as ``model(input_ids, attention_mask=None)`` that returns logits ``[batch, seq,
+vocab]`` or an object with ``.logits``. When that object also carries ``mtp_logits`` (a sequence whose k-th entry
+predicts the token ``k + 2`` places ahead) the multi-token-prediction loss is added with ``mtp_weight``; an
+``aux_loss`` scalar (e.g. a sequence-wise balance loss, already weighted by the model) is added as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+Batch = dict[str, jax.Array]
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over the positions where ``mask`` is 1, and their count.
+
+    The target logit is picked by comparison with an iota rather than a gather, so vocab-sharded logits work
+    under Explicit meshes too; XLA fuses the compare-select-reduce into one pass.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
+
+
+def loss_terms(model: nnx.Module, batch: Batch, mtp_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Summed loss of one micro-batch (to be divided by the token count) and summed metrics."""
+    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    logits = getattr(out, "logits", out)
+    ce_sum, tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    total = ce_sum
+    metrics = {"ce_sum": ce_sum, "tokens": tokens}
+    mtp_logits = getattr(out, "mtp_logits", None) or ()
+    for k, head_logits in enumerate(mtp_logits):
+        shift = k + 1  # head k predicts targets[t + shift]
+        mtp_sum, mtp_tokens = token_cross_entropy(
+            head_logits[:, :-shift], batch["targets"][:, shift:], batch["loss_mask"][:, shift:]
+        )
+        # Scale so that the MTP term is mtp_weight * (mean over heads of the per-token MTP loss).
+        total = total + mtp_weight / len(mtp_logits) * mtp_sum * tokens / jnp.maximum(mtp_tokens, 1.0)
+        metrics[f"mtp{k + 1}_sum"] = mtp_sum
+    aux_loss = getattr(out, "aux_loss", None)
+    if aux_loss is not None:
+        total = total + aux_loss * tokens
+        metrics["aux_loss_sum"] = aux_loss * tokens
+    return total, metrics
+
+
+def split_microbatches(batch: Batch, accum_steps: int) -> Batch:
+    """``[batch, ...]`` -> ``[accum_steps, batch // accum_steps, ...]`` (row i goes to micro-batch i % accum)."""
+    def split(x: jax.Array) -> jax.Array:
+        rows = x.shape[0]
+        if rows % accum_steps:
+            raise ValueError(f"batch of {rows} rows does not split into {accum_steps} accumulation steps")
+        return jnp.swapaxes(x.reshape(rows // accum_steps, accum_steps, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def train_step(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batch: Batch,
+    *,
+    accum_steps: int = 1,
+    mtp_weight: float = 0.0,
+) -> dict[str, Any]:
+    """One optimizer step over ``batch``, accumulating gradients over ``accum_steps`` micro-batches.
+
+    Jit it with ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight"))``; model and optimizer
+    are updated in place.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_step(carry, micro_batch):
+        grad_acc, metric_acc = carry
+
+        def summed_loss(p):
+            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight)
+
+        (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
+        return (jax.tree.map(jnp.add, grad_acc, grads), jax.tree.map(jnp.add, metric_acc, metrics)), None
+
+    micro_batches = split_microbatches(batch, accum_steps)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight)[1], params))
+    (grads, sums), _ = jax.lax.scan(micro_step, (zeros, metric_zeros), micro_batches)
+
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    lr_step = optimizer.step[...]
+    optimizer.update(model, grads)
+    metrics = {
+        "loss": sums["ce_sum"] / tokens,
+        "grad_norm": optax.global_norm(grads),
+        "tokens": sums["tokens"],
+        "step_index": lr_step,
+    }
+    for name, value in sums.items():
+        if name.startswith("mtp") or name == "aux_loss_sum":
+            metrics[name.removesuffix("_sum")] = value / tokens
+    return metrics
