@@ -27,7 +27,7 @@ def abstract_with_shardings(module: nnx.Module) -> dict[str, Any]:
     def spec(x: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-    return jax.tree.map(spec, nnx.state(module).to_pure_dict())
+    return jax.tree.map(spec, nnx.to_pure_dict(nnx.state(module)))
 
 
 class Checkpointer:
@@ -58,7 +58,7 @@ class Checkpointer:
     def save(self, step: int, module: nnx.Module, *, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Start saving (returns at once when async); the previous complete checkpoint stays valid meanwhile."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(nnx.state(module).to_pure_dict()),
+            state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(module))),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta),
         )

@@ -103,7 +103,7 @@ def train_step(
     optimizer.update(model, grads)
     metrics = {
         "loss": sums["ce_sum"] / tokens,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "tokens": sums["tokens"],
         "step_index": lr_step,
     }

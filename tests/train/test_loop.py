@@ -1,0 +1,94 @@
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo.train import (
+    Checkpointer,
+    CheckpointError,
+    DataConfig,
+    NonFiniteLossError,
+    OptimizerConfig,
+    TrainConfig,
+    train,
+)
+from tests.train.toy_lm import ToyLM
+
+VOCAB = 64
+
+
+def config(tmp_path, **kw):
+    base = dict(
+        steps=6,
+        run_dir=str(tmp_path / "run"),
+        mesh={"fsdp": 4, "tensor": 2},
+        progress=False,
+        async_checkpoints=True,
+        data=DataConfig(seq_len=16, global_batch=8, synthetic_vocab=32),
+        optimizer=OptimizerConfig(lr=1e-2, warmup_steps=2),
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def run(cfg, after_step=None):
+    return train(lambda: ToyLM(VOCAB, 32, nnx.Rngs(0)), cfg, vocab_size=VOCAB, flops_per_token=1e3,
+                 after_step=after_step)
+
+
+@pytest.mark.parametrize("shard_mode", ["auto", "explicit"])
+def test_loss_falls_and_metrics_are_written(tmp_path, shard_mode):
+    summary = run(config(tmp_path, steps=12, shard_mode=shard_mode))
+    assert summary["losses"][-1] < summary["losses"][0] - 0.2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu"):
+        assert all(np.isfinite(r[key]) for r in records), key
+    assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(1e-2)
+
+
+def test_stopped_and_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
+    whole = run(config(tmp_path / "a"))["losses"]
+
+    def stop_after_three(state, metrics):
+        if int(metrics["step_index"]) == 2:  # third step done
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = run(config(tmp_path / "b"), after_step=stop_after_three)
+    assert first["end_step"] == 3 and first["stopped_by_signal"] == signal.SIGTERM
+    assert Checkpointer(tmp_path / "b" / "run" / "checkpoints").latest_step() == 3
+    second = run(config(tmp_path / "b"))
+    assert second["start_step"] == 3
+    np.testing.assert_allclose(first["losses"] + second["losses"], whole, rtol=1e-6)
+
+
+def test_resume_onto_a_different_mesh(tmp_path):
+    whole = run(config(tmp_path / "a"))["losses"]
+    cfg = config(tmp_path / "b", steps=3)
+    run(cfg)
+    resumed = run(config(tmp_path / "b", mesh={"fsdp": 8}, shard_mode="explicit"))
+    assert resumed["start_step"] == 3
+    np.testing.assert_allclose(resumed["losses"], whole[3:], rtol=1e-5)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    def poison(state, metrics):
+        if int(metrics["step_index"]) == 2:
+            state.model.poison[...] = np.float32("nan")
+
+    with pytest.raises(NonFiniteLossError, match="loss is nan at step 4"):
+        run(config(tmp_path, checkpoint_every=2), after_step=poison)
+    assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() == 2
+
+
+def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
+    run(config(tmp_path, steps=2))
+    step_dir = tmp_path / "run" / "checkpoints" / "2" / "state"
+    for f in step_dir.rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "metadata" not in f.name:
+            f.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot be restored"):
+        run(config(tmp_path, steps=4))
