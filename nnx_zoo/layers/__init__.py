@@ -1,0 +1,30 @@
+"""Family-agnostic NNX building blocks; every Variable carries logical axis names."""
+
+from nnx_zoo.layers.attention import causal_mask, dot_product_attention
+from nnx_zoo.layers.embed import Embed
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.mlp import SwiGLU
+from nnx_zoo.layers.moe import RoutedExperts
+from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.rope import YarnScaling, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
+from nnx_zoo.layers.scan import REMAT_POLICIES, create_stack, run_stack
+from nnx_zoo.layers.spec import explicit_spec
+
+__all__ = [
+    "REMAT_POLICIES",
+    "Embed",
+    "Linear",
+    "RMSNorm",
+    "RoutedExperts",
+    "SwiGLU",
+    "YarnScaling",
+    "apply_rope",
+    "causal_mask",
+    "create_stack",
+    "dot_product_attention",
+    "explicit_spec",
+    "rope_cos_sin",
+    "rope_frequencies",
+    "run_stack",
+    "yarn_mscale",
+]

@@ -1,0 +1,339 @@
+"""DeepSeekV3Config: the model's hyper-parameters, named as in Hugging Face ``config.json``, plus presets.
+
+The class defaults are DeepSeek-V3 (671B total, 37B active). Fields after ``initializer_range`` are nnx_zoo's
+own (compute/parameter dtype, MoE compute path, layer scanning, rematerialization) and are not written to HF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from nnx_zoo.layers.rope import YarnScaling
+from nnx_zoo.layers.scan import REMAT_POLICIES
+
+MOE_IMPLS = ("dense", "gmm")
+
+_V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                       mscale=1.0, mscale_all_dim=1.0)
+_V2_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                       mscale=0.707, mscale_all_dim=0.707)
+
+
+class ParameterCount(NamedTuple):
+    """``total``: every parameter; ``active``: those one token uses (k of the routed experts per MoE layer);
+    ``embedding``: the input embedding table (a lookup, not a matmul)."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSeekV3Config:
+    """DeepSeek-V3 hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
+
+    >>> cfg = DeepSeekV3Config.preset("deepseek3-small")
+    >>> cfg = DeepSeekV3Config.from_hf("/path/to/checkpoint")   # a directory with config.json, or a dict
+    >>> cfg.with_overrides(num_hidden_layers=2).num_parameters().total
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    first_k_dense_replace: int = 3
+    num_attention_heads: int = 128
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = _V3_YARN  # a dict is accepted and converted
+    rope_interleave: bool = True
+    max_position_embeddings: int = 163840
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 1
+    initializer_range: float = 0.02
+    # ---- nnx_zoo only ----
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of parameters
+    moe_impl: str = "gmm"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot
+    scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
+    remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):
+            rope = dict(self.rope_scaling)
+            if rope.get("rope_type", rope.get("type", "yarn")) == "default":
+                object.__setattr__(self, "rope_scaling", None)
+            else:
+                scaling = YarnScaling.from_dict(rope, max_position_embeddings=self.max_position_embeddings)
+                object.__setattr__(self, "rope_scaling", scaling)
+        for name in ("dtype", "param_dtype"):
+            try:
+                object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
+            except TypeError:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+        problems = self._problems()
+        if problems:
+            raise ValueError("invalid DeepSeekV3Config:\n  - " + "\n  - ".join(problems))
+
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                p.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            p.append(f"q_lora_rank must be a positive integer or None (no query compression), got {self.q_lora_rank!r}")
+        if isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim % 2:
+            p.append(f"qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
+        for name in ("n_shared_experts", "num_nextn_predict_layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                p.append(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            p.append(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers="
+                     f"{self.num_hidden_layers}]")
+        if self.has_moe:
+            p += self._moe_problems()
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            if not getattr(self, name) > 0:
+                p.append(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            p.append(f"rope_scaling must be None, a YarnScaling or an HF rope dict, got {self.rope_scaling!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        return p
+
+    def _moe_problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                p.append(f"{name} must be a positive integer (the model has MoE layers), got {getattr(self, name)!r}")
+        if p:
+            return p
+        if self.n_routed_experts % self.n_group:
+            p.append(f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}")
+        elif self.n_routed_experts // self.n_group < 2:
+            p.append(f"each expert group needs at least 2 experts (a group's score is the sum of its top 2); "
+                     f"n_routed_experts={self.n_routed_experts}, n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            p.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            p.append(f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts="
+                     f"{self.n_routed_experts}")
+        elif self.n_routed_experts % self.n_group == 0 and self.topk_group <= self.n_group:
+            available = self.topk_group * (self.n_routed_experts // self.n_group)
+            if self.num_experts_per_tok > available:
+                p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {available} experts in the "
+                         f"topk_group={self.topk_group} selected groups of {self.n_routed_experts // self.n_group}")
+        if not self.routed_scaling_factor > 0:
+            p.append(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+        return p
+
+    # ---- derived sizes ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def has_moe(self) -> bool:
+        """Whether any layer (main stack or MTP) is an MoE layer."""
+        return self.num_moe_layers > 0 or self.num_nextn_predict_layers > 0
+
+    def with_overrides(self, **overrides: Any) -> DeepSeekV3Config:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+    # ---- presets ----
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DeepSeekV3Config:
+        """A named configuration: ``deepseek3-671b``, ``deepseek3-tiny``, ``deepseek3-mini``, ``deepseek3-small``,
+        ``deepseek2-lite``, ``deepseek2-236b`` (see ``PRESETS`` for what each is)."""
+        try:
+            fields = PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        return cls(**{**fields, **overrides})
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf(cls, dir_or_dict: str | Path | Mapping[str, Any], **overrides: Any) -> DeepSeekV3Config:
+        """Read an HF DeepSeek-V3 ``config.json`` (a checkpoint directory, the file, or its dict).
+
+        Both rope formats are read: the hub's legacy ``rope_scaling`` + top-level ``rope_theta``, and
+        transformers-5 ``rope_parameters`` (which may hold ``rope_theta`` itself). ``overrides`` set any field,
+        e.g. ``dtype="bfloat16"``.
+        """
+        d = _load_json(dir_or_dict)
+        problems = []
+        if d.get("model_type", "deepseek_v3") not in ("deepseek_v3", "deepseek_v2"):
+            problems.append(f"model_type {d.get('model_type')!r} is not a DeepSeek V2/V3 model")
+        if d.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("scoring_func", "sigmoid") != "sigmoid":
+            problems.append(f"scoring_func {d['scoring_func']!r} is not supported: this model routes with sigmoid "
+                            "scores and a selection bias (DeepSeek-V3); V2's softmax routing is not implemented")
+        if problems:
+            raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_scaling", "dtype")}
+        if "num_nextn_predict_layers" not in d and "num_mtp_layers" in d:
+            kwargs["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        rope = dict(rope) if rope else {}
+        theta = rope.pop("rope_theta", None)
+        if theta is None:
+            theta = d.get("rope_theta", cls.rope_theta)
+        kwargs["rope_theta"] = float(theta)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        kwargs["rope_scaling"] = None if kind == "default" else rope
+        return cls(**{**kwargs, **overrides})
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (hub layout: legacy ``rope_scaling`` and top-level ``rope_theta``)."""
+        d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        for f in dataclasses.fields(self):
+            if f.name == "initializer_range":
+                d[f.name] = self.initializer_range
+                break
+            d[f.name] = getattr(self, f.name)
+        d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
+        d.update(hidden_act="silu", num_key_value_heads=self.num_attention_heads, scoring_func="sigmoid",
+                 topk_method="noaux_tc", rms_norm_eps=self.rms_norm_eps, torch_dtype=self.param_dtype,
+                 bos_token_id=0, eos_token_id=1, use_cache=True)
+        return d
+
+    # ---- sizes and cost ----
+    def _attention_params(self) -> int:
+        h, heads = self.hidden_size, self.num_attention_heads
+        bias = self.attention_bias
+        if self.q_lora_rank is None:
+            q = h * heads * self.qk_head_dim
+        else:
+            q = h * self.q_lora_rank + self.q_lora_rank * (1 + heads * self.qk_head_dim) + bias * self.q_lora_rank
+        kv_a = (h + bias) * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv_b = self.kv_lora_rank * (1 + heads * (self.qk_nope_head_dim + self.v_head_dim))
+        o = heads * self.v_head_dim * h + bias * h
+        return q + kv_a + kv_b + o + 2 * h  # + input and post-attention norms
+
+    def _moe_params(self) -> tuple[int, int]:
+        """(all parameters, parameters of the unchosen routed experts) of one MoE layer's MLP."""
+        h, e = self.hidden_size, self.n_routed_experts
+        expert = 3 * h * self.moe_intermediate_size
+        total = e * h + e * expert + self.n_shared_experts * expert
+        return total, (e - self.num_experts_per_tok) * expert
+
+    def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:
+        """Parameter counts (the router's selection bias is a buffer, not a parameter, as in HF)."""
+        h, v = self.hidden_size, self.vocab_size
+        attn = self._attention_params()
+        moe_total, moe_idle = self._moe_params() if self.has_moe else (0, 0)
+        total = v * h + (0 if self.tie_word_embeddings else v * h) + h
+        total += self.num_dense_layers * (attn + 3 * h * self.intermediate_size)
+        total += self.num_moe_layers * (attn + moe_total)
+        idle = self.num_moe_layers * moe_idle
+        if include_mtp:
+            total += self.num_nextn_predict_layers * (3 * h + 2 * h * h + attn + moe_total)
+            idle += self.num_nextn_predict_layers * moe_idle
+        return ParameterCount(total=total, active=total - idle, embedding=v * h)
+
+    def train_flops_per_token(self, seq_len: int, *, include_mtp: bool = False) -> float:
+        """Training FLOPs per token: ``6 * (active matmul parameters) + attention``.
+
+        Matmul parameters are the active ones minus the input embedding (a lookup; a tied table still counts
+        once, as the output head). Attention adds ``3 * seq_len * heads * (qk_head_dim + v_head_dim)`` per
+        layer: forward ``2 * seq_len * heads * (qk + v)`` for scores and mixing, halved for causality, times 3
+        for forward + backward.
+        """
+        counts = self.num_parameters(include_mtp=include_mtp)
+        matmul = counts.active - (0 if self.tie_word_embeddings else counts.embedding)
+        layers = self.num_hidden_layers + (self.num_nextn_predict_layers if include_mtp else 0)
+        attention = 3 * seq_len * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * layers
+        return float(6 * matmul + attention)
+
+
+def _load_json(dir_or_dict: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(dir_or_dict, Mapping):
+        return dict(dir_or_dict)
+    path = Path(dir_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    return json.loads(path.read_text())
+
+
+_SMALL_DEFAULTS: dict[str, Any] = dict(rope_scaling=None, max_position_embeddings=4096, moe_impl="dense")
+
+# name -> fields. Shapes of the real models are their published config.json values.
+PRESETS: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3 / R1: 671B total, 37B active.
+    "deepseek3-671b": {},
+    # MaxText's deepseek3-tiny dims (64 wide, 61 layers of which 3 dense, 16 experts top-8, the real vocab and
+    # YaRN). MaxText does not limit routing to groups, which is n_group = topk_group = 1 here.
+    "deepseek3-tiny": dict(
+        vocab_size=129280, hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=61,
+        first_k_dense_replace=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0, moe_impl="dense",
+    ),
+    # ~10M parameters (8M of them embeddings): trains in minutes on a 2-core CPU.
+    "deepseek3-mini": dict(
+        vocab_size=32000, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, routed_scaling_factor=1.0, num_nextn_predict_layers=1, **_SMALL_DEFAULTS,
+    ),
+    # ~26M parameters: a 6-layer V3 (MLA with query compression, 16 routed experts top-4 in 2 of 4 groups, MTP).
+    "deepseek3-small": dict(
+        vocab_size=32000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=6,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=1, **_SMALL_DEFAULTS,
+    ),
+    # DeepSeek-V2-Lite shapes (16B total, 2.4B active). V2 routes with softmax scores (greedy, no bias); this
+    # model routes with V3's sigmoid + bias, so this preset gives V2-Lite's shapes and cost, not its numbers.
+    "deepseek2-lite": dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
+    ),
+    # DeepSeek-V2 shapes (236B total, 21B active); softmax group-limited routing in the original, sigmoid here
+    # (shapes and cost only, as for deepseek2-lite).
+    "deepseek2-236b": dict(
+        vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=60, first_k_dense_replace=1, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=160, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=8, topk_group=3, routed_scaling_factor=16.0, norm_topk_prob=False,
+        rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
+    ),
+}

@@ -1,0 +1,459 @@
+"""Hugging Face checkpoints <-> DeepSeekV3: one declarative key table, one loading walker, one writer.
+
+The table says, for every HF key, which of our Variables it fills and how (``Same``, ``Dense`` = an
+``nn.Linear`` weight ``[out, in]`` <-> our ``[*in, *out]`` kernel, or a fused-expert slice). Stacked Variables
+(scanned layers, routed experts) are filled slot by slot: a slot is a leading index ``(layer,)`` or
+``(layer, expert)``. Loading first plans every key from the files' headers alone and reports every problem
+(missing, unexpected, wrong shape) in one error; then it reads tensors one at a time and places each Variable
+directly onto its resolved sharding, each device receiving only its own shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.sharding import abstract_module, get_rules, iter_variables, variable_spec
+from nnx_zoo.sharding.rules import Rules
+
+Shape = tuple[int, ...]
+
+
+# ---------------------------------------------------------------- transforms: HF tensor <-> our (sub-)array
+@dataclasses.dataclass(frozen=True)
+class Same:
+    """Stored identically (norm scales, biases, the embedding table, the router bias)."""
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return ours
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """An ``nn.Linear`` weight ``[prod(out), prod(in)]`` <-> our kernel ``[*in, *out]`` (``n_in`` input dims)."""
+
+    n_in: int = 1
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return (math.prod(ours[self.n_in :]), math.prod(ours[: self.n_in]))
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a.T.reshape(ours)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(math.prod(a.shape[: self.n_in]), -1).T
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGateUp:
+    """transformers-5 ``experts.gate_up_proj [E, 2I, H]`` -> ``wi_gate`` (half 0) / ``wi_up`` (half 1) ``[E, H, I]``."""
+
+    half: int
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        experts, hidden, inner = ours
+        return (experts, 2 * inner, hidden)
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        inner = ours[2]
+        return a[:, self.half * inner : (self.half + 1) * inner, :].transpose(0, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedDown:
+    """transformers-5 ``experts.down_proj [E, H, I]`` -> ``wo [E, I, H]``."""
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        experts, inner, hidden = ours
+        return (experts, hidden, inner)
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a.transpose(0, 2, 1)
+
+
+SAME, DENSE = Same(), Dense()
+
+# ---------------------------------------------------------------- the key table
+TOP_TABLE = (
+    ("model.embed_tokens.weight", "embed.embedding", SAME),
+    ("model.norm.weight", "norm.scale", SAME),
+    ("lm_head.weight", "lm_head.kernel", DENSE),
+)
+# Keys of one decoder layer, under ``model.layers.{i}.``; ``{e}`` is the routed expert (our second stacked dim).
+LAYER_TABLE = (
+    ("input_layernorm.weight", "input_norm.scale", SAME),
+    ("post_attention_layernorm.weight", "post_attn_norm.scale", SAME),
+    ("self_attn.q_proj.weight", "attn.q_proj.kernel", DENSE),
+    ("self_attn.q_a_proj.weight", "attn.q_a_proj.kernel", DENSE),
+    ("self_attn.q_a_proj.bias", "attn.q_a_proj.bias", SAME),
+    ("self_attn.q_a_layernorm.weight", "attn.q_a_norm.scale", SAME),
+    ("self_attn.q_b_proj.weight", "attn.q_b_proj.kernel", DENSE),
+    ("self_attn.kv_a_proj_with_mqa.weight", "attn.kv_a_proj.kernel", DENSE),
+    ("self_attn.kv_a_proj_with_mqa.bias", "attn.kv_a_proj.bias", SAME),
+    ("self_attn.kv_a_layernorm.weight", "attn.kv_a_norm.scale", SAME),
+    ("self_attn.kv_b_proj.weight", "attn.kv_b_proj.kernel", DENSE),
+    ("self_attn.o_proj.weight", "attn.o_proj.kernel", Dense(n_in=2)),
+    ("self_attn.o_proj.bias", "attn.o_proj.bias", SAME),
+    ("mlp.gate_proj.weight", "mlp.gate.kernel", DENSE),
+    ("mlp.up_proj.weight", "mlp.up.kernel", DENSE),
+    ("mlp.down_proj.weight", "mlp.down.kernel", DENSE),
+    ("mlp.gate.weight", "mlp.router", DENSE),
+    ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias", SAME),
+    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.gate.kernel", DENSE),
+    ("mlp.shared_experts.up_proj.weight", "mlp.shared_experts.up.kernel", DENSE),
+    ("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.down.kernel", DENSE),
+    ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.wi_gate", DENSE),
+    ("mlp.experts.{e}.up_proj.weight", "mlp.experts.wi_up", DENSE),
+    ("mlp.experts.{e}.down_proj.weight", "mlp.experts.wo", DENSE),
+)
+# A multi-token-prediction depth (``model.layers.{num_hidden_layers + d}.``): its own keys plus a full layer.
+MTP_TABLE = (
+    ("enorm.weight", "enorm.scale", SAME),
+    ("hnorm.weight", "hnorm.scale", SAME),
+    ("eh_proj.weight", "eh_proj.kernel", DENSE),
+    ("shared_head.norm.weight", "final_norm.scale", SAME),
+) + tuple((hf, "layer." + ours, t) for hf, ours, t in LAYER_TABLE)
+# transformers-5 fused expert layout: one key fills a whole layer's experts of one or two Variables.
+FUSED_EXPERTS = {
+    "mlp.experts.gate_up_proj": (("mlp.experts.wi_gate", FusedGateUp(0)), ("mlp.experts.wi_up", FusedGateUp(1))),
+    "mlp.experts.down_proj": (("mlp.experts.wo", FusedDown()),),
+}
+# Hub MTP layers repeat the main model's embedding and head; they are written on export and ignored on import.
+MTP_DUPLICATES = ("embed_tokens.weight", "shared_head.head.weight")
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FP8_SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """HF key ``key`` fills ``path[index]`` (a leading index of a stacked Variable) via ``transform``."""
+
+    key: str
+    path: str
+    index: tuple[int, ...]
+    transform: Any
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the model; lists every missing, unexpected and wrongly shaped key."""
+
+    def __init__(self, missing: list[str], unexpected: list[str], wrong: list[str], source: str):
+        self.missing, self.unexpected, self.wrong = missing, unexpected, wrong
+        parts = [f"checkpoint {source} does not match the model:"]
+        for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong)):
+            if items:
+                parts.append(f"{len(items)} {title}:\n    " + "\n    ".join(items))
+        super().__init__("\n  ".join(parts))
+
+
+def _stacks(config: DeepSeekV3Config) -> list[tuple[str, int, int, tuple]]:
+    """(stack name, first HF layer index, count, table) of each stack."""
+    c = config
+    return [("dense_layers", 0, c.num_dense_layers, LAYER_TABLE),
+            ("moe_layers", c.first_k_dense_replace, c.num_moe_layers, LAYER_TABLE),
+            ("mtp_layers", c.num_hidden_layers, c.num_nextn_predict_layers, MTP_TABLE)]
+
+
+def canonical_slots(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> list[Slot]:
+    """Every HF key (per-expert layout) of a model whose Variables have ``shapes`` (path -> shape)."""
+    slots = [Slot(hf, ours, (), t) for hf, ours, t in TOP_TABLE if ours in shapes]
+    for stack, first, count, table in _stacks(config):
+        for hf, ours, t in table:
+            path = f"{stack}.{ours}"
+            if path not in shapes:
+                continue
+            for j in range(count):
+                prefix = f"model.layers.{first + j}."
+                if "{e}" in hf:
+                    slots += [Slot(prefix + hf.format(e=e), path, (j, e), t) for e in range(shapes[path][1])]
+                else:
+                    slots.append(Slot(prefix + hf, path, (j,), t))
+    return slots
+
+
+def _fused_slots(config: DeepSeekV3Config, key: str, shapes: dict[str, Shape]) -> list[Slot]:
+    match = _LAYER_KEY.match(key)
+    if not match or match.group(2) not in FUSED_EXPERTS:
+        return []
+    layer = int(match.group(1))
+    for stack, first, count, table in _stacks(config):
+        if first <= layer < first + count:
+            prefix = "layer." if table is MTP_TABLE else ""
+            return [Slot(key, f"{stack}.{prefix}{ours}", (layer - first,), t)
+                    for ours, t in FUSED_EXPERTS[match.group(2)] if f"{stack}.{prefix}{ours}" in shapes]
+    return []
+
+
+# ---------------------------------------------------------------- reading safetensors
+class _Checkpoint:
+    """The safetensors files of a directory: key -> (file, shape, dtype) from headers; tensors read on demand."""
+
+    def __init__(self, directory: Path, stack: contextlib.ExitStack):
+        self.directory = directory
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        self.handles: dict[Path, Any] = {}
+        self.entries: dict[str, tuple[Path, Shape, str]] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            self.handles[file] = handle
+            for key in handle.keys():
+                view = handle.get_slice(key)
+                self.entries[key] = (file, tuple(view.get_shape()), view.get_dtype())
+
+    def read(self, key: str) -> np.ndarray:
+        file, _, dtype = self.entries[key]
+        if dtype.startswith("F8"):  # numpy (and safe_open's numpy path) lacks float8; read the raw bytes
+            return _read_raw(file, key)
+        return self.handles[file].get_tensor(key)
+
+
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_raw(file: Path, key: str) -> np.ndarray:
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_len))[key]
+    start, end = info["data_offsets"]
+    data = np.fromfile(file, dtype=np.uint8, count=end - start, offset=8 + header_len + start)
+    return data.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
+    """``weight [out, in]`` (float8) times its per-block ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> float32."""
+    rows, cols = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * scale[:rows, :cols]
+
+
+# ---------------------------------------------------------------- planning
+def plan_load(ckpt: _Checkpoint, config: DeepSeekV3Config, shapes: dict[str, Shape],
+              block: tuple[int, int]) -> dict[str, list[Slot]]:
+    """Slots of every Variable, from headers only; raises ``CheckpointMismatchError`` listing every problem."""
+    expected = {s.key: s for s in canonical_slots(config, shapes)}
+    found: dict[str, list[Slot]] = {}
+    covered: dict[tuple[str, tuple[int, ...]], str] = {}
+    unexpected, wrong = [], []
+    mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + d}." for d in range(
+        config.num_nextn_predict_layers))
+    for key in sorted(ckpt.entries):
+        if _IGNORED.search(key) or (key.startswith(mtp_prefixes) and key.split(".", 3)[3] in MTP_DUPLICATES):
+            continue
+        if key.endswith(_FP8_SCALE_SUFFIX):
+            weight_key = key[: -len(_FP8_SCALE_SUFFIX)]
+            if weight_key not in ckpt.entries or not ckpt.entries[weight_key][2].startswith("F8"):
+                unexpected.append(f"{key} (a float8 scale without a float8 weight {weight_key})")
+            continue
+        slots = [expected[key]] if key in expected else _fused_slots(config, key, shapes)
+        if not slots:
+            unexpected.append(key)
+            continue
+        for slot in slots:
+            cells = _cells(slot, shapes[slot.path])
+            clash = next((covered[c] for c in cells if c in covered), None)
+            if clash is not None:
+                unexpected.append(f"{key} (fills the same weights as {clash})")
+                continue
+            covered.update(dict.fromkeys(cells, key))  # present, even if unusable: not reported as missing
+            problem = _slot_problem(ckpt, slot, shapes, block)
+            if problem:
+                wrong.append(problem)
+            else:
+                found.setdefault(slot.path, []).append(slot)
+    missing = [s.key for s in expected.values() if (s.path, s.index) not in covered]
+    if missing or unexpected or wrong:
+        raise CheckpointMismatchError(missing, unexpected, wrong, str(ckpt.directory))
+    return found
+
+
+def _cells(slot: Slot, shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Coverage cells: per (layer, expert) for expert Variables, whatever layout filled them."""
+    if slot.path.endswith(("experts.wi_gate", "experts.wi_up", "experts.wo")) and len(slot.index) == 1:
+        return [(slot.path, slot.index + (e,)) for e in range(shape[1])]
+    return [(slot.path, slot.index)]
+
+
+def _slot_problem(ckpt: _Checkpoint, slot: Slot, shapes: dict[str, Shape], block: tuple[int, int]) -> str | None:
+    """Why ``slot``'s tensor cannot fill its Variable (wrong shape, unusable float8 scale), or None."""
+    _, hf_shape, dtype = ckpt.entries[slot.key]
+    want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
+    if tuple(hf_shape) != want:
+        return f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
+    if dtype.startswith("F8"):
+        scale_key = slot.key + _FP8_SCALE_SUFFIX
+        blocks = tuple(-(-n // b) for n, b in zip(want, block))
+        if scale_key not in ckpt.entries:
+            return f"{slot.key}: float8 weight without {scale_key}"
+        if tuple(ckpt.entries[scale_key][1]) != blocks:
+            return (f"{scale_key}: checkpoint has {list(ckpt.entries[scale_key][1])}, {block} blocks of "
+                    f"{list(want)} need {list(blocks)}")
+    return None
+
+
+# ---------------------------------------------------------------- loading
+def _device_regions(shape: Shape, sharding: Any) -> dict[Any, tuple[tuple[int, int], ...]]:
+    """device -> (start, stop) per dim of the shard it holds."""
+    out = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        out[device] = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+    return out
+
+
+def _assemble(shape: Shape, dtype: Any, sharding: Any, slots: list[Slot],
+              read: Callable[[str], np.ndarray]) -> jax.Array:
+    """Build one Variable on ``sharding``: each HF tensor is read once and copied into the shards it touches."""
+    regions = _device_regions(shape, sharding)
+    buffers = {r: np.empty([stop - start for start, stop in r], dtype) for r in set(regions.values())}
+    for slot in slots:
+        n = len(slot.index)
+        sub = slot.transform.to_ours(read(slot.key), shape[n:]).astype(dtype)
+        for region, buf in buffers.items():
+            if all(start <= i < stop for i, (start, stop) in zip(slot.index, region[:n])):
+                dst = tuple(i - start for i, (start, _) in zip(slot.index, region[:n]))
+                buf[dst] = sub[tuple(slice(start, stop) for start, stop in region[n:])]
+    arrays = [jax.device_put(buffers[region], device) for device, region in regions.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _mtp_depth_present(ckpt: _Checkpoint, config: DeepSeekV3Config) -> int:
+    layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, ckpt.entries) if m}
+    depth = 0
+    while config.num_hidden_layers + depth in layers:
+        depth += 1
+    return depth
+
+
+def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
+                    dtype: Any = None, **config_overrides: Any) -> Any:
+    """Load an HF DeepSeek-V3 checkpoint directory into ``cls`` (``DeepSeekV3``).
+
+    ``dtype`` sets both the parameter and compute dtype (default: the config's, float32); ``config_overrides``
+    set any config field (``moe_impl="dense"``, ...). MTP heads are built only for the MTP layers the files
+    hold. Float8 weights are dequantized with their ``weight_scale_inv`` blocks.
+    """
+    directory = Path(path)
+    raw_config = json.loads((directory / "config.json").read_text())
+    block = tuple((raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    overrides = dict(config_overrides)
+    if dtype is not None:
+        overrides.setdefault("dtype", dtype)
+        overrides.setdefault("param_dtype", dtype)
+    rules = get_rules(rules if rules is not None else "default")
+    with contextlib.ExitStack() as stack:
+        ckpt = _Checkpoint(directory, stack)
+        config = DeepSeekV3Config.from_hf(raw_config, **overrides)
+        if "num_nextn_predict_layers" not in config_overrides:
+            depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
+            config = config.with_overrides(num_nextn_predict_layers=depth)
+        abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules))
+        graphdef, abstract_state = nnx.split(abstract)
+        variables = dict(iter_variables(abstract_state))
+        shapes = {p: tuple(v.shape) for p, v in variables.items()}
+        plan = plan_load(ckpt, config, shapes, block)
+
+        def read(key: str) -> np.ndarray:
+            tensor = ckpt.read(key)
+            if tensor.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+                tensor = dequantize_fp8(tensor, ckpt.read(key + _FP8_SCALE_SUFFIX), block)
+            return tensor
+
+        leaves = []
+        for p, var in variables.items():
+            sharding = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                        else NamedSharding(mesh, variable_spec(p, var, rules, mesh)))
+            leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], read))
+    state = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
+    return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------- saving
+def _export_slots(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> list[Slot]:
+    slots = canonical_slots(config, shapes)
+    head = ("lm_head.kernel", DENSE) if "lm_head.kernel" in shapes else ("embed.embedding", SAME)
+    for d in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{config.num_hidden_layers + d}."
+        slots += [Slot(prefix + "embed_tokens.weight", "embed.embedding", (), SAME),
+                  Slot(prefix + "shared_head.head.weight", head[0], (), head[1])]
+    return slots
+
+
+def _shard_plan(slots: list[Slot], nbytes: Callable[[Slot], int], limit: int) -> list[list[Slot]]:
+    shards: list[list[Slot]] = [[]]
+    size = 0
+    for slot in slots:
+        if shards[-1] and size + nbytes(slot) > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(slot)
+        size += nbytes(slot)
+    return shards
+
+
+def save_pretrained(model: Any, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
+    """Write ``config.json``, ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_shard_bytes`` (a
+    single larger tensor gets a shard of its own) and ``model.safetensors.index.json``, per-expert keys."""
+    config: DeepSeekV3Config = model.config
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    variables = dict(iter_variables(nnx.state(model)))
+    shapes = {p: tuple(v.shape) for p, v in variables.items()}
+    slots = _export_slots(config, shapes)
+
+    def nbytes(slot: Slot) -> int:
+        var = variables[slot.path]
+        return math.prod(shapes[slot.path][len(slot.index):]) * np.dtype(var.dtype).itemsize
+
+    shards = _shard_plan(slots, nbytes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    host = _HostCache(variables)
+    for number, shard_slots in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {s.key: np.ascontiguousarray(s.transform.to_hf(host.get(s.path)[s.index])) for s in shard_slots}
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    index = {"metadata": {"total_size": sum(nbytes(s) for s in slots)}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+
+
+class _HostCache:
+    """Host copies of Variables, keeping only the most recent (export walks Variables in order)."""
+
+    def __init__(self, variables: dict[str, nnx.Variable]):
+        self.variables = variables
+        self.path: str | None = None
+        self.value: np.ndarray | None = None
+
+    def get(self, path: str) -> np.ndarray:
+        if path != self.path:
+            self.path, self.value = path, np.asarray(jax.device_get(self.variables[path][...]))
+        return self.value
+
+
+def iter_hf_keys(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> Iterator[str]:
+    """The HF keys ``save_pretrained`` writes for a model with these Variable shapes."""
+    return (s.key for s in _export_slots(config, shapes))

@@ -1,0 +1,232 @@
+"""DeepSeek-V3: decoder layers, multi-token-prediction heads, and the causal LM.
+
+Layers ``< first_k_dense_replace`` have a dense SwiGLU MLP and live in the ``dense_layers`` stack; the rest have
+the MoE block and live in ``moe_layers``; the MTP heads (``num_nextn_predict_layers``) live in ``mtp_layers``.
+Each stack is one set of stacked Variables (leading logical axis named after the stack), applied with a scan.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_zoo.layers.attention import causal_mask
+from nnx_zoo.layers.embed import Embed
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.mlp import SwiGLU
+from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
+from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.models.deepseek.mla import MLA
+from nnx_zoo.models.deepseek.moe import DeepSeekMoE
+from nnx_zoo.sharding import create_sharded, get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+_BLV = ("activation_batch", "activation_length", "activation_vocab")
+
+
+def _dtypes(c: DeepSeekV3Config) -> dict[str, Any]:
+    return dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + MLA(norm(x))``, then ``+ MLP(norm(.))`` (dense SwiGLU, or the MoE block)."""
+
+    def __init__(self, config: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
+        c = config
+        self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.attn = MLA(c, rngs=rngs)
+        self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        if moe:
+            self.mlp = DeepSeekMoE(c, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, kernel_init=nnx.initializers.normal(
+                c.initializer_range), rngs=rngs, **_dtypes(c))
+        self.is_moe = moe
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array | None]:
+        """``(output [batch, seq, embed], chosen experts [batch, seq, k] or None for a dense layer)``."""
+        x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
+        if self.is_moe:
+            mlp_out, expert_idx = self.mlp(self.post_attn_norm(x))
+        else:
+            mlp_out, expert_idx = self.mlp(self.post_attn_norm(x)), None
+        return shard(x + mlp_out, _BLE), expert_idx
+
+
+class MTPHead(nnx.Module):
+    """One multi-token-prediction depth: ``h_k = norm(layer(eh_proj([enorm(emb(t_{i+k})) | hnorm(h_{k-1})])))``.
+
+    HF checkpoint keys live under ``model.layers.{num_hidden_layers + k - 1}``: ``enorm``, ``hnorm``,
+    ``eh_proj``, a full (MoE) decoder layer and ``shared_head.norm``; the embedding and output head are the main
+    model's.
+    """
+
+    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs):
+        c = config
+        h = c.hidden_size
+        self.enorm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+        self.hnorm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+        self.eh_proj = Linear(2 * h, h, kernel_names=("mtp_embed", "embed"),
+                              kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs, **_dtypes(c))
+        self.layer = DecoderLayer(c, moe=True, rngs=rngs)
+        self.final_norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+
+    def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
+                 mask: jax.Array | None) -> jax.Array:
+        joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
+        hidden, _ = self.layer(self.eh_proj(joined, _BLE), cos, sin, mask)
+        return self.final_norm(hidden)
+
+
+class DeepSeekV3Output(NamedTuple):
+    """What ``model(..., return_aux=True)`` returns (a pytree; fields are None when not computed).
+
+    ``embeddings`` [b, s, e]; ``layer_outputs`` [num_hidden_layers, b, s, e] (each decoder layer's output,
+    before the final norm); ``final_hidden`` [b, s, e] (after it); ``expert_indices`` [num_moe_layers, b, s, k];
+    ``mtp_logits`` [num_nextn_predict_layers, b, s, vocab], where depth ``k`` at position ``i`` predicts token
+    ``i + k + 1``.
+    """
+
+    logits: jax.Array
+    embeddings: jax.Array | None = None
+    layer_outputs: jax.Array | None = None
+    final_hidden: jax.Array | None = None
+    expert_indices: jax.Array | None = None
+    mtp_logits: jax.Array | None = None
+
+
+class DeepSeekV3(nnx.Module):
+    """DeepSeek-V3 causal language model (exact against HF ``DeepseekV3ForCausalLM``).
+
+    >>> config = DeepSeekV3Config.preset("deepseek3-mini")
+    >>> model = DeepSeekV3(config, rngs=nnx.Rngs(0))                       # or DeepSeekV3.create(config, mesh=mesh)
+    >>> logits = model(jnp.zeros((2, 16), jnp.int32))                      # [2, 16, vocab]
+    >>> model = DeepSeekV3.from_pretrained("/path/to/hf_checkpoint", mesh=mesh)
+    >>> model.save_pretrained("/tmp/out")                                  # loadable by transformers
+
+    ``rules`` (a rule-set name or tuple) is stored on the model and used by every ``shard`` inside ``__call__``.
+    """
+
+    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default"):
+        c = config
+        self.config = c
+        self.rules = get_rules(rules)
+        init = nnx.initializers.normal(c.initializer_range)
+        self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
+        self.dense_layers = self._stack(lambda r: DecoderLayer(c, moe=False, rngs=r), c.num_dense_layers, rngs,
+                                        "dense_layers")
+        self.moe_layers = self._stack(lambda r: DecoderLayer(c, moe=True, rngs=r), c.num_moe_layers, rngs,
+                                      "moe_layers")
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.mtp_layers = self._stack(lambda r: MTPHead(c, rngs=r), c.num_nextn_predict_layers, rngs, "mtp_layers")
+        inv_freq, self.rope_attention_factor = rope_frequencies(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+        self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
+
+    @staticmethod
+    def _stack(make: Any, count: int, rngs: nnx.Rngs, axis_name: str) -> nnx.Module | None:
+        return create_stack(make, count, rngs, axis_name) if count else None
+
+    @classmethod
+    def create(cls, config: DeepSeekV3Config, *, mesh: Mesh | None = None, rules: Rules | str = "default",
+               seed: int = 0) -> DeepSeekV3:
+        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
+        def make() -> DeepSeekV3:
+            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
+
+        return make() if mesh is None else create_sharded(make, mesh, rules)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
+                        dtype: Any = None, **config_overrides: Any) -> DeepSeekV3:
+        """Load an HF DeepSeek-V3 checkpoint directory (see ``nnx_zoo.models.deepseek.hf.load_pretrained``)."""
+        from nnx_zoo.models.deepseek.hf import load_pretrained
+
+        return load_pretrained(cls, path, mesh=mesh, rules=rules, dtype=dtype, **config_overrides)
+
+    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
+        """Write an HF checkpoint (config.json, safetensors shards + index) that transformers can load."""
+        from nnx_zoo.models.deepseek.hf import save_pretrained
+
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, return_aux: bool = False,
+                 with_mtp: bool = False) -> jax.Array | DeepSeekV3Output:
+        """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``; ``attention_mask [batch, seq]`` (1 =
+        token, 0 = padding) may mark left padding. Positions are ``0..seq-1`` whatever the padding, as in HF's
+        forward. ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states, chosen experts);
+        ``with_mtp`` also runs the MTP heads (``mtp_logits``)."""
+        with use_rules(self.rules):
+            return self._forward(input_ids, attention_mask, return_aux=return_aux, with_mtp=with_mtp)
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return self.embed.attend(hidden)
+        return self.lm_head(hidden, _BLV)
+
+    def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, *, return_aux: bool,
+                 with_mtp: bool) -> jax.Array | DeepSeekV3Output:
+        c = self.config
+        seq_len = input_ids.shape[1]
+        positions = jnp.arange(seq_len)[None, :]
+        cos, sin = self._rope(positions)
+        mask = causal_mask(seq_len, attention_mask)
+        embeddings = self.embed(input_ids)
+        run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
+
+        def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
+            h, expert_idx = layer(h, cos, sin, mask)
+            return h, ((h, expert_idx) if return_aux else None)
+
+        h, per_layer = embeddings, []
+        for stack in (self.dense_layers, self.moe_layers):
+            if stack is not None:
+                h, outs = run_stack(stack, layer_body, h, **run)
+                per_layer.append(outs)
+        final_hidden = self.norm(h)
+        logits = self._logits(final_hidden)
+        mtp_logits = self._mtp(input_ids, attention_mask, final_hidden, run) if with_mtp else None
+        if not return_aux:
+            return logits if mtp_logits is None else DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits)
+        layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
+        expert_indices = per_layer[-1][1] if self.moe_layers is not None else None
+        return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
+                                final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits)
+
+    def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, final_hidden: jax.Array,
+             run: dict[str, Any]) -> jax.Array:
+        """Logits of every MTP depth. Depth ``k`` reads the tokens shifted left by ``k`` (at their own
+        positions), and the previous depth's hidden state (depth 1: the main model's final, normed one)."""
+        if self.mtp_layers is None:
+            raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
+        depth = self.config.num_nextn_predict_layers
+        seq_len = input_ids.shape[1]
+        shifted_ids, shifted_masks, cos_sin = [], [], []
+        for k in range(1, depth + 1):
+            shifted_ids.append(jnp.pad(input_ids[:, k:], ((0, 0), (0, min(k, seq_len)))))
+            if attention_mask is not None:
+                shifted_masks.append(jnp.pad(attention_mask[:, k:], ((0, 0), (0, min(k, seq_len)))))
+            cos_sin.append(self._rope(jnp.arange(seq_len)[None, :] + k))
+        xs = (jnp.stack([self.embed(ids) for ids in shifted_ids]), jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
+              jnp.stack(shifted_masks) if shifted_masks else None)
+
+        def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
+            token_embeddings, (cos, sin), pad_mask = x
+            h = head(token_embeddings, h, cos, sin, causal_mask(seq_len, pad_mask))
+            return h, self._logits(h)
+
+        _, logits = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
+        return logits

@@ -1,0 +1,98 @@
+"""DeepSeek-V3's MoE block: a float32 sigmoid router with group-limited top-k, routed experts, shared experts.
+
+Routing (HF ``DeepseekV3TopkRouter`` semantics): ``s = sigmoid(x W)`` in float32; experts are *selected* on
+``s + e_score_correction_bias`` within the ``topk_group`` best groups (a group's score is the sum of its two best
+biased scores); the chosen experts are *weighted* by the unbiased ``s``, normalized to sum 1 when
+``norm_topk_prob``, and always multiplied by ``routed_scaling_factor``. The shared experts (one SwiGLU of width
+``moe_intermediate_size * n_shared_experts``) are added unscaled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_zoo.layers.mlp import SwiGLU
+from nnx_zoo.layers.moe import RoutedExperts
+from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.sharding import restore_sharding, shard, sharding_of
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+_TE = ("activation_tokens", "activation_embed")
+_T_EXPERTS = ("activation_tokens", None)  # every token sees all router scores: top-k needs the whole row
+
+
+class RouterBias(nnx.Variable):
+    """The router's selection bias (``e_score_correction_bias``). Not an ``nnx.Param``: gradient-based
+    optimizers built with ``wrt=nnx.Param`` leave it alone; the aux-loss-free balancing rule updates it."""
+
+
+def route(
+    logits: jax.Array, bias: jax.Array, config: DeepSeekV3Config
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts and their weights for router ``logits [T, E]`` (float32): ``(idx [T, k], weights [T, k])``."""
+    c = config
+    num_tokens, num_experts = logits.shape
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + bias[None, :]
+    per_group = num_experts // c.n_group
+    group_scores = jax.lax.top_k(biased.reshape(num_tokens, c.n_group, per_group), 2)[0].sum(-1)
+    _, best_groups = jax.lax.top_k(group_scores, c.topk_group)
+    group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
+    expert_kept = jnp.repeat(group_kept, per_group, axis=-1)
+    _, idx = jax.lax.top_k(jnp.where(expert_kept, biased, -jnp.inf), c.num_experts_per_tok)
+    # Weights come from the unbiased scores. A one-hot contraction instead of a gather: exact, and it needs no
+    # out_sharding under Explicit axes.
+    weights = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=scores.dtype) * scores[:, None, :], axis=-1)
+    if c.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return idx, weights * c.routed_scaling_factor
+
+
+class DeepSeekMoE(nnx.Module):
+    """The MoE feed-forward block. ``moe(x [batch, seq, embed]) -> (out [batch, seq, embed], expert_idx [batch,
+    seq, k])``.
+
+    >>> moe = DeepSeekMoE(DeepSeekV3Config.preset("deepseek3-mini"), rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
+                  kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs)
+        init = nnx.initializers.normal(c.initializer_range)
+        self.router = nnx.Param(
+            init(rngs.params(), (c.hidden_size, c.n_routed_experts), jnp.dtype(c.param_dtype)),
+            out_sharding=("embed", "exp_router"),
+            eager_sharding=False,
+        )
+        self.e_score_correction_bias = RouterBias(
+            jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
+        )
+        self.experts = RoutedExperts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, **kw)
+        if c.n_shared_experts:
+            self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, **kw)
+        else:
+            self.shared_experts = None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        in_sharding = sharding_of(x)
+        batch, seq, hidden = x.shape
+        tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
+        tokens = shard(tokens, _TE)
+
+        logits_shape = (batch * seq, c.n_routed_experts)
+        logits = jnp.einsum("th,he->te", tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                            out_sharding=explicit_spec(_T_EXPERTS, logits_shape))
+        idx, weights = route(shard(logits, _T_EXPERTS), self.e_score_correction_bias[...], c)
+
+        out = self.experts(tokens, idx, weights, impl=c.moe_impl)
+        out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = restore_sharding(shard(out, _BLE), in_sharding)
+        return out, idx.reshape(batch, seq, c.num_experts_per_tok)
