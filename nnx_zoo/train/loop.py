@@ -136,8 +136,12 @@ def train(
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
 
+    saved = [start_step]
+
     def save(step: int) -> None:
-        checkpoints.save(step, state, data_state=data.get_state(), meta={"step": step, "seed": config.seed})
+        if saved[-1] != step:
+            checkpoints.save(step, state, data_state=data.get_state(), meta={"step": step, "seed": config.seed})
+            saved.append(step)
 
     summary: dict[str, Any] = {"start_step": start_step, "peak_flops_per_device": peak, "peak_source": peak_source}
     step, last_logged, losses = start_step, None, []
