@@ -1,0 +1,82 @@
+"""Hugging Face reference models for the DeepSeek-V3 tests: tiny random configs, checkpoints, outputs.
+
+Weights are redrawn larger than HF's 0.02 init (and norms away from 1, router biases non-zero) so every
+component moves the logits visibly and a wrong transform cannot hide.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+BASE: dict[str, Any] = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
+    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=64, rope_theta=1000.0, rope_interleave=True, rms_norm_eps=1e-6,
+)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def make_hf_model(seed: int = 0, **overrides: Any) -> DeepseekV3ForCausalLM:
+    """A random ``DeepseekV3ForCausalLM`` (eager attention, float32) from ``BASE`` updated with ``overrides``."""
+    kwargs = {**BASE, **overrides}
+    config = DeepseekV3Config(**kwargs, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.3 * torch.rand_like(b))
+    return model
+
+
+def save_hf(model: DeepseekV3ForCausalLM, path: Path, *, legacy_rope: bool = False) -> Path:
+    """``save_pretrained``; with ``legacy_rope`` the config is rewritten in the hub's layout (``rope_scaling`` +
+    top-level ``rope_theta``), as real DeepSeek-V3 checkpoints have it."""
+    model.save_pretrained(path)
+    if legacy_rope:
+        config_file = path / "config.json"
+        d = json.loads(config_file.read_text())
+        rope = d.pop("rope_parameters")
+        d["rope_theta"] = rope.pop("rope_theta")
+        rope.pop("rope_type", None)
+        d["rope_scaling"] = rope if rope.get("type", "default") != "default" else None
+        config_file.write_text(json.dumps(d, indent=2))
+    return path
+
+
+def hf_outputs(model: DeepseekV3ForCausalLM, ids: np.ndarray, attention_mask: np.ndarray | None = None
+               ) -> dict[str, Any]:
+    """Logits, hidden states (HF's tuple: embeddings, layer outputs but the last, final normed) and each MoE
+    layer's chosen experts ``[tokens, k]`` (from a hook on its router)."""
+    chosen: dict[int, np.ndarray] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda _m, _in, out, i=i: chosen.__setitem__(i, out[2].numpy())))
+    mask = None if attention_mask is None else torch.as_tensor(attention_mask)
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids), attention_mask=mask, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    return {
+        "logits": out.logits.numpy(),
+        "hidden_states": [h.numpy() for h in out.hidden_states],
+        "experts": [chosen[i] for i in sorted(chosen)],
+    }
+
+
+def rel_l2(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -1,0 +1,119 @@
+"""DeepSeekV3 against Hugging Face transformers' DeepseekV3ForCausalLM (CPU, float32).
+
+Each case builds a random tiny HF model, saves it with ``save_pretrained``, loads it with our
+``from_pretrained`` and compares logits (relative L2 < 1e-5), every hidden state HF exposes, and every MoE
+layer's chosen experts (as sets: both sides pick top-k unsorted).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo import DeepSeekV3
+from tests.models.deepseek.hf_reference import YARN, hf_outputs, make_hf_model, rel_l2, save_hf
+
+YARN_NO_MSCALE = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16,
+                  "beta_slow": 2}
+
+CASES = {
+    # q_lora set, YaRN in the hub's legacy config layout, interleaved rope, group-limited routing with a random
+    # selection bias, attention biases.
+    "qlora-yarn-legacy-interleaved": dict(hf=dict(rope_scaling=YARN, attention_bias=True), legacy_rope=True),
+    # no q_lora (a single q_proj), YaRN via transformers-5 rope_parameters, rotate-half rope, unnormalized weights.
+    "noqlora-yarn-ropeparams-halfrot": dict(hf=dict(q_lora_rank=None, rope_scaling=YARN, rope_interleave=False,
+                                                    norm_topk_prob=False)),
+    # dense only (first_k_dense_replace == num_hidden_layers), default rope.
+    "dense-only": dict(hf=dict(num_hidden_layers=2, first_k_dense_replace=2)),
+    # a left-padded batch with an attention mask; tied embeddings; YaRN without mscale keys (0.1 ln f + 1 on
+    # cos/sin and no softmax correction); two shared experts; one group of two.
+    "left-padded-tied": dict(hf=dict(tie_word_embeddings=True, rope_scaling=YARN_NO_MSCALE, n_shared_experts=2,
+                                     n_group=2, topk_group=1, num_hidden_layers=3, first_k_dense_replace=0),
+                             padded=True),
+    # no group limit (n_group = topk_group = 1), top-2, rotate-half rope, no shared-expert scaling quirks.
+    "ungrouped-top2": dict(hf=dict(n_group=1, topk_group=1, num_experts_per_tok=2, rope_interleave=False,
+                                   routed_scaling_factor=1.0, q_lora_rank=12)),
+}
+
+BATCH, SEQ = 2, 9
+
+
+def _inputs(padded: bool, vocab: int) -> tuple[np.ndarray, np.ndarray | None]:
+    ids = np.random.default_rng(0).integers(0, vocab, (BATCH, SEQ)).astype(np.int32)
+    if not padded:
+        return ids, None
+    mask = np.ones((BATCH, SEQ), np.int32)
+    mask[0, :3] = 0  # row 0 is left-padded by three tokens
+    ids[0, :3] = 0
+    return ids, mask
+
+
+@nnx.jit(static_argnames=("return_aux",))
+def forward(model: DeepSeekV3, ids: jax.Array, mask: jax.Array | None, return_aux: bool = True):
+    return model(ids, mask, return_aux=return_aux)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case name -> (checkpoint dir, HF outputs, inputs); each HF model is built and run once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            case = CASES[name]
+            hf = make_hf_model(seed=len(cache), **case["hf"])
+            ids, mask = _inputs(case.get("padded", False), hf.config.vocab_size)
+            path = save_hf(hf, tmp_path_factory.mktemp(name), legacy_rope=case.get("legacy_rope", False))
+            cache[name] = (path, hf_outputs(hf, ids, mask), ids, mask)
+        return cache[name]
+
+    return get
+
+
+def assert_matches_hf(out, ref: dict, mask: np.ndarray | None) -> None:
+    assert rel_l2(out.logits, ref["logits"]) < 1e-5
+    hidden = ref["hidden_states"]  # (embeddings, outputs of layers 0..L-2, final normed)
+    ours = [out.embeddings, *list(out.layer_outputs[:-1]), out.final_hidden]
+    assert len(ours) == len(hidden)
+    for i, (a, b) in enumerate(zip(ours, hidden)):
+        assert rel_l2(a, b) < 1e-5, f"hidden state {i}"
+    experts = ref["experts"]
+    if not experts:
+        assert out.expert_indices is None
+        return
+    real = np.ones(out.logits.shape[:2], bool) if mask is None else mask.astype(bool)
+    assert out.expert_indices.shape[0] == len(experts)
+    for layer, (a, b) in enumerate(zip(np.asarray(out.expert_indices), experts)):
+        a = np.sort(a.reshape(-1, a.shape[-1]), axis=-1)[real.reshape(-1)]
+        b = np.sort(b, axis=-1)[real.reshape(-1)]
+        np.testing.assert_array_equal(a, b, err_msg=f"experts of MoE layer {layer}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_hf(built, name):
+    path, ref, ids, mask = built(name)
+    model = DeepSeekV3.from_pretrained(path, moe_impl="dense")
+    out = forward(model, jnp.asarray(ids), None if mask is None else jnp.asarray(mask))
+    assert_matches_hf(out, ref, mask)
+
+
+def test_gmm_equals_dense_and_hf(built):
+    path, ref, ids, mask = built("qlora-yarn-legacy-interleaved")
+    dense = forward(DeepSeekV3.from_pretrained(path, moe_impl="dense"), jnp.asarray(ids), None)
+    gmm = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm"), jnp.asarray(ids), None)
+    np.testing.assert_array_equal(np.asarray(gmm.expert_indices), np.asarray(dense.expert_indices))
+    np.testing.assert_allclose(np.asarray(gmm.logits), np.asarray(dense.logits), rtol=1e-5, atol=1e-5)
+    assert_matches_hf(gmm, ref, None)
+
+
+def test_scanned_equals_unscanned(built):
+    path, ref, ids, mask = built("left-padded-tied")
+    args = (jnp.asarray(ids), jnp.asarray(mask))
+    scanned = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm", scan_layers=True), *args)
+    unrolled = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm", scan_layers=False), *args)
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    assert_matches_hf(unrolled, ref, mask)
