@@ -68,6 +68,23 @@ class TrainConfig:
             raise ValueError("invalid training settings: " + "; ".join(problems))
 
 
+def _batch_spec(config: TrainConfig, rules: Any, mesh: Any) -> Any:
+    """The batch's PartitionSpec, after checking that every micro-batch splits evenly over its shards."""
+    spec = logical_to_mesh_axes(BATCH_NAMES, rules, mesh)
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+    shards = math.prod(mesh.shape[a] for a in axes)
+    micro = config.data.global_batch // config.accum_steps
+    if micro % shards:
+        raise ValueError(
+            f"the batch is not divisible over its shards: {micro} rows per step"
+            + (f" (global batch {config.data.global_batch} / {config.accum_steps} accumulation steps)"
+               if config.accum_steps > 1 else "")
+            + f" cannot be split over the {shards} data-parallel shards of mesh axes {axes}; use a global batch "
+            f"that is a multiple of {shards * config.accum_steps}, or a mesh with fewer data-parallel devices"
+        )
+    return spec
+
+
 class TrainState(nnx.Module):
     """The model and its optimizer: everything a checkpoint must hold besides the data position."""
 
@@ -115,6 +132,7 @@ def train(
     mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
     rules = get_rules(config.rules)
     primary = jax.process_index() == 0
+    batch_sharding = NamedSharding(mesh, _batch_spec(config, rules, mesh))  # fail fast on a bad batch size
 
     def make_state() -> TrainState:
         model = make_model()
@@ -129,7 +147,6 @@ def train(
         start_step, data_state, _ = checkpoints.restore_into(state)
         data.set_state(data_state)
 
-    batch_sharding = NamedSharding(mesh, logical_to_mesh_axes(BATCH_NAMES, rules, mesh))
     step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight"))
     schedule = learning_rate_schedule(config.optimizer, config.steps)
     peak, peak_source = peak_flops_per_device()
