@@ -46,4 +46,5 @@ __all__ = [
     "state_shardings",
     "use_rules",
     "validate_rules",
+    "variable_spec",
 ]

@@ -44,12 +44,13 @@ def current_rules() -> Rules:
 def shard(x: jax.Array, names: Sequence[str | None], *, rules: Rules | str | None = None) -> jax.Array:
     """Lay ``x`` out as its logical dimension ``names`` say, on the ambient mesh (``jax.set_mesh``).
 
-    Explicit mesh: ``jax.reshard``. Auto mesh: a sharding constraint. No mesh: ``x`` unchanged.
+    Explicit mesh: ``jax.reshard``. Auto mesh: a sharding constraint. No mesh: ``x`` unchanged. Inside
+    ``shard_map`` the Manual axes are left out of the spec (and with every axis Manual, ``x`` is unchanged).
 
     >>> h = shard(h, ("activation_batch", "activation_length", "activation_embed"))
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
         return x
     rules = current_rules() if rules is None else get_rules(rules)
     mode = shard_mode_of(mesh)
@@ -70,9 +71,13 @@ def restore_sharding(out: Any, sharding: NamedSharding) -> Any:
 
     Under an Explicit mesh this reshards, so a module that relays out activations internally hands them back
     exactly as received and downstream constraints hold. Under Auto, array types carry no sharding and XLA's
-    propagation decides, so nothing is done.
+    propagation decides, so nothing is done. The sharding itself (not just its spec) is passed on, so this also
+    works on concrete arrays outside ``jax.set_mesh``.
     """
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not all(t == AxisType.Explicit for t in mesh.axis_types):
+    if mesh is None or mesh.empty:
         return out
-    return jax.tree.map(lambda a: jax.reshard(a, sharding.spec), out)
+    free = [t for t in mesh.axis_types if t != AxisType.Manual]
+    if not free or not all(t == AxisType.Explicit for t in free):
+        return out
+    return jax.tree.map(lambda a: jax.reshard(a, sharding), out)

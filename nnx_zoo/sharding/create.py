@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import flax.errors
 import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.resolve import logical_to_mesh_axes
+from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import Rules, get_rules
 
 M = TypeVar("M", bound=nnx.Module)
@@ -64,7 +65,7 @@ def variable_spec(
     if names is None:
         return PartitionSpec()
     if len(names) != len(shape):
-        raise ValueError(
+        raise ShardingError(
             f"{path}: {len(names)} logical names {names} for a {len(shape)}-d value of shape {shape}; annotate "
             "one name per dimension"
         )
@@ -81,9 +82,19 @@ def state_shardings(
 
 
 def abstract_module(make: Callable[[], M]) -> M:
-    """The module ``make()`` would build, with shapes only (no memory), Flax eager sharding off."""
-    with nnx.use_eager_sharding(False):
-        return nnx.eval_shape(make)
+    """The module ``make()`` would build, with shapes only (no memory), Flax eager sharding off.
+
+    ``make`` is traced (here, and again under ``jax.jit`` by ``create_sharded``), so it must build its own
+    ``nnx.Rngs``: ``lambda: Model(rngs=nnx.Rngs(0))``, not a lambda closing over an ``Rngs`` made outside.
+    """
+    try:
+        with nnx.use_eager_sharding(False):
+            return nnx.eval_shape(make)
+    except flax.errors.TraceContextError as e:
+        raise ShardingError(
+            f"{e}\n\nmake() mutated state created outside it (usually an nnx.Rngs it closes over). make() is "
+            "traced, so it must create its own Rngs: `lambda: Model(..., rngs=nnx.Rngs(seed))`."
+        ) from e
 
 
 def create_sharded(

@@ -74,13 +74,18 @@ def make_abstract_mesh(sizes: Mapping[str, int], *, shard_mode: ShardMode = "aut
 
 
 def shard_mode_of(mesh: Mesh | AbstractMesh) -> ShardMode:
-    """'explicit' or 'auto', read from the mesh's axis types (a mixed mesh is an error)."""
-    types = set(mesh.axis_types)
+    """'explicit' or 'auto', read from the mesh's axis types (a mix of Auto and Explicit is an error).
+
+    Manual axes (those a ``shard_map`` has taken over) are ignored: the mode is that of the axes still free to
+    shard over. With none free (or no axes) it is 'auto', since then array types carry no sharding.
+    """
+    types = {t for t in mesh.axis_types if t != AxisType.Manual}
     if types == {AxisType.Explicit}:
         return "explicit"
     if types <= {AxisType.Auto}:
         return "auto"
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     raise ValueError(
-        f"mesh axis types {dict(zip(mesh.axis_names, mesh.axis_types))} mix kinds; nnx_zoo needs all axes Auto "
-        "or all Explicit (build the mesh with nnx_zoo.sharding.make_mesh)"
+        f"mesh axis types {kinds} mix kinds; nnx_zoo needs all axes Auto or all Explicit (build the mesh with "
+        "nnx_zoo.sharding.make_mesh)"
     )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
@@ -24,7 +24,8 @@ from nnx_zoo.sharding.rules import get_rules
 @dataclasses.dataclass(frozen=True)
 class VariableRow:
     path: str
-    kind: str
+    kind: str  # the Variable's class name
+    is_param: bool  # an nnx.Param (or a subclass such as LoRAParam): trained, so it gets optimizer state
     shape: tuple[int, ...]
     dtype: str
     names: tuple[str | None, ...] | None
@@ -47,7 +48,7 @@ class ShardingReport:
 
     @property
     def params(self) -> tuple[VariableRow, ...]:
-        return tuple(r for r in self.rows if r.kind == "Param")
+        return tuple(r for r in self.rows if r.is_param)
 
     @property
     def num_parameters(self) -> int:
@@ -122,7 +123,7 @@ class ShardingReport:
             for r in self.rows
         ]
         widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
-        line = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()  # noqa: E731
+        line = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()  # noqa: E731
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items() if v > 1) or "one device"
         t = self.totals()
         foot = [
@@ -138,6 +139,13 @@ class ShardingReport:
 def _spec_str(spec: tuple[Any, ...]) -> str:
     parts = ["(" + ",".join(a) + ")" if isinstance(a, tuple) else str(a) for a in spec]
     return "P(" + ", ".join(parts) + ")"
+
+
+def _itemsize_bits(dtype: Any) -> int:
+    """Bits per element; also for sub-byte types (int4) and extended ones such as PRNG key arrays (Dropout's)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return 8 * dtype.itemsize
+    return jax.dtypes.itemsize_bits(dtype)
 
 
 def _human(n: int) -> str:
@@ -163,7 +171,7 @@ def sharding_report(
     rules = get_rules(rules)
     if not isinstance(model, nnx.Module):
         model = abstract_module(model)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     rows = []
     for path, var in iter_variables(model):
         spec = tuple(variable_spec(path, var, rules, mesh, strict=strict))
@@ -171,20 +179,21 @@ def sharding_report(
         spec = spec + (None,) * (len(shape) - len(spec))
         per_device = tuple(
             d // math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ()))
-            for d, ax in zip(shape, spec)
+            for d, ax in zip(shape, spec, strict=True)
         )
-        itemsize = np.dtype(var.dtype).itemsize
+        bits = _itemsize_bits(var.dtype)
         rows.append(
             VariableRow(
                 path=path,
                 kind=type(var).__name__,
+                is_param=isinstance(var, nnx.Param),
                 shape=shape,
-                dtype=str(np.dtype(var.dtype)),
+                dtype=str(var.dtype),
                 names=logical_names(var),
                 spec=spec,
                 per_device_shape=per_device,
-                bytes=math.prod(shape) * itemsize,
-                bytes_per_device=math.prod(per_device) * itemsize,
+                bytes=-(-math.prod(shape) * bits // 8),
+                bytes_per_device=-(-math.prod(per_device) * bits // 8),
             )
         )
     return ShardingReport(mesh_shape=sizes, rows=tuple(rows))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from nnx_zoo.sharding.axes import LOGICAL_AXES
 from nnx_zoo.sharding.rules import MeshAxes, Rules, get_rules
@@ -79,7 +79,13 @@ def _drop_trivial_axes(axes: MeshAxes, sizes: dict[str, int]) -> MeshAxes:
 
 
 def _mesh_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+    """Axis sizes available for sharding. Inside ``shard_map`` the Manual axes are already split off (each
+    device sees its own block), so a spec must not name them: they count as size 1 and are dropped."""
+    types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
+    return {
+        name: 1 if kind == AxisType.Manual else size
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types, strict=True)
+    }
 
 
 def logical_to_mesh_axes(
@@ -94,13 +100,14 @@ def logical_to_mesh_axes(
     """Resolve logical dimension names to a ``PartitionSpec``.
 
     Without ``mesh`` the result equals ``flax.linen.logical_to_mesh_axes(names, rules)``. With ``mesh``, axes of
-    size 1 or absent from it are removed. With ``shape`` (and ``mesh``), every sharded dimension must divide
-    evenly. ``path`` names the variable in error messages.
+    size 1, absent from it, or Manual (inside ``shard_map``) are removed. With ``shape`` (and ``mesh``), every
+    sharded dimension must divide evenly. ``rules`` is a named set or a sequence of ``(logical_name, mesh_axes)``
+    pairs (checked by ``validate_rules``). ``path`` names the variable in error messages.
 
     >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tensor"), ("embed", "fsdp")))
     PartitionSpec('fsdp', 'tensor')
     """
-    rules = get_rules(rules) if isinstance(rules, str) else rules
+    rules = get_rules(rules)
     names = tuple(names)
     _check_names(names, rules, strict, path)
     resolved = _linen_resolve(names, rules)
@@ -116,7 +123,7 @@ def logical_to_mesh_axes(
                 f"{_where(path)}shape {tuple(shape)} has {len(shape)} dims but {len(names)} logical names "
                 f"{names}; give one name per dimension"
             )
-        for dim, (size, name, axes) in enumerate(zip(shape, names, resolved)):
+        for dim, (size, name, axes) in enumerate(zip(shape, names, resolved, strict=True)):
             parts = math.prod(sizes[a] for a in _axes_tuple(axes))
             if size % parts:
                 raise ShardingError(

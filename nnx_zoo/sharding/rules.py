@@ -11,7 +11,7 @@ Switching parallelism strategy is choosing another set by name: ``get_rules("ep-
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Union
 
 from nnx_zoo.sharding.axes import MESH_AXES
@@ -212,15 +212,27 @@ def validate_rules(rules: Iterable[Sequence[object]]) -> Rules:
 
     Mesh axes must come from ``MESH_AXES``; a typo there would otherwise silently replicate.
     """
+    if isinstance(rules, Mapping):
+        raise TypeError(
+            "a rule set must be an ordered sequence of (logical_name, mesh_axes) pairs, not a dict: a dict keeps "
+            "only one entry per name, which loses the fallback rules"
+        )
     out = []
     for i, rule in enumerate(rules):
         if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
             raise TypeError(f"rule #{i} is {rule!r}; each rule must be a pair (logical_name, mesh_axes)")
         name, axes = rule[0], _normalize_axes(rule[0], rule[1])
-        unknown = [a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in MESH_AXES]
+        listed = (axes,) if isinstance(axes, str) else axes or ()
+        unknown = [a for a in listed if a not in MESH_AXES]
         if unknown:
             raise ValueError(
                 f"rule #{i} ({name!r} -> {axes!r}) names unknown mesh axes {unknown}; mesh axes are {MESH_AXES}"
+            )
+        repeated = sorted({a for a in listed if listed.count(a) > 1})
+        if repeated:
+            raise ValueError(
+                f"rule #{i} ({name!r} -> {axes!r}) names mesh axes {repeated} more than once; a mesh axis can "
+                "shard a dimension only once"
             )
         out.append((name, axes))
     return tuple(out)
@@ -241,6 +253,8 @@ def get_rules(name_or_rules: str | Iterable[Sequence[object]]) -> Rules:
                 f"unknown rule set {name_or_rules!r}; choose one of {sorted(RULE_SETS)} or pass your own "
                 "sequence of (logical_name, mesh_axes) pairs"
             ) from None
+    if any(name_or_rules is named for named in RULE_SETS.values()):
+        return name_or_rules  # already valid (and this is the hot path: one call per resolved array)
     return validate_rules(name_or_rules)
 
 
