@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         rules=args.rules,
         accum_steps=args.accum_steps,
         mtp_weight=args.mtp_weight,
+        # The MTP heads only run (and cost) when their loss counts.
+        model_kwargs=(("with_mtp", True),) if config.num_nextn_predict_layers and args.mtp_weight > 0 else (),
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,

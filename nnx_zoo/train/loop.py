@@ -38,6 +38,7 @@ class TrainConfig:
     rules: str = "default"
     accum_steps: int = 1
     mtp_weight: float = 0.3
+    model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
     log_every: int = 1
     checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal
     keep_checkpoints: int = 3
@@ -147,7 +148,7 @@ def train(
         start_step, data_state, _ = checkpoints.restore_into(state)
         data.set_state(data_state)
 
-    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight"))
+    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))
     schedule = learning_rate_schedule(config.optimizer, config.steps)
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
@@ -169,7 +170,7 @@ def train(
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
                 metrics = step_fn(state.model, state.optimizer, batch, accum_steps=config.accum_steps,
-                                  mtp_weight=config.mtp_weight)
+                                  mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs)
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(

@@ -32,14 +32,17 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) 
     return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
 
 
-def loss_terms(model: nnx.Module, batch: Batch, mtp_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_terms(
+    model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = ()
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed loss of one micro-batch (to be divided by the token count) and summed metrics."""
-    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **dict(model_kwargs))
     logits = getattr(out, "logits", out)
     ce_sum, tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     total = ce_sum
     metrics = {"ce_sum": ce_sum, "tokens": tokens}
-    mtp_logits = getattr(out, "mtp_logits", None) or ()
+    mtp_logits = getattr(out, "mtp_logits", None)
+    mtp_logits = () if mtp_logits is None else mtp_logits
     for k, head_logits in enumerate(mtp_logits):
         shift = k + 1  # head k predicts targets[t + shift]
         mtp_sum, mtp_tokens = token_cross_entropy(
@@ -73,11 +76,13 @@ def train_step(
     *,
     accum_steps: int = 1,
     mtp_weight: float = 0.0,
+    model_kwargs: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, Any]:
     """One optimizer step over ``batch``, accumulating gradients over ``accum_steps`` micro-batches.
 
-    Jit it with ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight"))``; model and optimizer
-    are updated in place.
+    ``model_kwargs`` (pairs, static) are passed to the model call, e.g. ``(("with_mtp", True),)``. Jit it with
+    ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))``; model and
+    optimizer are updated in place.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -85,7 +90,7 @@ def train_step(
         grad_acc, metric_acc = carry
 
         def summed_loss(p):
-            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight)
+            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight, model_kwargs)
 
         (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
         return (jax.tree.map(jnp.add, grad_acc, grads), jax.tree.map(jnp.add, metric_acc, metrics)), None
@@ -94,7 +99,7 @@ def train_step(
     zeros = jax.tree.map(jnp.zeros_like, params)
     first = jax.tree.map(lambda x: x[0], micro_batches)
     metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight)[1], params))
+        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight, model_kwargs)[1], params))
     (grads, sums), _ = jax.lax.scan(micro_step, (zeros, metric_zeros), micro_batches)
 
     tokens = jnp.maximum(sums["tokens"], 1.0)

@@ -13,7 +13,7 @@ spec.loader.exec_module(recipe)
 
 SMALL = [
     "--model", "deepseek3-tiny", "--model.num_hidden_layers", "2", "--model.first_k_dense_replace", "1",
-    "--model.vocab_size", "512", "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
+    "--model.vocab_size", "512", "--model.num_nextn_predict_layers", "1", "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
 ]
 
 
@@ -22,8 +22,9 @@ def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
     assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--mesh", "fsdp=4,expert=2"]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu"):
-        assert key in records[0]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mtp1"):
+        assert key in records[0], key
+    assert records[0]["mtp1"] > 0  # the multi-token-prediction head is trained
     assert recipe.main([*SMALL, "--steps", "3", "--run-dir", str(run_dir), "--mesh", "fsdp=8"]) == 0
     out = capsys.readouterr().out
     assert "steps 2 -> 3 (resumed)" in out
