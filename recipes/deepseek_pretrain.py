@@ -108,7 +108,7 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data and optimization")
     g.add_argument("--batch", type=int, default=8, help="global batch (rows per step, default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--accum-steps", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
     g.add_argument("--lr", type=float, default=3e-3)
