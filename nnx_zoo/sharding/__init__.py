@@ -6,7 +6,7 @@ axes of ``make_mesh``; ``logical_to_mesh_axes`` is the one resolver. This packag
 """
 
 from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES
-from nnx_zoo.sharding.constrain import current_rules, restore_sharding, shard, sharding_of, use_rules
+from nnx_zoo.sharding.constrain import current_rules, record_shardings, restore_sharding, shard, sharding_of, use_rules
 from nnx_zoo.sharding.create import (
     abstract_module,
     create_sharded,
@@ -38,6 +38,7 @@ __all__ = [
     "make_abstract_mesh",
     "make_mesh",
     "named_sharding",
+    "record_shardings",
     "restore_sharding",
     "shard",
     "shard_mode_of",

@@ -19,6 +19,25 @@ from nnx_zoo.sharding.resolve import logical_to_mesh_axes
 from nnx_zoo.sharding.rules import DEFAULT, Rules, get_rules
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("nnx_zoo_rules", default=None)
+_RECORDING: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar(
+    "nnx_zoo_recording", default=None
+)
+
+
+@contextlib.contextmanager
+def record_shardings() -> Iterator[list[tuple[tuple[str | None, ...], tuple[int, ...], Any]]]:
+    """Collect ``(logical names, shape, PartitionSpec)`` of every ``shard`` call traced inside this block.
+
+    For inspecting where a model's activations live (``jax.eval_shape`` the model under ``jax.set_mesh``):
+
+    >>> with record_shardings() as seen:
+    ...     jax.eval_shape(model, ids)
+    """
+    token = _RECORDING.set([])
+    try:
+        yield _RECORDING.get()
+    finally:
+        _RECORDING.reset(token)
 
 
 @contextlib.contextmanager
@@ -56,6 +75,9 @@ def shard(x: jax.Array, names: Sequence[str | None], *, rules: Rules | str | Non
     mode = shard_mode_of(mesh)
     shape = x.shape if mode == "explicit" else None  # Auto may pad uneven shards; Explicit may not.
     spec = logical_to_mesh_axes(names, rules, mesh, shape=shape, path="activation")
+    recording = _RECORDING.get()
+    if recording is not None:
+        recording.append((tuple(names), tuple(x.shape), spec))
     if mode == "explicit":
         return jax.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
