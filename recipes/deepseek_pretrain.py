@@ -110,6 +110,10 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=8, help="global batch (rows per step, default: %(default)s)")
     g.add_argument("--seq-len", type=int, default=64)
     g.add_argument("--accum-steps", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--data", default="synthetic",
+                   help="'synthetic' (default), or a .txt/.jsonl/.parquet file or a directory of them")
+    g.add_argument("--tokenizer", default="bytes",
+                   help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
     g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
@@ -184,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
             lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, schedule=args.schedule,
             weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
-        data=DataConfig(seq_len=args.seq_len, global_batch=args.batch, seed=args.seed,
+        data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
+                        seed=args.seed,
                         synthetic_vocab=min(args.synthetic_vocab, config.vocab_size)),
     )
     params = config.num_parameters()

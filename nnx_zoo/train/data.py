@@ -2,24 +2,36 @@
 
 Synthetic data (the default, zero downloads) is a learnable token stream: each sequence follows a fixed random
 permutation of a small token set (next = perm[current]) with some random jumps, so the loss falls visibly from
-ln(vocab) toward the jump entropy. Batches are a ``grain.MapDataset`` indexed by step, so the iterator state is
-one integer and resume is exact.
+ln(vocab) toward the jump entropy.
+
+Local files (``.txt``: one document per file; ``.jsonl``: a ``text`` field per line; ``.parquet``: a ``text``
+column, needs pyarrow) are tokenized (built-in bytes, or a ``tokenizers`` JSON file), joined with an end-of-
+sequence token after each document, and packed into rows of ``seq_len + 1`` tokens. ``segment_ids`` number the
+documents within a row, so attention can stay inside a document; the target that would cross into the next
+document's first token is kept (it is predicted from the EOS token, as in ordinary pretraining).
+
+Batches are a ``grain.MapDataset`` indexed by step, so the iterator state is one integer and resume is exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import grain
 import jax
 import numpy as np
+
+from nnx_zoo.train.tokenize import load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """What the batches look like. ``global_batch`` rows of ``seq_len`` tokens per optimizer step."""
 
-    source: str = "synthetic"
+    source: str = "synthetic"  # or a file / directory of .txt, .jsonl, .parquet files
+    tokenizer: str = "bytes"  # 'bytes' or a tokenizer.json path (local files only)
     seq_len: int = 128
     global_batch: int = 8
     seed: int = 0
@@ -36,8 +48,8 @@ class DataConfig:
             problems.append(f"synthetic_vocab must be >= 2, got {self.synthetic_vocab}")
         if not 0 <= self.synthetic_jump_prob <= 1:
             problems.append(f"synthetic_jump_prob must be in [0, 1], got {self.synthetic_jump_prob}")
-        if self.source != "synthetic":
-            problems.append(f"data source {self.source!r} is not supported yet; use 'synthetic'")
+        if self.source != "synthetic" and not Path(self.source).exists():
+            problems.append(f"data source {self.source!r} is neither 'synthetic' nor an existing file or directory")
         if problems:
             raise ValueError("invalid data settings: " + "; ".join(problems))
 
@@ -77,19 +89,92 @@ def local_rows(global_batch: int, process_index: int | None = None, process_coun
     return range(index * per, (index + 1) * per)
 
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def data_files(source: str) -> list[Path]:
+    """The data files of ``source`` (a file, or every data file under a directory, sorted)."""
+    path = Path(source)
+    files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES) if path.is_dir() else [path]
+    bad = [f for f in files if f.suffix not in DATA_SUFFIXES]
+    if not files or bad:
+        raise ValueError(f"data source {source}: expected {'/'.join(DATA_SUFFIXES)} files, found "
+                         f"{[str(f) for f in bad] or 'none'}")
+    return files
+
+
+def read_documents(path: Path) -> list[str]:
+    """The text documents of one file."""
+    try:
+        if path.suffix == ".txt":
+            return [path.read_text(encoding="utf-8")]
+        if path.suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                        raise ValueError(f"line {n} has no string field 'text'")
+                    docs.append(record["text"])
+            return docs
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise RuntimeError(f"reading {path} needs pyarrow: pip install pyarrow") from err
+        table = pq.read_table(path, columns=["text"])
+        return [t for t in table.column("text").to_pylist() if t]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
+        raise ValueError(f"cannot read data file {path}: {err}") from err
+
+
+class PackedTokens:
+    """Every document of ``source``, tokenized, each followed by EOS, cut into rows of ``seq_len + 1`` tokens."""
+
+    def __init__(self, config: DataConfig, vocab_size: int):
+        tokenizer = load_tokenizer(config.tokenizer)
+        if tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer {config.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's "
+                             f"vocab_size is {vocab_size}; use a model vocab at least that large")
+        ids, segments, segment = [], [], 0
+        for path in data_files(config.source):
+            for doc in read_documents(path):
+                tokens = tokenizer.encode(doc) + [tokenizer.eos_id]
+                ids.extend(tokens)
+                segments.extend([segment] * len(tokens))
+                segment += 1
+        width = config.seq_len + 1
+        self.num_rows = len(ids) // width
+        if self.num_rows == 0:
+            raise ValueError(f"data source {config.source} holds {len(ids)} tokens, fewer than one row of {width}")
+        self.ids = np.asarray(ids[: self.num_rows * width], np.int32).reshape(self.num_rows, width)
+        self.segments = np.asarray(segments[: self.num_rows * width], np.int64).reshape(self.num_rows, width)
+        self.order = np.random.default_rng([config.seed, 2]).permutation(self.num_rows)
+
+    def __call__(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``row`` of the stream (epochs repeat in a fixed shuffled order): tokens and 1-based segment ids."""
+        index = self.order[row % self.num_rows]
+        segments = self.segments[index]
+        return self.ids[index], (segments - segments[0] + 1).astype(np.int32)
+
+
 def make_dataset(config: DataConfig, vocab_size: int, **process: int) -> grain.MapDataset:
     """A ``MapDataset`` whose element ``step`` is this process's part of that step's batch:
-    ``{"input_ids": [rows, seq_len], "targets": [rows, seq_len], "loss_mask": [rows, seq_len]}``."""
+    ``input_ids``, ``targets``, ``loss_mask`` ``[rows, seq_len]``, and for packed files ``segment_ids``."""
     rows = local_rows(config.global_batch, **process)
-    stream = SyntheticTokens(config, vocab_size)
+    if config.source == "synthetic":
+        synthetic = SyntheticTokens(config, vocab_size)
 
-    def batch(step: int) -> dict[str, np.ndarray]:
-        tokens = np.stack([stream(step * config.global_batch + r) for r in rows])
-        return {
-            "input_ids": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "loss_mask": np.ones_like(tokens[:, 1:], np.float32),
-        }
+        def batch(step: int) -> dict[str, np.ndarray]:
+            tokens = np.stack([synthetic(step * config.global_batch + r) for r in rows])
+            return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
+                    "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
+    else:
+        packed = PackedTokens(config, vocab_size)
+
+        def batch(step: int) -> dict[str, np.ndarray]:
+            tokens, segments = map(np.stack, zip(*(packed(step * config.global_batch + r) for r in rows)))
+            return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
+                    "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
 
     return grain.MapDataset.range(2**40).map(batch)
 

@@ -1,9 +1,10 @@
 """The training step: token cross-entropy, gradient accumulation, one optimizer update.
 
 Works for any model called as ``model(input_ids, attention_mask=None)`` that returns logits ``[batch, seq,
-vocab]`` or an object with ``.logits``. When that object also carries ``mtp_logits`` (a sequence whose k-th entry
-predicts the token ``k + 2`` places ahead) the multi-token-prediction loss is added with ``mtp_weight``; an
-``aux_loss`` scalar (e.g. a sequence-wise balance loss, already weighted by the model) is added as is.
+vocab]`` or an object with ``.logits`` (and, for packed data, accepts ``segment_ids``). When that object also
+carries ``mtp_logits`` (a sequence whose k-th entry predicts the token ``k + 2`` places ahead) the
+multi-token-prediction loss is added with ``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise balance
+loss, already weighted by the model) is added as is.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def loss_terms(
     model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = ()
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed loss of one micro-batch (to be divided by the token count) and summed metrics."""
-    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **dict(model_kwargs))
+    kwargs = dict(model_kwargs)
+    if "segment_ids" in batch:  # packed documents: attention stays within each one
+        kwargs["segment_ids"] = batch["segment_ids"]
+    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs)
     logits = getattr(out, "logits", out)
     ce_sum, tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     total = ce_sum

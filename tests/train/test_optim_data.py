@@ -71,3 +71,48 @@ def test_synthetic_vocab_must_fit_the_model():
     with pytest.raises(ValueError, match="exceeds the model's vocab_size"):
         make_iterator(DataConfig(synthetic_vocab=512), vocab_size=100)
     assert jnp.asarray(0) == 0
+
+
+def _corpus(tmp_path):
+    import json
+
+    (tmp_path / "a.txt").write_text("the first document, a whole file of it.")
+    (tmp_path / "b.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in ["second document", "third, a bit longer document"]) + "\n"
+    )
+    return tmp_path
+
+
+def test_local_files_are_tokenized_packed_and_segmented(tmp_path):
+    from nnx_zoo.train.tokenize import ByteTokenizer
+
+    cfg = DataConfig(source=str(_corpus(tmp_path)), seq_len=15, global_batch=2, seed=1)
+    tok = ByteTokenizer()
+    stream = []
+    for text in ["the first document, a whole file of it.", "second document", "third, a bit longer document"]:
+        stream += tok.encode(text) + [tok.eos_id]
+    rows = {tuple(stream[i : i + 16]) for i in range(0, len(stream) - 15, 16)}
+    seen = set()
+    it = make_iterator(cfg, vocab_size=300)
+    for _ in range(3):
+        batch = next(it)
+        for ids, tgt, seg in zip(batch["input_ids"], batch["targets"], batch["segment_ids"]):
+            seen.add(tuple(ids) + (tgt[-1],))
+            # a new segment starts right after each EOS, and only there
+            starts = [i for i in range(1, 15) if seg[i] != seg[i - 1]]
+            assert starts == [i for i in range(1, 15) if ids[i - 1] == tok.eos_id]
+            assert seg[0] == 1
+    assert seen == rows  # every packed row is served (3 steps x 2 rows cover the 5 rows of the epoch)
+
+
+def test_bad_data_sources_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither 'synthetic' nor an existing file"):
+        DataConfig(source=str(tmp_path / "missing"))
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n')
+    with pytest.raises(ValueError, match="line 1 has no string field 'text'"):
+        make_iterator(DataConfig(source=str(tmp_path / "bad.jsonl"), seq_len=4, global_batch=1), 300)
+    (tmp_path / "tiny.txt").write_text("ab")
+    with pytest.raises(ValueError, match="fewer than one row"):
+        make_iterator(DataConfig(source=str(tmp_path / "tiny.txt"), seq_len=64, global_batch=1), 300)
+    with pytest.raises(ValueError, match="has 258 tokens but the model's vocab_size is 100"):
+        make_iterator(DataConfig(source=str(tmp_path / "tiny.txt"), seq_len=2, global_batch=1), 100)
