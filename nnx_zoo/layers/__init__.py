@@ -8,7 +8,7 @@ from nnx_zoo.layers.moe import RoutedExperts
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import YarnScaling, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
 from nnx_zoo.layers.scan import REMAT_POLICIES, create_stack, run_stack
-from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 
 __all__ = [
     "REMAT_POLICIES",
@@ -26,5 +26,6 @@ __all__ = [
     "rope_cos_sin",
     "rope_frequencies",
     "run_stack",
+    "weight_einsum",
     "yarn_mscale",
 ]

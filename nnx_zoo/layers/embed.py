@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
-from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import shard
 
 _OUT_NAMES = ("activation_batch", "activation_length", "activation_embed")
@@ -47,9 +47,6 @@ class Embed(nnx.Module):
         return shard(rows.astype(self.dtype), _OUT_NAMES)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the table (tied output head): ``x @ embedding.T``."""
+        """Logits against the table (tied output head): ``x [batch, seq, embed] @ embedding.T``."""
         table = self.embedding[...].astype(self.dtype)
-        out_shape = x.shape[:-1] + table.shape[:1]
-        logits = jnp.einsum("...e,ve->...v", x.astype(self.dtype), table,
-                            out_sharding=explicit_spec(_LOGIT_NAMES, out_shape))
-        return shard(logits, _LOGIT_NAMES)
+        return shard(weight_einsum("bse,ve->bsv", x.astype(self.dtype), table, _LOGIT_NAMES), _LOGIT_NAMES)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.layers.spec import weight_einsum
 from nnx_zoo.sharding import shard
 
 Initializer = nnx.initializers.Initializer
@@ -71,14 +71,12 @@ class Linear(nnx.Module):
             raise ValueError(f"Linear expects trailing dims {self.in_features}, got input of shape {x.shape}")
         letters = string.ascii_lowercase
         ins, outs = letters[:n_in], letters[n_in : n_in + n_out]
-        out_shape = x.shape[: x.ndim - n_in] + self.out_features
-        spec = explicit_spec(out_names, out_shape) if out_names is not None else None
-        y = jnp.einsum(
-            f"...{ins},{ins}{outs}->...{outs}",
-            x.astype(self.dtype),
-            self.kernel[...].astype(self.dtype),
-            out_sharding=spec,
-        )
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return shard(y, out_names) if out_names is not None else y
+        lead = letters[n_in + n_out : n_in + n_out + x.ndim - n_in]
+        equation = f"{lead}{ins},{ins}{outs}->{lead}{outs}"
+        x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
+        if out_names is None:
+            return self._add_bias(jnp.einsum(equation, x, kernel))
+        return shard(self._add_bias(weight_einsum(equation, x, kernel, out_names)), out_names)
+
+    def _add_bias(self, y: jax.Array) -> jax.Array:
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
-from nnx_zoo.layers.spec import ambient_mesh_or_none, explicit_spec, resolve_activation
+from nnx_zoo.layers.spec import ambient_mesh_or_none, resolve_activation, weight_einsum
 from nnx_zoo.sharding import shard
 
 MoeImpl = Literal["dense", "gmm"]
@@ -74,17 +74,14 @@ class RoutedExperts(nnx.Module):
 
     def _dense(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         wi_gate, wi_up, wo = self._weights()
-        num_tokens, hidden = x.shape[0], wi_gate.shape[-1]
         # [T, E] combine weights: zero for experts a token did not choose.
         combine = jnp.sum(jax.nn.one_hot(expert_idx, self.num_experts, dtype=weights.dtype) * weights[..., None], -2)
         h_names = ("activation_tokens", "activation_exp", "activation_moe_mlp")
-        h_spec = explicit_spec(h_names, (num_tokens, self.num_experts, hidden))
         x = x.astype(self.dtype)
-        gate = jnp.einsum("th,ehi->tei", x, wi_gate, out_sharding=h_spec)
-        up = jnp.einsum("th,ehi->tei", x, wi_up, out_sharding=h_spec)
+        gate = weight_einsum("th,ehi->tei", x, wi_gate, h_names)
+        up = weight_einsum("th,ehi->tei", x, wi_up, h_names)
         h = shard(jax.nn.silu(gate) * up * combine[:, :, None].astype(self.dtype), h_names)
-        out = jnp.einsum("tei,eih->th", h, wo, out_sharding=explicit_spec(_TOKENS, x.shape))
-        return shard(out, _TOKENS)
+        return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS), _TOKENS)
 
     def _gmm(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         wi_gate, wi_up, wo = self._weights()

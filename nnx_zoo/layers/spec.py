@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard_mode_of
@@ -37,3 +38,41 @@ def resolve_activation(names: Sequence[str | None], shape: Sequence[int] | None 
         return PartitionSpec()
     checked = tuple(shape) if shape is not None and shard_mode_of(mesh) == "explicit" else None
     return logical_to_mesh_axes(names, current_rules(), mesh, shape=checked, path="activation")
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [(e,) if isinstance(e, str) else tuple(e or ()) for e in entries]
+
+
+def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Sequence[str | None]) -> jax.Array:
+    """``jnp.einsum(equation, x, weight)`` for an activation ``x`` and a weight, output laid out as ``out_names``.
+
+    Under an Explicit mesh the weight is first resharded so each of its dims is split like the activation's dim
+    it contracts with, or like the output dim it produces (a mesh axis used twice keeps its first, contracting
+    use): the FSDP "gather the weight, compute locally" pattern. Handing XLA a weight sharded on the axes that
+    the activation's batch dim also uses made it miscompile some dots silently (a (data, fsdp)-batch activation
+    against an fsdp-sharded kernel with heads on tensor_transpose returned wrong numbers on CPU, jax 0.10.2).
+    """
+    inputs, out_letters = equation.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    out_shape = tuple(
+        x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
+    )
+    out_spec = explicit_spec(out_names, out_shape)
+    if out_spec is None:
+        return jnp.einsum(equation, x, weight)
+    x_axes = dict(zip(x_letters, _spec_entries(jax.typeof(x).sharding.spec, x.ndim)))
+    out_axes = dict(zip(out_letters, _spec_entries(out_spec, len(out_letters))))
+    used: set[str] = set()
+    weight_spec = [()] * weight.ndim
+    # Contracting (and batch) dims first: they must match the activation; output dims take what is left.
+    for pass_from_x in (True, False):
+        for i, c in enumerate(w_letters):
+            if (c in x_axes) != pass_from_x:
+                continue
+            axes = tuple(a for a in (x_axes.get(c) if pass_from_x else out_axes.get(c, ())) if a not in used)
+            weight_spec[i] = axes
+            used |= set(axes)
+    weight = jax.reshard(weight, PartitionSpec(*(a if a else None for a in weight_spec)))
+    return jnp.einsum(equation, x, weight, out_sharding=out_spec)

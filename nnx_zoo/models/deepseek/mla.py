@@ -23,6 +23,7 @@ _BLE = ("activation_batch", "activation_length", "activation_embed")
 _BLQ = ("activation_batch", "activation_length", "activation_q_lora")
 _BLKV = ("activation_batch", "activation_length", "activation_kv_lora")
 _BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+_BKHD = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")
 _LATENT_NORM_EPS = 1e-6  # HF's q_a / kv_a norms use the RMSNorm default, not rms_norm_eps
 
 
@@ -74,7 +75,9 @@ class MLA(nnx.Module):
         k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, interleaved=c.rope_interleave)
         k_rope = shard(jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:]), _BLHD)
         q = shard(jnp.concatenate([q_nope, q_rope], axis=-1), _BLHD)
-        k = shard(jnp.concatenate([k_nope, k_rope], axis=-1), _BLHD)
+        # Keys and values are gathered over the sequence (context parallelism keeps only queries split).
+        k = shard(jnp.concatenate([k_nope, k_rope], axis=-1), _BKHD)
+        v = shard(v, _BKHD)
 
         out = shard(dot_product_attention(q, k, v, mask, self.scale), _BLHD)
         return restore_sharding(self.o_proj(out, _BLE), in_sharding)

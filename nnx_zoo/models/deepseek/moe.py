@@ -15,7 +15,7 @@ from flax import nnx
 
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import RoutedExperts
-from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
@@ -85,9 +85,8 @@ class DeepSeekMoE(nnx.Module):
         tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
         tokens = shard(tokens, _TE)
 
-        logits_shape = (batch * seq, c.n_routed_experts)
-        logits = jnp.einsum("th,he->te", tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
-                            out_sharding=explicit_spec(_T_EXPERTS, logits_shape))
+        logits = weight_einsum("th,he->te", tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                               _T_EXPERTS)
         idx, weights = route(shard(logits, _T_EXPERTS), self.e_score_correction_bias[...], c)
 
         out = self.experts(tokens, idx, weights, impl=c.moe_impl)

@@ -1,0 +1,95 @@
+"""Model behaviour beyond HF parity: training-facing pieces (remat policies, what an optimizer trains), the
+output contract, and the stacked parameter layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_zoo import DeepSeekV3
+from nnx_zoo.models.deepseek import RouterBias
+from nnx_zoo.sharding import abstract_module, iter_variables, logical_names
+from tests.models.deepseek.small import small_config
+
+
+def _loss(model: DeepSeekV3, ids: jax.Array) -> jax.Array:
+    """Next-token loss, plus the MTP head's next-next-token loss when the model has one."""
+    mtp = model.mtp_layers is not None
+    out = model(ids, with_mtp=True) if mtp else model(ids, return_aux=True)
+    logp = jax.nn.log_softmax(out.logits[:, :-1])
+    loss = -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
+    if mtp:
+        mtp_logp = jax.nn.log_softmax(out.mtp_logits[0, :, :-2])
+        loss += 0.1 * -jnp.take_along_axis(mtp_logp, ids[:, 2:, None], -1).mean()
+    return loss
+
+
+def test_remat_policies_give_the_same_gradients():
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
+    grads = {}
+    for policy in ("none", "full", "dots_saveable"):
+        config = small_config(remat_policy=policy, moe_impl="gmm", num_nextn_predict_layers=0)
+        model = DeepSeekV3.create(config, seed=0)
+        loss, g = nnx.jit(nnx.value_and_grad(_loss))(model, ids)
+        grads[policy] = (float(loss), jax.tree.leaves(g))
+    ref_loss, ref = grads["none"]
+    for policy in ("full", "dots_saveable"):
+        loss, g = grads[policy]
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        for a, b in zip(g, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_optimizer_trains_params_but_not_the_router_bias():
+    model = DeepSeekV3.create(small_config(moe_impl="dense"), seed=0)
+    bias_paths = [p for p, v in iter_variables(model) if isinstance(v, RouterBias)]
+    assert bias_paths == ["moe_layers.mlp.e_score_correction_bias", "mtp_layers.layer.mlp.e_score_correction_bias"]
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
+    before = {p: np.asarray(v[...]) for p, v in iter_variables(model)}
+
+    @nnx.jit
+    def step(model, optimizer, ids):
+        grads = nnx.grad(_loss, argnums=nnx.DiffState(0, nnx.Param))(model, ids)
+        optimizer.update(model, grads)
+
+    step(model, optimizer, ids)
+    after = {p: np.asarray(v[...]) for p, v in iter_variables(model)}
+    for p in before:
+        changed = not np.array_equal(before[p], after[p])
+        assert changed == (p not in bias_paths), p
+
+
+def test_stacked_layout_and_names():
+    model = abstract_module(lambda: DeepSeekV3(small_config(num_hidden_layers=3), rngs=nnx.Rngs(0)))
+    variables = dict(iter_variables(model))
+    wi = variables["moe_layers.mlp.experts.wi_gate"]
+    assert wi.shape == (2, 8, 128, 64)
+    assert logical_names(wi) == ("moe_layers", "exp", "embed_no_exp", "moe_mlp")
+    assert logical_names(variables["dense_layers.attn.q_b_proj.kernel"]) == ("dense_layers", "q_lora", "heads", "kv")
+    assert logical_names(variables["mtp_layers.eh_proj.kernel"]) == ("mtp_layers", "mtp_embed", "embed")
+    assert variables["dense_layers.attn.q_b_proj.kernel"].shape == (1, 64, 4, 48)
+    assert all(v.get_metadata().get("eager_sharding") is False for v in variables.values())
+
+
+def test_output_contract():
+    config = small_config(num_hidden_layers=3, num_nextn_predict_layers=0, dtype="bfloat16", param_dtype="bfloat16")
+    ids, mask = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), jnp.int32)
+
+    def shapes_of(config, **call_kwargs):  # build and run abstractly: shapes and dtypes only, nothing compiled
+        return jax.eval_shape(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0))(ids, mask, **call_kwargs))
+
+    logits = shapes_of(config)
+    assert logits.shape == (2, 5, 256) and logits.dtype == jnp.bfloat16
+    out = shapes_of(config, return_aux=True)
+    assert out.layer_outputs.shape == (3, 2, 5, 128) and out.expert_indices.shape == (2, 2, 5, 2)
+    assert out.embeddings.shape == out.final_hidden.shape == (2, 5, 128) and out.mtp_logits is None
+    model = abstract_module(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)))
+    assert model.moe_layers.mlp.e_score_correction_bias.dtype == jnp.float32  # the router stays float32
+    with pytest.raises(ValueError, match="no MTP heads"):
+        shapes_of(config, with_mtp=True)
+    assert shapes_of(small_config(), with_mtp=True).mtp_logits.shape == (1, 2, 5, 256)
