@@ -212,7 +212,11 @@ class _Checkpoint:
 
     def __init__(self, directory: Path, stack: contextlib.ExitStack):
         self.directory = directory
-        files = sorted(directory.glob("*.safetensors"))
+        index = directory / "model.safetensors.index.json"
+        if index.exists():  # the index names the checkpoint's files; other *.safetensors there are not part of it
+            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {directory}")
         self.handles: dict[Path, Any] = {}

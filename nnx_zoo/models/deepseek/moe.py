@@ -43,9 +43,7 @@ def route(
     group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
     expert_kept = jnp.repeat(group_kept, per_group, axis=-1)
     _, idx = jax.lax.top_k(jnp.where(expert_kept, biased, -jnp.inf), c.num_experts_per_tok)
-    # Weights come from the unbiased scores. A one-hot contraction instead of a gather: exact, and it needs no
-    # out_sharding under Explicit axes.
-    weights = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=scores.dtype) * scores[:, None, :], axis=-1)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)  # from the unbiased scores
     if c.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return idx, weights * c.routed_scaling_factor
