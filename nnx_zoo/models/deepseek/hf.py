@@ -190,6 +190,9 @@ def canonical_slots(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> list[
                     slots += [Slot(prefix + hf.format(e=e), path, (j, e), t) for e in range(shapes[path][1])]
                 else:
                     slots.append(Slot(prefix + hf, path, (j,), t))
+    unmapped = sorted(set(shapes) - {s.path for s in slots})
+    if unmapped:  # a Variable added to the model without a row in the key table
+        raise ValueError(f"no HF key in the table maps to {unmapped}; add rows to nnx_zoo/models/deepseek/hf.py")
     return slots
 
 
