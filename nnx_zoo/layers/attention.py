@@ -10,15 +10,21 @@ from nnx_zoo.sharding import shard
 _SCORE_NAMES = ("activation_batch", "activation_heads", "activation_length", "activation_kv_length")
 
 
-def causal_mask(seq_len: int, attention_mask: jax.Array | None = None) -> jax.Array:
-    """Boolean ``[batch or 1, 1, q, k]``: key ``k`` is visible to query ``q`` when ``k <= q`` and not padding.
+def causal_mask(
+    seq_len: int, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
+) -> jax.Array:
+    """Boolean ``[batch or 1, 1, q, k]``: key ``k`` is visible to query ``q`` when ``k <= q``, ``k`` is not
+    padding, and both lie in the same segment.
 
-    ``attention_mask`` is the usual ``[batch, k]`` 1/0 padding mask (1 = real token).
+    ``attention_mask`` is the usual ``[batch, k]`` 1/0 padding mask (1 = real token); ``segment_ids [batch, s]``
+    number the documents packed into a row, so attention never crosses a document boundary.
     """
     pos = jnp.arange(seq_len)
     mask = (pos[None, :] <= pos[:, None])[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask.astype(bool)[:, None, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return mask
 
 

@@ -13,7 +13,8 @@ spec.loader.exec_module(recipe)
 
 SMALL = [
     "--model", "deepseek3-tiny", "--model.num_hidden_layers", "2", "--model.first_k_dense_replace", "1",
-    "--model.vocab_size", "512", "--model.num_nextn_predict_layers", "1", "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
+    "--model.vocab_size", "512", "--model.num_nextn_predict_layers", "1",
+    "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
 ]
 
 
@@ -47,3 +48,12 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_trains_on_local_jsonl_with_packing(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document number {i} says hello."}) for i in range(40)) + "\n")
+    run_dir = tmp_path / "run"
+    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus)]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["loss"] > 0 for r in records)

@@ -161,13 +161,14 @@ class DeepSeekV3(nnx.Module):
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, return_aux: bool = False,
-                 with_mtp: bool = False) -> jax.Array | DeepSeekV3Output:
+                 with_mtp: bool = False, segment_ids: jax.Array | None = None) -> jax.Array | DeepSeekV3Output:
         """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``; ``attention_mask [batch, seq]`` (1 =
         token, 0 = padding) may mark left padding. Positions are ``0..seq-1`` whatever the padding, as in HF's
         forward. ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states, chosen experts);
-        ``with_mtp`` also runs the MTP heads (``mtp_logits``)."""
+        ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]`` (packed training
+        data) keep attention inside each document."""
         with use_rules(self.rules):
-            return self._forward(input_ids, attention_mask, return_aux=return_aux, with_mtp=with_mtp)
+            return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp)
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
@@ -177,13 +178,13 @@ class DeepSeekV3(nnx.Module):
             return self.embed.attend(hidden)
         return self.lm_head(hidden, _BLV)
 
-    def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, *, return_aux: bool,
-                 with_mtp: bool) -> jax.Array | DeepSeekV3Output:
+    def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None, *,
+                 return_aux: bool, with_mtp: bool) -> jax.Array | DeepSeekV3Output:
         c = self.config
         seq_len = input_ids.shape[1]
         positions = jnp.arange(seq_len)[None, :]
         cos, sin = self._rope(positions)
-        mask = causal_mask(seq_len, attention_mask)
+        mask = causal_mask(seq_len, attention_mask, segment_ids)
         embeddings = self.embed(input_ids)
         run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
 
@@ -198,7 +199,7 @@ class DeepSeekV3(nnx.Module):
                 per_layer.append(outs)
         final_hidden = self.norm(h)
         logits = self._logits(final_hidden)
-        mtp_logits = self._mtp(input_ids, attention_mask, final_hidden, run) if with_mtp else None
+        mtp_logits = self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run) if with_mtp else None
         if not return_aux:
             return logits if mtp_logits is None else DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits)
         layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
@@ -206,10 +207,11 @@ class DeepSeekV3(nnx.Module):
         return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
                                 final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits)
 
-    def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, final_hidden: jax.Array,
-             run: dict[str, Any]) -> jax.Array:
+    def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
+             final_hidden: jax.Array, run: dict[str, Any]) -> jax.Array:
         """Logits of every MTP depth. Depth ``k`` reads the tokens shifted left by ``k`` (at their own
-        positions), and the previous depth's hidden state (depth 1: the main model's final, normed one)."""
+        positions), and the previous depth's hidden state (depth 1: the main model's final, normed one). With
+        packed documents, position ``i`` attends within the document of position ``i``."""
         if self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         depth = self.config.num_nextn_predict_layers
@@ -225,7 +227,7 @@ class DeepSeekV3(nnx.Module):
 
         def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
             token_embeddings, (cos, sin), pad_mask = x
-            h = head(token_embeddings, h, cos, sin, causal_mask(seq_len, pad_mask))
+            h = head(token_embeddings, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
             return h, self._logits(h)
 
         _, logits = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
