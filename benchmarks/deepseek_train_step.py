@@ -6,8 +6,13 @@ same config and same batch, tokens/s = batch * seq / seconds per step. Contender
   jax-gmm     nnx_zoo, moe_impl='gmm' (sort + jax.lax.ragged_dot)
   jax-tiled   nnx_zoo with RoutedExperts' gmm path replaced, inside this script only, by a prototype dropless
               grouped matmul built from batched einsums over fixed-size row tiles (see moe_kernels.py)
-  torch       transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(2),
-              default experts implementation (grouped_mm) and attention (sdpa), `loss.backward()`
+  jax-dense2d nnx_zoo with RoutedExperts' dense path replaced (here only) by the same math as row-major 2-D
+              matmuls over a fused (expert, width) axis (`dense2d_swiglu`: removes a transposing SwiGLU-backward
+              fusion that costs ~half of the MoE block)
+  jax-dense2d+ce  the same, plus a cross-entropy with a hand-written one-pass backward (custom_vjp)
+  torch-Nt    transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(N)
+              (N = 2, the brief's setting, and 1: on a shared, oversubscribed 2-core box torch's 2-thread
+              OpenMP regions can stall badly), default experts implementation (grouped_mm) and sdpa attention
 JAX steps are `jax.jit(jax.value_and_grad(loss))` over the `nnx.Param` state (nnx.split / nnx.merge); torch
 steps are `zero_grad(set_to_none=True); model(ids, labels=ids).loss.backward()`. Where `save_pretrained` works,
 the torch model loads the JAX model's weights, so the two first losses must agree (printed as a check).
@@ -105,9 +110,80 @@ def tiled_gmm_patch():
         moe_mod.RoutedExperts._gmm = original
 
 
+def dense2d_swiglu(x, expert_idx, weights, wi_gate, wi_up, wo):
+    """The 'dense' path (every expert on every token) as plain 2-D matmuls over a fused (expert, width) axis.
+
+    Same math as RoutedExperts._dense, which contracts `th,ehi->tei` / `tei,eih->th` on [E, H, F] weights: XLA
+    then computes the weight gradient as (dgate laid out [E*F, T]) @ x and emits the SwiGLU backward as a loop
+    fusion that writes its [T, E, F] result transposed (strided stores): one fusion costs about half of the
+    whole MoE block on CPU. With [T, E*F] activations and [H, E*F] weights (a weight-sized transpose per call)
+    every matmul and its gradients are row-major and that fusion disappears.
+    """
+    e, hdim, f = wi_gate.shape
+    combine = jnp.sum(jax.nn.one_hot(expert_idx, e, dtype=weights.dtype) * weights[..., None], -2)  # [T, E]
+    gate = x @ jnp.transpose(wi_gate, (1, 0, 2)).reshape(hdim, e * f)
+    up = x @ jnp.transpose(wi_up, (1, 0, 2)).reshape(hdim, e * f)
+    hidden = jax.nn.silu(gate) * up * jnp.repeat(combine.astype(x.dtype), f, axis=1)
+    return hidden @ wo.reshape(e * f, hdim)
+
+
+@contextlib.contextmanager
+def dense2d_patch():
+    """Temporarily routes nnx_zoo's RoutedExperts 'dense' path through `dense2d_swiglu` (single device)."""
+    from nnx_zoo.layers import moe as moe_mod
+
+    original = moe_mod.RoutedExperts._dense
+
+    def _dense(self, x, expert_idx, weights):
+        if not jax.sharding.get_abstract_mesh().empty:
+            raise NotImplementedError("the dense2d prototype is single-device only")
+        wi_gate, wi_up, wo = self._weights()
+        return dense2d_swiglu(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
+
+    moe_mod.RoutedExperts._dense = _dense
+    try:
+        yield
+    finally:
+        moe_mod.RoutedExperts._dense = original
+
+
+@jax.custom_vjp
+def fused_token_cross_entropy(logits, targets, mask):
+    """Summed token cross-entropy with a hand-written backward: one pass `mask * (softmax - onehot)` writes the
+    logits' gradient. The trainer's autodiff version materializes two cotangents of the [B, S, V] logits (from
+    logsumexp and from the iota==target pick), broadcasts and adds them: several extra full passes over the
+    largest tensor of the step (16.5M floats per 128 tokens at vocab 129280)."""
+    return _fused_ce_fwd(logits, targets, mask)[0]
+
+
+def _fused_ce_fwd(logits, targets, mask):
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.sum((log_z - target_logit) * mask), (logits, log_z, targets, mask)
+
+
+def _fused_ce_bwd(res, g):
+    logits, log_z, targets, mask = res
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    onehot = (vocab_ids == targets[..., None]).astype(logits.dtype)
+    dlogits = (jnp.exp(logits - log_z[..., None]) - onehot) * (g * mask)[..., None]
+    return dlogits, None, None
+
+
+fused_token_cross_entropy.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
 # ------------------------------------------------------------------------------------------------------ JAX steps
-JAX_IMPLS = {"jax-dense": ("dense", contextlib.nullcontext), "jax-gmm": ("gmm", contextlib.nullcontext),
-             "jax-tiled": ("gmm", tiled_gmm_patch)}
+# name -> (config.moe_impl, patch context, use the fused cross-entropy)
+JAX_IMPLS = {
+    "jax-dense": ("dense", contextlib.nullcontext, False),
+    "jax-gmm": ("gmm", contextlib.nullcontext, False),
+    "jax-tiled": ("gmm", tiled_gmm_patch, False),
+    "jax-dense2d": ("dense", dense2d_patch, False),
+    "jax-dense2d+ce": ("dense", dense2d_patch, True),
+}
 
 
 def bench_config(preset: str, **overrides) -> DeepSeekV3Config:
@@ -118,23 +194,26 @@ def make_model(cfg: DeepSeekV3Config) -> DeepSeekV3:
     return nnx.jit(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))()
 
 
-def cross_entropy(logits, ids):
+def cross_entropy(logits, ids, fused: bool = False):
     """Mean next-token cross-entropy over positions 0..S-2 (HF's `labels=ids` loss), via the trainer's own
-    `token_cross_entropy` (iota-compare target pick, fused logsumexp) so the step is what a training run does."""
+    `token_cross_entropy` (so the step is what a training run does), or the fused-backward prototype."""
     from nnx_zoo.train.step import token_cross_entropy
 
     targets = jnp.roll(ids, -1, axis=1)
     mask = jnp.ones(ids.shape, jnp.float32).at[:, -1].set(0.0)
+    if fused:
+        return fused_token_cross_entropy(logits, targets, mask) / jnp.sum(mask)
     total, count = token_cross_entropy(logits, targets, mask)
     return total / count
 
 
-def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch) -> tuple[callable, dict, object]:
+def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch, fused_ce: bool = False
+                   ) -> tuple[callable, dict, object]:
     """A compiled `value_and_grad` step over the model's nnx.Param state; returns (blocking call, info)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(params, rest, ids):
-        return cross_entropy(nnx.merge(graphdef, params, rest)(ids), ids)
+        return cross_entropy(nnx.merge(graphdef, params, rest)(ids), ids, fused=fused_ce)
 
     step = jax.jit(jax.value_and_grad(loss_fn))
     t0 = time.perf_counter()
@@ -238,11 +317,11 @@ def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     contenders, infos, profiled = {}, {}, {}
     model = None
     for name in a.impls:
-        impl, patch = JAX_IMPLS[name]
+        impl, patch, fused_ce = JAX_IMPLS[name]
         t0 = time.perf_counter()
         model = make_model(cfg.with_overrides(moe_impl=impl))
         init_s = time.perf_counter() - t0
-        contenders[name], infos[name], profiled[name] = jax_train_step(model, ids, patch)
+        contenders[name], infos[name], profiled[name] = jax_train_step(model, ids, patch, fused_ce)
         infos[name]["init_s"] = init_s
         log(f"  {name}: init {init_s:.1f}s, compile {infos[name]['compile_s']:.1f}s, loss {infos[name]['loss']:.5f}")
     if not a.no_torch:
@@ -307,7 +386,9 @@ def run_moe_block_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
 
     contenders, flops = {}, {}
     for name in a.impls:
-        impl, patch = JAX_IMPLS[name]
+        impl, patch, fused_ce = JAX_IMPLS[name]
+        if fused_ce:  # the loss does not enter the block benchmark
+            continue
         moe = DeepSeekMoE(cfg.with_overrides(moe_impl=impl), rngs=nnx.Rngs(0))
         contenders[f"{name} moe"], flops[f"{name} moe"] = compile_block(moe, lambda m, x: m(x)[0], patch)
     mlp = SwiGLU(cfg.hidden_size, width, rngs=nnx.Rngs(0))
