@@ -7,6 +7,7 @@ Each stack is one set of stacked Variables (leading logical axis named after the
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -167,8 +168,22 @@ class DeepSeekV3(nnx.Module):
         forward. ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states, chosen experts);
         ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]`` (packed training
         data) keep attention inside each document."""
-        with use_rules(self.rules):
+        with use_rules(self.rules), self._parameter_mesh():
             return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp)
+
+    def _parameter_mesh(self) -> Any:
+        """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
+        ``jax.set_mesh``); otherwise nothing."""
+        if not jax.sharding.get_abstract_mesh().empty:
+            return contextlib.nullcontext()
+        table = self.embed.embedding[...]
+        sharding = jax.typeof(table).sharding if isinstance(table, jax.core.Tracer) else table.sharding
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty or mesh.size == 1:
+            return contextlib.nullcontext()
+        if isinstance(mesh, Mesh):
+            return jax.set_mesh(mesh)
+        return jax.sharding.use_abstract_mesh(mesh)  # while tracing: parameters carry an abstract mesh
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
