@@ -24,7 +24,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
@@ -210,8 +209,18 @@ def _fused_slots(config: DeepSeekV3Config, key: str, shapes: dict[str, Shape]) -
 
 
 # ---------------------------------------------------------------- reading safetensors
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
 class _Checkpoint:
-    """The safetensors files of a directory: key -> (file, shape, dtype) from headers; tensors read on demand."""
+    """The safetensors files of a directory: key -> (file, shape, dtype) from headers; tensors read on demand.
+
+    Tensors are read with plain ``readinto`` into a fresh array, not through a memory map: mapped pages of the
+    files would stay resident in the process (and count in its RSS) until the map is closed, adding a second copy
+    of the checkpoint to peak host memory. Each array read here is freed as soon as its Variable is filled.
+    """
 
     def __init__(self, directory: Path, stack: contextlib.ExitStack):
         self.directory = directory
@@ -224,30 +233,34 @@ class _Checkpoint:
             raise FileNotFoundError(f"no *.safetensors files in {directory}")
         self.handles: dict[Path, Any] = {}
         self.entries: dict[str, tuple[Path, Shape, str]] = {}
+        self._extents: dict[str, tuple[int, int]] = {}  # key -> (byte offset in its file, byte length)
         for file in files:
-            handle = stack.enter_context(safe_open(str(file), framework="numpy"))
+            handle = stack.enter_context(open(file, "rb", buffering=0))  # noqa: SIM115 (closed by the stack)
             self.handles[file] = handle
-            for key in handle.keys():
-                view = handle.get_slice(key)
-                self.entries[key] = (file, tuple(view.get_shape()), view.get_dtype())
+            header_len = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_len))
+            header.pop("__metadata__", None)
+            for key, info in header.items():
+                start, end = info["data_offsets"]
+                self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
+                self._extents[key] = (8 + header_len + start, end - start)
 
     def read(self, key: str) -> np.ndarray:
-        file, _, dtype = self.entries[key]
-        if dtype.startswith("F8"):  # numpy (and safe_open's numpy path) lacks float8; read the raw bytes
-            return _read_raw(file, key)
-        return self.handles[file].get_tensor(key)
-
-
-_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-
-
-def _read_raw(file: Path, key: str) -> np.ndarray:
-    with open(file, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(header_len))[key]
-    start, end = info["data_offsets"]
-    data = np.fromfile(file, dtype=np.uint8, count=end - start, offset=8 + header_len + start)
-    return data.view(_RAW_DTYPES[info["dtype"]]).reshape(info["shape"])
+        file, shape, dtype = self.entries[key]
+        offset, length = self._extents[key]
+        if dtype not in _DTYPES:
+            raise ValueError(f"{key}: safetensors dtype {dtype} is not supported")
+        out = np.empty(shape, _DTYPES[dtype])
+        if out.nbytes != length:
+            raise ValueError(f"{key}: {length} bytes in {file.name} for shape {list(shape)} of {dtype}")
+        view, handle, done = memoryview(out.reshape(-1).view(np.uint8)), self.handles[file], 0
+        handle.seek(offset)
+        while done < length:  # one read() returns at most ~2 GiB
+            n = handle.readinto(view[done:])
+            if not n:
+                raise OSError(f"{file}: unexpected end of file reading {key}")
+            done += n
+        return out
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
@@ -330,14 +343,27 @@ def _device_regions(shape: Shape, sharding: Any) -> dict[Any, tuple[tuple[int, i
     return out
 
 
+def _aligned_empty(shape: list[int], dtype: Any, alignment: int = 64) -> np.ndarray:
+    """``np.empty`` whose data starts on an ``alignment``-byte boundary (XLA:CPU aliases such host buffers)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def _assemble(shape: Shape, dtype: Any, sharding: Any, slots: list[Slot],
               read: Callable[[str], np.ndarray]) -> jax.Array:
-    """Build one Variable on ``sharding``: each HF tensor is read once and copied into the shards it touches."""
+    """Build one Variable on ``sharding``: each HF tensor is read once and copied into the shards it touches.
+
+    Shard buffers are 64-byte aligned, so that on CPU ``device_put`` adopts them without a copy (peak host memory
+    stays near the model's size); on an accelerator they are copied over and freed when this returns.
+    """
     regions = _device_regions(shape, sharding)
-    buffers = {r: np.empty([stop - start for start, stop in r], dtype) for r in set(regions.values())}
+    buffers = {r: _aligned_empty([stop - start for start, stop in r], dtype) for r in set(regions.values())}
     for slot in slots:
         n = len(slot.index)
-        sub = slot.transform.to_ours(read(slot.key), shape[n:]).astype(dtype)
+        sub = slot.transform.to_ours(read(slot.key), shape[n:]).astype(dtype, copy=False)
         for region, buf in buffers.items():
             if all(start <= i < stop for i, (start, stop) in zip(slot.index, region[:n])):
                 dst = tuple(i - start for i, (start, _) in zip(slot.index, region[:n]))
