@@ -7,7 +7,7 @@ from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import RoutedExperts
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import YarnScaling, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
-from nnx_zoo.layers.scan import REMAT_POLICIES, create_stack, run_stack
+from nnx_zoo.layers.scan import REMAT_POLICIES, batch_split, create_stack, run_stack
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "SwiGLU",
     "YarnScaling",
     "apply_rope",
+    "batch_split",
     "causal_mask",
     "create_stack",
     "dot_product_attention",

@@ -1,4 +1,5 @@
-"""Routed SwiGLU experts with two compute paths: ``dense`` and ``gmm`` (grouped matmul).
+"""Routed SwiGLU experts with three compute paths: ``dense``, ``gmm`` (grouped matmul) and ``ep`` (experts split
+over devices).
 
 Routing (who picks which experts with what weight) is the model family's business; this module takes the
 routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T, embed]`` and returns
@@ -10,10 +11,20 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
   groups and scatters the results back. Under a mesh it runs inside ``jax.shard_map`` over the token axes, each
   shard sorting its own tokens against all-gathered expert weights (FSDP-style; expert parallelism is a separate
   path), because sorting and ``ragged_dot`` do not partition automatically under Explicit axes.
+- ``ep`` (expert parallelism) runs inside ``jax.shard_map`` over the mesh axes that the active rule set maps the
+  logical name ``exp`` to (no mesh axis is named here). Each shard holds ``E / n_ep`` whole experts. XLA:CPU has
+  no ``ragged_all_to_all``, so the dispatch is an all-gather of the tokens and their routing over the EP axes;
+  each shard runs its own experts on the tokens routed to them (dense over local experts when dropless, or
+  sorted into ``[local experts, capacity]`` slots and one batched einsum when ``capacity_factor`` is set:
+  at most ``ceil(capacity_factor * tokens * k / E)`` tokens per expert, ``tokens`` being those the EP group
+  sees, first come first served), and ``psum_scatter`` combines the partial sums back onto the token shards.
+  Without a mesh, or when ``exp`` resolves to no mesh axis of size > 1, it falls back to ``gmm`` (dropless) or
+  to the same capacity computation on the local tokens.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -23,9 +34,9 @@ from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.spec import ambient_mesh_or_none, resolve_activation, weight_einsum
-from nnx_zoo.sharding import shard
+from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
 
-MoeImpl = Literal["dense", "gmm"]
+MoeImpl = Literal["dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
 _TOKENS_TOPK = ("activation_tokens", "activation_topk")
 
@@ -61,13 +72,28 @@ class RoutedExperts(nnx.Module):
         self.wo = param((num_experts, hidden, features), ("exp", "moe_mlp", "embed_no_exp"))
 
     def __call__(
-        self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array, *, impl: MoeImpl = "dense"
-    ) -> jax.Array:
+        self,
+        x: jax.Array,
+        expert_idx: jax.Array,
+        weights: jax.Array,
+        *,
+        impl: MoeImpl = "dense",
+        capacity_factor: float | None = None,
+        return_dropped: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """``out [T, embed]``, or ``(out, dropped)`` with ``return_dropped``: ``dropped`` (int32 scalar) counts
+        the (token, expert) pairs over capacity (always 0 when dropless). ``capacity_factor`` applies to ``ep``."""
         if impl == "dense":
-            return self._dense(x, expert_idx, weights)
-        if impl == "gmm":
-            return self._gmm(x, expert_idx, weights)
-        raise ValueError(f"unknown MoE implementation {impl!r}; choose 'dense' or 'gmm'")
+            out, dropped = self._dense(x, expert_idx, weights), jnp.zeros((), jnp.int32)
+        elif impl == "gmm":
+            out, dropped = self._gmm(x, expert_idx, weights), jnp.zeros((), jnp.int32)
+        elif impl == "ep":
+            out, dropped = self._ep(x, expert_idx, weights, capacity_factor)
+        else:
+            raise ValueError(f"unknown MoE implementation {impl!r}; choose 'dense', 'gmm' or 'ep'")
+        if capacity_factor is not None and impl != "ep":
+            raise ValueError(f"capacity_factor is only used by impl='ep', got impl={impl!r}")
+        return (out, dropped) if return_dropped else out
 
     def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return tuple(w[...].astype(self.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
@@ -104,6 +130,43 @@ class RoutedExperts(nnx.Module):
         )(x, expert_idx, weights, wi_gate, wi_up, wo)
         return shard(out, _TOKENS)
 
+    def _ep(
+        self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array, capacity_factor: float | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Expert parallelism: ``(out [T, embed], dropped)``; see the module docstring."""
+        wi_gate, wi_up, wo = self._weights()
+        mesh = ambient_mesh_or_none()
+        ep_axes = _ep_axes(mesh)
+        if mesh is not None and self.num_experts % math.prod(mesh.shape[a] for a in ep_axes):
+            raise ValueError(
+                f"expert parallelism: {self.num_experts} experts cannot be split over mesh axes {ep_axes} "
+                f"({math.prod(mesh.shape[a] for a in ep_axes)} shards)"
+            )
+        if not ep_axes and capacity_factor is None:
+            return self._gmm(x, expert_idx, weights), jnp.zeros((), jnp.int32)  # no EP: the local computation
+        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), ())
+        if mesh is None:
+            out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
+            return out, dropped
+        tokens = resolve_activation(_TOKENS[:1] + (None,), x.shape)
+        token_axes = _axes(tokens[0])
+        gather_axes = tuple(a for a in ep_axes if a in token_axes)  # EP axes that split the tokens
+        sum_axes = tuple(a for a in ep_axes if a not in token_axes)  # EP axes the tokens are replicated over
+        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, gather_axes, sum_axes,
+                          count_axes=tuple(dict.fromkeys(token_axes + ep_axes)))
+        x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
+        expert_idx = shard(expert_idx, _TOKENS_TOPK)
+        weights = shard(weights, _TOKENS_TOPK)
+        expert_spec = PartitionSpec(ep_axes or None, None, None)
+        wi_gate, wi_up, wo = (shard(w, ("exp", None, None)) for w in (wi_gate, wi_up, wo))  # = expert_spec
+        out, dropped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
+            out_specs=(tokens, PartitionSpec()),
+        )(x, expert_idx, weights, wi_gate, wi_up, wo)
+        return shard(out, _TOKENS), dropped
+
 
 def _replicate(w: jax.Array) -> jax.Array:
     return shard(w, (None,) * w.ndim)
@@ -126,3 +189,89 @@ def _grouped_swiglu(num_experts: int):
         return out.reshape(num_tokens, k, -1).sum(axis=1)
 
     return run
+
+
+def _axes(entry: object) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _ep_axes(mesh: jax.sharding.AbstractMesh | None) -> tuple[str, ...]:
+    """The mesh axes the active rule set shards the expert dim (logical ``exp``) over, size-1 axes dropped."""
+    if mesh is None:
+        return ()
+    return _axes(logical_to_mesh_axes(("exp",), current_rules(), mesh)[0])
+
+
+def _ep_shard(
+    num_experts: int,
+    capacity_factor: float | None,
+    ep_axes: tuple[str, ...],
+    gather_axes: tuple[str, ...],
+    sum_axes: tuple[str, ...],
+    count_axes: tuple[str, ...] = (),
+):
+    """The per-shard expert-parallel computation (run inside ``shard_map``, or alone without a mesh).
+
+    Tokens and their routing are all-gathered over ``gather_axes``; this shard's ``E / n_ep`` experts run on the
+    tokens routed to them; the partial sums go back to the token shards with ``psum_scatter`` (and ``psum`` over
+    EP axes that do not split the tokens). Returns ``(out, dropped)``: ``dropped`` counts (token, expert) pairs
+    over capacity, summed over ``count_axes`` (every shard then holds the total).
+    """
+
+    def run(x, expert_idx, weights, wi_gate, wi_up, wo):
+        local_experts = wi_gate.shape[0]
+        if gather_axes:
+            x, expert_idx, weights = (
+                jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) for a in (x, expert_idx, weights)
+            )
+        first = jax.lax.axis_index(ep_axes) * local_experts if ep_axes else 0
+        local_idx = expert_idx - first  # outside [0, local_experts): another shard's expert
+        if capacity_factor is None:
+            out, dropped = _dense_local(x, local_idx, weights, wi_gate, wi_up, wo), jnp.zeros((), jnp.int32)
+        else:
+            capacity = math.ceil(capacity_factor * x.shape[0] * expert_idx.shape[1] / num_experts)
+            capacity = max(1, min(capacity, x.shape[0]))  # a token picks an expert at most once
+            out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity)
+        if gather_axes:
+            out = jax.lax.psum_scatter(out, gather_axes, scatter_dimension=0, tiled=True)
+        if sum_axes:
+            out = jax.lax.psum(out, sum_axes)
+        if count_axes:
+            dropped = jax.lax.psum(dropped, count_axes)
+        return out, dropped
+
+    return run
+
+
+def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo):
+    """Dropless: every local expert on every token, weighted by the combine weights (zero where not routed)."""
+    combine = jnp.sum(jax.nn.one_hot(local_idx, wi_gate.shape[0], dtype=weights.dtype) * weights[..., None], -2)
+    gate = jnp.einsum("th,ehi->tei", x, wi_gate)
+    up = jnp.einsum("th,ehi->tei", x, wi_up)
+    h = jax.nn.silu(gate) * up * combine[:, :, None].astype(x.dtype)
+    return jnp.einsum("tei,eih->th", h, wo)
+
+
+def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity):
+    """At most ``capacity`` tokens per local expert (first come, in token order), as one batched einsum over
+    ``[local_experts, capacity]`` slots. Returns ``(out, number of local (token, expert) pairs dropped)``."""
+    local_experts = wi_gate.shape[0]
+    num_tokens, k = local_idx.shape
+    flat = local_idx.reshape(-1)
+    is_local = (flat >= 0) & (flat < local_experts)
+    onehot = jax.nn.one_hot(jnp.where(is_local, flat, local_experts), local_experts, dtype=jnp.int32)
+    position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1  # rank among the expert's pairs
+    keep = is_local & (position < capacity)
+    dropped = jnp.sum(is_local & ~keep, dtype=jnp.int32)
+    slot = jnp.where(keep, flat * capacity + position, local_experts * capacity)  # out of range: not dispatched
+    rows = x[jnp.arange(num_tokens * k) // k]
+    buffer = jnp.zeros((local_experts * capacity, x.shape[-1]), x.dtype).at[slot].set(rows, mode="drop")
+    buffer = buffer.reshape(local_experts, capacity, -1)
+    gate = jnp.einsum("ech,ehi->eci", buffer, wi_gate)
+    up = jnp.einsum("ech,ehi->eci", buffer, wi_up)
+    out = jnp.einsum("eci,eih->ech", jax.nn.silu(gate) * up, wo).reshape(local_experts * capacity, -1)
+    pairs = out.at[slot].get(mode="fill", fill_value=0)
+    pairs = pairs * (weights.reshape(-1) * keep).astype(pairs.dtype)[:, None]
+    return pairs.reshape(num_tokens, k, -1).sum(axis=1), dropped

@@ -3,7 +3,8 @@
 ``create_stack`` builds ``count`` layers at once; every Variable gains a leading dim named ``axis_name``
 (``dense_layers``, ``moe_layers``, ...) so the resolver sees the stacked rank. ``run_stack`` applies them in
 order, either with ``jax.lax.scan`` (one compiled layer body) or unrolled in Python (for debugging, same
-numbers), with an optional rematerialization policy.
+numbers), with an optional rematerialization policy. ``batch_split`` runs one layer on micro-batches (the
+batch-split schedule).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.sharding import restore_sharding, shard_mode_of, sharding_of
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -73,3 +77,78 @@ def run_stack(
         carry, out = step(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
         outputs.append(out)
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+
+
+def batch_split(
+    fn: Callable[..., tuple[jax.Array, Any]], x: jax.Array, *args: Any, factor: int
+) -> tuple[jax.Array, Any]:
+    """``fn(x, *args) -> (y, aux)`` run on ``factor`` micro-batches of ``x`` (the batch-split schedule).
+
+    Micro-batch ``j`` holds rows ``j, j + factor, j + 2 factor, ...``: splitting ``[B, ...]`` as
+    ``[B / factor, factor, ...]`` keeps each device's rows on it (the batch dim keeps its sharding, whatever mesh
+    axes the rules gave it), so no collective is needed to split or merge. The micro-batches are independent
+    calls, unrolled, so XLA may overlap one's compute with the next one's collectives. Arguments whose leading
+    dim is the batch are split too; others (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped
+    like ``x``) and the leaves of ``aux`` with a leading batch dim are put back in order; scalar leaves of ``aux``
+    are summed. ``y`` leaves with exactly ``x``'s sharding (``restore_sharding``). ``factor=1`` calls ``fn``.
+    """
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"batch_split_factor must be a positive integer, got {factor!r}")
+    if factor == 1:
+        return fn(x, *args)
+    batch = x.shape[0]
+    if batch % factor:
+        raise ValueError(
+            f"batch_split_factor={factor} must divide the batch size, got a batch of {batch}; choose a factor "
+            f"that divides {batch}, or 1 to turn batch splitting off"
+        )
+    in_sharding = sharding_of(x)
+
+    def split(a: Any) -> list[Any]:
+        if not isinstance(a, jax.Array) or a.ndim == 0 or a.shape[0] != batch:
+            return [a] * factor
+        spec = _explicit_spec_of(a)
+        if spec is not None:
+            _check_micro_batch(jax.typeof(a).sharding.mesh, spec[0], batch, factor)
+            spec = PartitionSpec(spec[0], None, *spec[1:])
+        a = jnp.reshape(a, (batch // factor, factor) + a.shape[1:], out_sharding=spec)
+        return [jax.lax.index_in_dim(a, j, axis=1, keepdims=False) for j in range(factor)]
+
+    pieces = [split(a) for a in (x, *args)]
+    outs = [fn(*(p[j] for p in pieces)) for j in range(factor)]
+
+    def merge(*leaves: jax.Array) -> jax.Array:
+        if leaves[0].ndim == 0:
+            return sum(leaves[1:], leaves[0])
+        stacked = jnp.stack(leaves, axis=1)
+        spec = _explicit_spec_of(stacked)
+        if spec is not None:
+            spec = PartitionSpec(spec[0], *spec[2:])
+        return jnp.reshape(stacked, (batch,) + stacked.shape[2:], out_sharding=spec)
+
+    y, aux = jax.tree.map(merge, *outs)
+    return restore_sharding(y, in_sharding), aux
+
+
+def _explicit_spec_of(a: jax.Array) -> PartitionSpec | None:
+    """``a``'s full-rank spec when its type carries an Explicit sharding, else None (Auto or no mesh)."""
+    sharding = jax.typeof(a).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or shard_mode_of(mesh) != "explicit":
+        return None
+    spec = tuple(sharding.spec)
+    return PartitionSpec(*(spec + (None,) * (a.ndim - len(spec))))
+
+
+def _check_micro_batch(mesh: Any, entry: Any, batch: int, factor: int) -> None:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    shards = 1
+    for name in axes:
+        shards *= sizes.get(name, 1)
+    if (batch // factor) % shards:
+        raise ValueError(
+            f"batch_split_factor={factor}: the micro-batch of {batch // factor} rows cannot be split over the "
+            f"{shards} devices that shard the batch (mesh axes {axes}); use a batch that is a multiple of "
+            f"{factor * shards}, or a smaller factor"
+        )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 
-MOE_IMPLS = ("dense", "gmm")
+MOE_IMPLS = ("dense", "gmm", "ep")
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                        mscale=1.0, mscale_all_dim=1.0)
@@ -74,7 +74,10 @@ class DeepSeekV3Config:
     # ---- nnx_zoo only ----
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters
-    moe_impl: str = "gmm"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot
+    moe_impl: str = "gmm"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot;
+    # 'ep': expert parallelism over the mesh axes the rules map 'exp' to (falls back to 'gmm' without them)
+    moe_capacity_factor: float | None = None  # 'ep': <= ceil(cf * tokens * k / E) tokens per expert; None: dropless
+    batch_split_factor: int = 1  # split each MoE layer's batch into this many micro-batches (1 = off)
     scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
 
@@ -121,6 +124,15 @@ class DeepSeekV3Config:
             p.append(f"rope_scaling must be None, a YarnScaling or an HF rope dict, got {self.rope_scaling!r}")
         if self.moe_impl not in MOE_IMPLS:
             p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.moe_capacity_factor is not None:
+            if not isinstance(self.moe_capacity_factor, (int, float)) or not self.moe_capacity_factor > 0:
+                p.append(f"moe_capacity_factor must be a positive number or None (dropless), got "
+                         f"{self.moe_capacity_factor!r}")
+            elif self.moe_impl != "ep":
+                p.append(f"moe_capacity_factor is only used by moe_impl='ep' (got moe_impl={self.moe_impl!r}); "
+                         "the other paths are dropless")
+        if not isinstance(self.batch_split_factor, int) or self.batch_split_factor < 1:
+            p.append(f"batch_split_factor must be a positive integer (1 = off), got {self.batch_split_factor!r}")
         if self.remat_policy not in REMAT_POLICIES:
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         return p

@@ -22,7 +22,7 @@ from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
-from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.layers.scan import batch_split, create_stack, run_stack
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE
@@ -53,14 +53,22 @@ class DecoderLayer(nnx.Module):
         self.is_moe = moe
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None
-                 ) -> tuple[jax.Array, jax.Array | None]:
-        """``(output [batch, seq, embed], chosen experts [batch, seq, k] or None for a dense layer)``."""
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``(output [batch, seq, embed], aux)``: for an MoE layer ``aux = (chosen experts [batch, seq, k],
+        (token, expert) pairs dropped over capacity (int32 scalar))``, for a dense layer None."""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
         if self.is_moe:
-            mlp_out, expert_idx = self.mlp(self.post_attn_norm(x))
+            mlp_out, expert_idx, dropped = self.mlp(self.post_attn_norm(x), return_dropped=True)
+            aux = (expert_idx, dropped)
         else:
-            mlp_out, expert_idx = self.mlp(self.post_attn_norm(x)), None
-        return shard(x + mlp_out, _BLE), expert_idx
+            mlp_out, aux = self.mlp(self.post_attn_norm(x)), None
+        return shard(x + mlp_out, _BLE), aux
+
+    def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, factor: int
+                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``self(x, cos, sin, mask)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same output
+        (dropless), with exactly ``x``'s sharding."""
+        return batch_split(lambda h, m: self(h, cos, sin, m), x, mask, factor=factor)
 
 
 class MTPHead(nnx.Module):
@@ -94,7 +102,8 @@ class DeepSeekV3Output(NamedTuple):
     ``embeddings`` [b, s, e]; ``layer_outputs`` [num_hidden_layers, b, s, e] (each decoder layer's output,
     before the final norm); ``final_hidden`` [b, s, e] (after it); ``expert_indices`` [num_moe_layers, b, s, k];
     ``mtp_logits`` [num_nextn_predict_layers, b, s, vocab], where depth ``k`` at position ``i`` predicts token
-    ``i + k + 1``.
+    ``i + k + 1``; ``dropped_tokens`` [num_moe_layers] int32: (token, expert) pairs each MoE layer dropped over
+    capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; zeros when dropless).
     """
 
     logits: jax.Array
@@ -103,6 +112,7 @@ class DeepSeekV3Output(NamedTuple):
     final_hidden: jax.Array | None = None
     expert_indices: jax.Array | None = None
     mtp_logits: jax.Array | None = None
+    dropped_tokens: jax.Array | None = None
 
 
 class DeepSeekV3(nnx.Module):
@@ -204,8 +214,11 @@ class DeepSeekV3(nnx.Module):
         run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
 
         def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
-            h, expert_idx = layer(h, cos, sin, mask)
-            return h, ((h, expert_idx) if return_aux else None)
+            if layer.is_moe and c.batch_split_factor > 1:
+                h, aux = layer.batch_split(h, cos, sin, mask, c.batch_split_factor)
+            else:
+                h, aux = layer(h, cos, sin, mask)
+            return h, ((h, aux) if return_aux else None)
 
         h, per_layer = embeddings, []
         for stack in (self.dense_layers, self.moe_layers):
@@ -218,9 +231,10 @@ class DeepSeekV3(nnx.Module):
         if not return_aux:
             return logits if mtp_logits is None else DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits)
         layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
-        expert_indices = per_layer[-1][1] if self.moe_layers is not None else None
+        expert_indices, dropped = per_layer[-1][1] if self.moe_layers is not None else (None, None)
         return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
-                                final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits)
+                                final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits,
+                                dropped_tokens=dropped)
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
              final_hidden: jax.Array, run: dict[str, Any]) -> jax.Array:

@@ -76,7 +76,10 @@ class DeepSeekMoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, *, return_dropped: bool = False
+                 ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
+        """``(out, expert_idx)``; with ``return_dropped`` also the number of (token, expert) pairs dropped over
+        capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0), an int32 scalar."""
         c = self.config
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
@@ -87,9 +90,11 @@ class DeepSeekMoE(nnx.Module):
                                _T_EXPERTS)
         idx, weights = route(shard(logits, _T_EXPERTS), self.e_score_correction_bias[...], c)
 
-        out = self.experts(tokens, idx, weights, impl=c.moe_impl)
+        out, dropped = self.experts(tokens, idx, weights, impl=c.moe_impl, capacity_factor=c.moe_capacity_factor,
+                                    return_dropped=True)
         out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out, _BLE), in_sharding)
-        return out, idx.reshape(batch, seq, c.num_experts_per_tok)
+        idx = idx.reshape(batch, seq, c.num_experts_per_tok)
+        return (out, idx, dropped) if return_dropped else (out, idx)

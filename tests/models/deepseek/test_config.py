@@ -17,7 +17,8 @@ from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.models.deepseek.config import PRESETS
 from nnx_zoo.sharding import abstract_module
 
-NNX_ONLY = ("dtype", "param_dtype", "moe_impl", "scan_layers", "remat_policy")
+NNX_ONLY = ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "batch_split_factor", "scan_layers",
+            "remat_policy")
 
 
 def hf_fields(c: DeepSeekV3Config) -> dict:
