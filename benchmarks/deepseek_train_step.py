@@ -10,6 +10,7 @@ same config and same batch, tokens/s = batch * seq / seconds per step. Contender
               matmuls over a fused (expert, width) axis (`dense2d_swiglu`: removes a transposing SwiGLU-backward
               fusion that costs ~half of the MoE block)
   jax-dense2d+ce  the same, plus a cross-entropy with a hand-written one-pass backward (custom_vjp)
+  jax-dense2d+ce+head  the same, plus the lm_head matmul with a hand-written backward (`lm_head_matmul`)
   torch-Nt    transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(N)
               (N = 2, the brief's setting, and 1: on a shared, oversubscribed 2-core box torch's 2-thread
               OpenMP regions can stall badly), default experts implementation (grouped_mm) and sdpa attention
@@ -148,6 +149,48 @@ def dense2d_patch():
 
 
 @jax.custom_vjp
+def lm_head_matmul(x, kernel):
+    """`x [B, S, H] @ kernel [H, V]` with a hand-written backward. Autodiff of the einsum lets XLA:CPU compute the
+    kernel gradient from a transposed copy of the [B*S, V] logits cotangent (a strided-store fusion over the
+    largest tensor of the step); here `dW = x^T @ g` transposes the small operand and keeps `g` row-major."""
+    return jnp.einsum("bsh,hv->bsv", x, kernel)
+
+
+def _lm_head_fwd(x, kernel):
+    return lm_head_matmul(x, kernel), (x, kernel)
+
+
+def _lm_head_bwd(res, g):
+    x, kernel = res
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    return jnp.dot(g2, kernel.T).reshape(x.shape), jnp.dot(x2.T, g2)
+
+
+lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
+@contextlib.contextmanager
+def dense2d_head_patch():
+    """`dense2d_patch` plus DeepSeekV3's untied lm_head routed through `lm_head_matmul` (single device)."""
+    from nnx_zoo.models.deepseek import model as model_mod
+
+    original = model_mod.DeepSeekV3._logits
+
+    def _logits(self, hidden):
+        if self.lm_head is None or not jax.sharding.get_abstract_mesh().empty:
+            return original(self, hidden)
+        dtype = self.lm_head.dtype
+        return lm_head_matmul(hidden.astype(dtype), self.lm_head.kernel[...].astype(dtype))
+
+    model_mod.DeepSeekV3._logits = _logits
+    try:
+        with dense2d_patch():
+            yield
+    finally:
+        model_mod.DeepSeekV3._logits = original
+
+
+@jax.custom_vjp
 def fused_token_cross_entropy(logits, targets, mask):
     """Summed token cross-entropy with a hand-written backward: one pass `mask * (softmax - onehot)` writes the
     logits' gradient. The trainer's autodiff version materializes two cotangents of the [B, S, V] logits (from
@@ -183,6 +226,7 @@ JAX_IMPLS = {
     "jax-tiled": ("gmm", tiled_gmm_patch, False),
     "jax-dense2d": ("dense", dense2d_patch, False),
     "jax-dense2d+ce": ("dense", dense2d_patch, True),
+    "jax-dense2d+ce+head": ("dense", dense2d_head_patch, True),
 }
 
 
