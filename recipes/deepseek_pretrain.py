@@ -123,6 +123,8 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-norm", type=float, default=1.0)
     g.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the multi-token-prediction loss")
+    g.add_argument("--routing-bias-rate", type=float, default=1e-3,
+                   help="aux-loss-free balancing: router bias step after each update (0: off; default %(default)s)")
     return p
 
 
@@ -176,8 +178,14 @@ def run(args: argparse.Namespace) -> int:
         rules=args.rules,
         accum_steps=args.accum_steps,
         mtp_weight=args.mtp_weight,
-        # The MTP heads only run (and cost) when their loss counts.
-        model_kwargs=(("with_mtp", True),) if config.num_nextn_predict_layers and args.mtp_weight > 0 else (),
+        # The MTP heads only run (and cost) when their loss counts; expert loads only when balancing uses them.
+        model_kwargs=tuple(
+            (name, True) for name, wanted in (
+                ("with_mtp", config.num_nextn_predict_layers > 0 and args.mtp_weight > 0),
+                ("with_expert_load", config.num_moe_layers > 0 and args.routing_bias_rate > 0),
+            ) if wanted
+        ),
+        routing_bias_rate=args.routing_bias_rate,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,

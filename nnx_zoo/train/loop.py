@@ -39,6 +39,7 @@ class TrainConfig:
     accum_steps: int = 1
     mtp_weight: float = 0.3
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
+    routing_bias_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off
     log_every: int = 1
     checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal
     keep_checkpoints: int = 3
@@ -63,6 +64,8 @@ class TrainConfig:
             problems.append("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
         if self.shard_mode not in ("auto", "explicit"):
             problems.append(f"shard_mode must be 'auto' or 'explicit', got {self.shard_mode!r}")
+        if self.routing_bias_rate < 0:
+            problems.append(f"routing_bias_rate must be >= 0, got {self.routing_bias_rate}")
         if self.mtp_weight < 0:
             problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
         if problems:
@@ -148,7 +151,8 @@ def train(
         start_step, data_state, _ = checkpoints.restore_into(state)
         data.set_state(data_state)
 
-    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))
+    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs",
+                                                   "routing_bias_rate"))
     schedule = learning_rate_schedule(config.optimizer, config.steps)
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
@@ -170,7 +174,8 @@ def train(
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
                 metrics = step_fn(state.model, state.optimizer, batch, accum_steps=config.accum_steps,
-                                  mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs)
+                                  mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
+                                  routing_bias_rate=config.routing_bias_rate)
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(

@@ -55,6 +55,9 @@ def loss_terms(
         # Scale so that the MTP term is mtp_weight * (mean over heads of the per-token MTP loss).
         total = total + mtp_weight / len(mtp_logits) * mtp_sum * tokens / jnp.maximum(mtp_tokens, 1.0)
         metrics[f"mtp{k + 1}_sum"] = mtp_sum
+    expert_load = getattr(out, "expert_load", None)
+    if expert_load is not None:
+        metrics["expert_load"] = jax.lax.stop_gradient(expert_load)
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
         total = total + aux_loss * tokens
@@ -81,12 +84,15 @@ def train_step(
     accum_steps: int = 1,
     mtp_weight: float = 0.0,
     model_kwargs: tuple[tuple[str, Any], ...] = (),
+    routing_bias_rate: float = 0.0,
 ) -> dict[str, Any]:
     """One optimizer step over ``batch``, accumulating gradients over ``accum_steps`` micro-batches.
 
     ``model_kwargs`` (pairs, static) are passed to the model call, e.g. ``(("with_mtp", True),)``. Jit it with
     ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))``; model and
-    optimizer are updated in place.
+    optimizer are updated in place. When the model reports ``expert_load`` (MoE models called with
+    ``with_expert_load``) and ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the
+    optimizer update (DeepSeek's aux-loss-free balancing).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -110,12 +116,17 @@ def train_step(
     grads = jax.tree.map(lambda g: g / tokens, grads)
     lr_step = optimizer.step[...]
     optimizer.update(model, grads)
+    if routing_bias_rate > 0 and "expert_load" in sums:
+        model.update_routing_bias(sums["expert_load"], routing_bias_rate)
     metrics = {
         "loss": sums["ce_sum"] / tokens,
         "grad_norm": optax.tree.norm(grads),
         "tokens": sums["tokens"],
         "step_index": lr_step,
     }
+    if "expert_load" in sums:  # max over mean load per MoE layer, averaged over layers (1 = perfectly balanced)
+        load = sums.pop("expert_load")
+        metrics["expert_max_over_mean"] = jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
     for name, value in sums.items():
         if name.startswith("mtp") or name == "aux_loss_sum":
             metrics[name.removesuffix("_sum")] = value / tokens

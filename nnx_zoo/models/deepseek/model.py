@@ -103,7 +103,8 @@ class DeepSeekV3Output(NamedTuple):
     before the final norm); ``final_hidden`` [b, s, e] (after it); ``expert_indices`` [num_moe_layers, b, s, k];
     ``mtp_logits`` [num_nextn_predict_layers, b, s, vocab], where depth ``k`` at position ``i`` predicts token
     ``i + k + 1``; ``dropped_tokens`` [num_moe_layers] int32: (token, expert) pairs each MoE layer dropped over
-    capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; zeros when dropless).
+    capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; zeros when dropless); ``expert_load``
+    [num_moe_layers, n_routed_experts] float32: how many (token, expert) pairs each routed expert received.
     """
 
     logits: jax.Array
@@ -113,6 +114,7 @@ class DeepSeekV3Output(NamedTuple):
     expert_indices: jax.Array | None = None
     mtp_logits: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
+    expert_load: jax.Array | None = None
 
 
 class DeepSeekV3(nnx.Module):
@@ -172,14 +174,17 @@ class DeepSeekV3(nnx.Module):
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, return_aux: bool = False,
-                 with_mtp: bool = False, segment_ids: jax.Array | None = None) -> jax.Array | DeepSeekV3Output:
+                 with_mtp: bool = False, segment_ids: jax.Array | None = None,
+                 with_expert_load: bool = False) -> jax.Array | DeepSeekV3Output:
         """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``; ``attention_mask [batch, seq]`` (1 =
         token, 0 = padding) may mark left padding. Positions are ``0..seq-1`` whatever the padding, as in HF's
         forward. ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states, chosen experts);
         ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]`` (packed training
-        data) keep attention inside each document."""
+        data) keep attention inside each document. ``with_expert_load`` adds each MoE layer's per-expert token
+        counts (``expert_load``), which ``update_routing_bias`` turns into DeepSeek's aux-loss-free balancing."""
         with use_rules(self.rules), self._parameter_mesh():
-            return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp)
+            return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp,
+                                 with_expert_load=with_expert_load)
 
     def _parameter_mesh(self) -> Any:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
@@ -204,7 +209,7 @@ class DeepSeekV3(nnx.Module):
         return self.lm_head(hidden, _BLV)
 
     def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None, *,
-                 return_aux: bool, with_mtp: bool) -> jax.Array | DeepSeekV3Output:
+                 return_aux: bool, with_mtp: bool, with_expert_load: bool = False) -> jax.Array | DeepSeekV3Output:
         c = self.config
         seq_len = input_ids.shape[1]
         positions = jnp.arange(seq_len)[None, :]
@@ -218,7 +223,12 @@ class DeepSeekV3(nnx.Module):
                 h, aux = layer.batch_split(h, cos, sin, mask, c.batch_split_factor)
             else:
                 h, aux = layer(h, cos, sin, mask)
-            return h, ((h, aux) if return_aux else None)
+            if return_aux:
+                return h, (h, aux)
+            if with_expert_load and aux is not None:
+                expert_idx = aux[0]
+                return h, jnp.sum(jax.nn.one_hot(expert_idx, c.n_routed_experts, dtype=jnp.float32), axis=(0, 1, 2))
+            return h, None
 
         h, per_layer = embeddings, []
         for stack in (self.dense_layers, self.moe_layers):
@@ -229,12 +239,26 @@ class DeepSeekV3(nnx.Module):
         logits = self._logits(final_hidden)
         mtp_logits = self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run) if with_mtp else None
         if not return_aux:
-            return logits if mtp_logits is None else DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits)
+            load = per_layer[-1] if with_expert_load and self.moe_layers is not None else None
+            if mtp_logits is None and load is None:
+                return logits
+            return DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits, expert_load=load)
         layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
         expert_indices, dropped = per_layer[-1][1] if self.moe_layers is not None else (None, None)
         return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
                                 final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits,
                                 dropped_tokens=dropped)
+
+    def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves
+        by ``rate`` toward balance, ``bias += rate * sign(mean load - load)`` (``expert_load [layers, experts]``
+        from ``model(..., with_expert_load=True)``). The bias only affects which experts are chosen."""
+        if self.moe_layers is None:
+            return
+        bias = self.moe_layers.mlp.e_score_correction_bias
+        load = expert_load.astype(jnp.float32)
+        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        bias[...] = bias[...] + step.astype(bias[...].dtype)
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
              final_hidden: jax.Array, run: dict[str, Any]) -> jax.Array:
