@@ -43,52 +43,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from moe_kernels import auto_tile, layer_tiled
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
 
 # ------------------------------------------------------------------------------------- prototype: tiled grouped mm
 
 
-def auto_tile(rows: int, groups: int) -> int:
-    """Largest power of two <= rows / (2 * groups), clamped to [8, 128] (padding <= half the useful rows)."""
-    tile = 8
-    while tile * 2 <= min(128, rows // (2 * groups)):
-        tile *= 2
-    return tile
-
-
 def tiled_swiglu(x, expert_idx, weights, wi_gate, wi_up, wo, *, tile: int | None = None):
-    """Routed SwiGLU experts as a dropless grouped matmul from XLA-friendly pieces (no ragged_dot).
-
-    Groups (tokens sorted by expert) are padded to a multiple of `tile` rows and laid out as [n_tiles, tile, H],
-    one expert per tile (n_tiles = ceil(T*k / tile) + E, a static bound); the expert weights are gathered per tile
-    and multiplied with batched einsums. FLOP overhead <= 1 + E * tile / (T * k); no masks, no G-fold work.
-    """
-    t, k = expert_idx.shape
-    g = wi_gate.shape[0]
-    m = t * k
-    tile = tile or auto_tile(m, g)
-    n_tiles = -(-m // tile) + g
-    flat = expert_idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=g).astype(jnp.int32)
-    padded = (sizes + tile - 1) // tile * tile
-    pend = jnp.cumsum(padded)
-    pstart = pend - padded
-    start = jnp.cumsum(sizes) - sizes
-    slot = jnp.arange(n_tiles * tile, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(pend, slot, side="right"), g - 1).astype(jnp.int32)
-    off = slot - pstart[grp]
-    valid = (off < sizes[grp]) & (slot < pend[-1])
-    assign = order[jnp.where(valid, start[grp] + off, 0)]
-    tok = assign // k
-    w_slot = jnp.where(valid, weights.reshape(-1)[assign].astype(x.dtype), 0)
-    xs = jnp.where(valid[:, None], x[tok], 0).reshape(n_tiles, tile, -1)
-    tile_e = grp[::tile]
-    gate = jnp.einsum("nbh,nhf->nbf", xs, wi_gate[tile_e])
-    up = jnp.einsum("nbh,nhf->nbf", xs, wi_up[tile_e])
-    y = jnp.einsum("nbf,nfh->nbh", jax.nn.silu(gate) * up, wo[tile_e]).reshape(n_tiles * tile, -1)
-    return jnp.zeros_like(x).at[tok].add(y * w_slot[:, None])
+    """Routed SwiGLU experts as a dropless tiled grouped matmul (``moe_kernels.layer_tiled``: tokens sorted by
+    expert into row tiles, one expert per tile, batched einsums; no ragged_dot), in RoutedExperts' argument order."""
+    tile = tile or auto_tile(expert_idx.size, wi_gate.shape[0])
+    return layer_tiled(x, wi_gate, wi_up, wo, expert_idx, weights.astype(x.dtype), tile=tile)
 
 
 @contextlib.contextmanager
