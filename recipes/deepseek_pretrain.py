@@ -74,7 +74,7 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default="deepseek3-tiny", help="preset name (default: %(default)s)")
-    g.add_argument("--moe-impl", choices=("dense", "gmm", "ep"),
+    g.add_argument("--moe-impl", choices=("auto", "dense", "gmm", "ep"),
                    help="MoE compute path (shortcut for --model.moe_impl)")
     g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
     hints = typing.get_type_hints(model_config_cls)

@@ -4,7 +4,7 @@ from nnx_zoo.layers.attention import causal_mask, dot_product_attention
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
-from nnx_zoo.layers.moe import RoutedExperts
+from nnx_zoo.layers.moe import RoutedExperts, default_moe_impl
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import YarnScaling, apply_rope, rope_cos_sin, rope_frequencies, yarn_mscale
 from nnx_zoo.layers.scan import REMAT_POLICIES, batch_split, create_stack, run_stack
@@ -22,6 +22,7 @@ __all__ = [
     "batch_split",
     "causal_mask",
     "create_stack",
+    "default_moe_impl",
     "dot_product_attention",
     "explicit_spec",
     "rope_cos_sin",

@@ -18,8 +18,9 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
   sorted into ``[local experts, capacity]`` slots and one batched einsum when ``capacity_factor`` is set:
   at most ``ceil(capacity_factor * tokens * k / E)`` tokens per expert, ``tokens`` being those the EP group
   sees, first come first served), and ``psum_scatter`` combines the partial sums back onto the token shards.
-  Without a mesh, or when ``exp`` resolves to no mesh axis of size > 1, it falls back to ``gmm`` (dropless) or
-  to the same capacity computation on the local tokens.
+  Without a mesh, or when ``exp`` resolves to no mesh axis of size > 1, it falls back to the backend's dropless
+  path (``default_moe_impl``) or to the same capacity computation on the local tokens.
+- ``auto`` picks ``dense`` or ``gmm`` for the backend by measurement (``default_moe_impl``).
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
-from nnx_zoo.layers.spec import ambient_mesh_or_none, resolve_activation, weight_einsum
+from nnx_zoo.layers.spec import (
+    ambient_mesh_or_none,
+    explicit_spec,
+    resolve_activation,
+    weight_einsum,
+    weight_einsum_to_spec,
+)
 from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
 
-MoeImpl = Literal["dense", "gmm", "ep"]
+MoeImpl = Literal["auto", "dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
 _TOKENS_TOPK = ("activation_tokens", "activation_topk")
 
@@ -83,6 +90,8 @@ class RoutedExperts(nnx.Module):
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``out [T, embed]``, or ``(out, dropped)`` with ``return_dropped``: ``dropped`` (int32 scalar) counts
         the (token, expert) pairs over capacity (always 0 when dropless). ``capacity_factor`` applies to ``ep``."""
+        if impl == "auto":
+            impl = default_moe_impl()
         if impl == "dense":
             out, dropped = self._dense(x, expert_idx, weights), jnp.zeros((), jnp.int32)
         elif impl == "gmm":
@@ -90,7 +99,7 @@ class RoutedExperts(nnx.Module):
         elif impl == "ep":
             out, dropped = self._ep(x, expert_idx, weights, capacity_factor)
         else:
-            raise ValueError(f"unknown MoE implementation {impl!r}; choose 'dense', 'gmm' or 'ep'")
+            raise ValueError(f"unknown MoE implementation {impl!r}; choose 'auto', 'dense', 'gmm' or 'ep'")
         if capacity_factor is not None and impl != "ep":
             raise ValueError(f"capacity_factor is only used by impl='ep', got impl={impl!r}")
         return (out, dropped) if return_dropped else out
@@ -104,8 +113,8 @@ class RoutedExperts(nnx.Module):
         combine = jnp.sum(jax.nn.one_hot(expert_idx, self.num_experts, dtype=weights.dtype) * weights[..., None], -2)
         h_names = ("activation_tokens", "activation_exp", "activation_moe_mlp")
         x = x.astype(self.dtype)
-        gate = weight_einsum("th,ehi->tei", x, wi_gate, h_names)
-        up = weight_einsum("th,ehi->tei", x, wi_up, h_names)
+        gate = _expert_in_proj(x, wi_gate, h_names)
+        up = _expert_in_proj(x, wi_up, h_names)
         h = shard(jax.nn.silu(gate) * up * combine[:, :, None].astype(self.dtype), h_names)
         return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS), _TOKENS)
 
@@ -143,7 +152,9 @@ class RoutedExperts(nnx.Module):
                 f"({math.prod(mesh.shape[a] for a in ep_axes)} shards)"
             )
         if not ep_axes and capacity_factor is None:
-            return self._gmm(x, expert_idx, weights), jnp.zeros((), jnp.int32)  # no EP: the local computation
+            # No EP axes: the backend's own dropless path.
+            local_path = self._dense if default_moe_impl() == "dense" else self._gmm
+            return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), ())
         if mesh is None:
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
@@ -166,6 +177,36 @@ class RoutedExperts(nnx.Module):
             out_specs=(tokens, PartitionSpec()),
         )(x, expert_idx, weights, wi_gate, wi_up, wo)
         return shard(out, _TOKENS), dropped
+
+
+def default_moe_impl(platform: str | None = None) -> MoeImpl:
+    """The MoE path ``impl="auto"`` runs on ``platform`` (default: JAX's default backend), chosen by measurement
+    (benchmarks/moe_kernels.py, benchmarks/README.md): XLA:CPU has no ragged-dot kernel and lowers
+    ``ragged_dot`` to a G-times masked dense dot, so ``gmm`` costs 1.5-2.5x the whole train step there and CPU
+    runs ``dense``; GPUs and TPUs have grouped-matmul kernels and run ``gmm``."""
+    platform = platform or jax.default_backend()
+    return "dense" if platform == "cpu" else "gmm"
+
+
+def _expert_in_proj(x: jax.Array, w: jax.Array, out_names: tuple[str, ...] | None = None) -> jax.Array:
+    """``x [T, H]`` through every expert's ``w [E, H, F]``: ``[T, E, F]``, computed as one row-major
+    ``[T, H] @ [H, E*F]`` matmul.
+
+    Why not ``einsum("th,ehi->tei")``: for that form XLA:CPU writes the ``[T, E, F]`` cotangent transposed
+    (strided stores) to compute the weight gradient, which alone cost about half of the MoE block; the fused form
+    keeps every matmul and gradient row-major (about 2x faster forward+backward, benchmarks/README.md) and the
+    transpose moves onto the much smaller weight. When the rules split ``F`` over devices the fused axis would not
+    be a block split of ``(E, F)``, so that case keeps the 3-D einsum.
+    """
+    num_tokens = x.shape[0]
+    experts, hidden, width = w.shape
+    spec = None if out_names is None else explicit_spec(out_names, (num_tokens, experts, width))
+    if spec is not None and _axes((list(spec) + [None] * 3)[2]):
+        return weight_einsum("th,ehi->tei", x, w, out_names)
+    fused = jnp.transpose(w, (1, 0, 2)).reshape(hidden, experts * width)
+    fused_spec = None if spec is None else PartitionSpec(*(list(spec) + [None] * 2)[:2])
+    out = weight_einsum_to_spec("th,hx->tx", x, fused, fused_spec)
+    return jnp.reshape(out, (num_tokens, experts, width), out_sharding=spec)
 
 
 def _replicate(w: jax.Array) -> jax.Array:
@@ -248,8 +289,8 @@ def _ep_shard(
 def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo):
     """Dropless: every local expert on every token, weighted by the combine weights (zero where not routed)."""
     combine = jnp.sum(jax.nn.one_hot(local_idx, wi_gate.shape[0], dtype=weights.dtype) * weights[..., None], -2)
-    gate = jnp.einsum("th,ehi->tei", x, wi_gate)
-    up = jnp.einsum("th,ehi->tei", x, wi_up)
+    gate = _expert_in_proj(x, wi_gate)
+    up = _expert_in_proj(x, wi_up)
     h = jax.nn.silu(gate) * up * combine[:, :, None].astype(x.dtype)
     return jnp.einsum("tei,eih->th", h, wo)
 

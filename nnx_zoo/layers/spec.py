@@ -59,9 +59,17 @@ def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Seq
     out_shape = tuple(
         x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
     )
-    out_spec = explicit_spec(out_names, out_shape)
+    return weight_einsum_to_spec(equation, x, weight, explicit_spec(out_names, out_shape))
+
+
+def weight_einsum_to_spec(
+    equation: str, x: jax.Array, weight: jax.Array, out_spec: PartitionSpec | None
+) -> jax.Array:
+    """`weight_einsum` with the output's spec given directly (None: no Explicit mesh, XLA decides)."""
     if out_spec is None:
         return jnp.einsum(equation, x, weight)
+    inputs, out_letters = equation.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
     x_axes = dict(zip(x_letters, _spec_entries(jax.typeof(x).sharding.spec, x.ndim)))
     out_axes = dict(zip(out_letters, _spec_entries(out_spec, len(out_letters))))
     used: set[str] = set()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 
-MOE_IMPLS = ("dense", "gmm", "ep")
+MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                        mscale=1.0, mscale_all_dim=1.0)
@@ -74,8 +74,9 @@ class DeepSeekV3Config:
     # ---- nnx_zoo only ----
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters
-    moe_impl: str = "gmm"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot;
-    # 'ep': expert parallelism over the mesh axes the rules map 'exp' to (falls back to 'gmm' without them)
+    moe_impl: str = "auto"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot;
+    # 'ep': expert parallelism over the mesh axes the rules map 'exp' to (falls back to 'gmm' without them);
+    # 'auto': the measured fastest of dense/gmm on the backend (nnx_zoo.layers.moe.default_moe_impl)
     moe_capacity_factor: float | None = None  # 'ep': <= ceil(cf * tokens * k / E) tokens per expert; None: dropless
     batch_split_factor: int = 1  # split each MoE layer's batch into this many micro-batches (1 = off)
     scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
@@ -302,7 +303,7 @@ def _load_json(dir_or_dict: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-_SMALL_DEFAULTS: dict[str, Any] = dict(rope_scaling=None, max_position_embeddings=4096, moe_impl="dense")
+_SMALL_DEFAULTS: dict[str, Any] = dict(rope_scaling=None, max_position_embeddings=4096)
 
 # name -> fields. Shapes of the real models are their published config.json values.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -314,7 +315,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=129280, hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=61,
         first_k_dense_replace=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=8,
-        n_group=1, topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0, moe_impl="dense",
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
     ),
     # ~10M parameters (8M of them embeddings): trains in minutes on a 2-core CPU.
     "deepseek3-mini": dict(
