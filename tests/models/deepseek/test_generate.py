@@ -252,6 +252,8 @@ def test_bad_arguments_are_explained(checkpoints):
     right_padded = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match=r"rows \[0\] end in padding: pad prompts on the left"):
         generate(model, ids, right_padded)
+    with pytest.raises(ValueError, match=r"rows \[0\] end in padding"):  # the method is the same function
+        model.generate(ids, right_padded, max_new_tokens=4)
     with pytest.raises(ValueError, match="add a batch dim"):
         generate(model, ids[0])
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
