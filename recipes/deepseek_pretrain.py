@@ -116,6 +116,9 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default="bytes",
                    help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
     g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon on the hidden weight matrices (per layer and expert), AdamW on embeddings, "
+                   "output head, norms (default: %(default)s)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--warmup-steps", type=int, default=5)
@@ -194,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
         optimizer=OptimizerConfig(
-            lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, schedule=args.schedule,
+            name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
+            schedule=args.schedule,
             weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
         data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,

@@ -51,10 +51,11 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
-def test_trains_on_local_jsonl_with_packing(tmp_path):
+def test_trains_on_local_jsonl_with_packing_and_muon(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document number {i} says hello."}) for i in range(40)) + "\n")
     run_dir = tmp_path / "run"
-    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus)]) == 0
+    args = ["--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus), "--optimizer", "muon"]
+    assert recipe.main([*SMALL, *args]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)
