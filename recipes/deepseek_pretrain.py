@@ -42,6 +42,18 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'5:7' -> (5, 7); '5' -> (5, 5)."""
+    first, _, last = text.partition(":")
+    try:
+        steps = (int(first), int(last or first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers such as 5:7, got {text!r}") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
 def _field_parser(annotation: Any):
     """A string -> value parser for a config field's type annotation ('none' means None where allowed)."""
     hint = annotation
@@ -92,6 +104,9 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, default=3)
     g.add_argument("--sync-checkpoints", action="store_true", help="save synchronously (default: async)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events (needs tensorboardX)")
+    g.add_argument("--profile-steps", type=parse_step_range, metavar="FIRST:LAST",
+                   help="write a JAX profiler trace of these steps (1-based, inclusive) to <run dir>/profile, "
+                   "e.g. 5:7 (view with TensorBoard's profile plugin or Perfetto)")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
     g.add_argument("--plan", action="store_true",
                    help="print the sharding report and per-device memory for the mesh, allocate nothing, exit")
@@ -195,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         async_checkpoints=not args.sync_checkpoints,
         seed=args.seed,
         tensorboard=args.tensorboard,
+        profile_steps=args.profile_steps,
         progress=not args.no_progress,
         optimizer=OptimizerConfig(
             name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
