@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print(report.table().split("\n\n", 1)[-1])
         return 0
 
+    with_mtp = config.num_nextn_predict_layers > 0 and args.mtp_weight > 0
     train_config = TrainConfig(
         steps=args.steps,
         run_dir=args.run_dir or f"runs/{args.model}",
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         # The MTP heads only run (and cost) when their loss counts; expert loads only when balancing uses them.
         model_kwargs=tuple(
             (name, True) for name, wanted in (
-                ("with_mtp", config.num_nextn_predict_layers > 0 and args.mtp_weight > 0),
+                ("with_mtp", with_mtp),
                 ("with_expert_load", config.num_moe_layers > 0 and args.routing_bias_rate > 0),
             ) if wanted
         ),
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: DeepSeekV3(config, rngs=nnx.Rngs(args.seed)),
         train_config,
         vocab_size=config.vocab_size,
-        flops_per_token=config.train_flops_per_token(args.seq_len),
+        flops_per_token=config.train_flops_per_token(args.seq_len, include_mtp=with_mtp),  # MTP heads count when run
     )
     print_summary(summary, train_config)
     return 0

@@ -20,7 +20,10 @@ SMALL = [
 
 def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--mesh", "fsdp=4,expert=2"]) == 0
+    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--mesh", "fsdp=4,expert=2",
+                        "--tensorboard", "--profile-steps", "2:2"]) == 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mtp1"):
