@@ -105,7 +105,8 @@ def muon_dimension_numbers(
     Batch dims: the layer-stack axes and ``exp``. The other dims of a kernel are laid out ``[inputs...,
     outputs...]``; ``kv`` joins the ``heads`` dim before it, so ``[embed, heads, kv]`` is the matrix
     ``embed x (heads*kv)`` and ``[heads, kv, embed]`` is ``(heads*kv) x embed``. Weights with a ``vocab``, ``norm``
-    or ``bias`` dim, or fewer than two matrix dims, return None (AdamW).
+    or ``bias`` dim, no names, or fewer than two matrix dims return None (AdamW). The MoE router ``[embed,
+    exp_router]`` is a hidden matrix like the others and takes Muon.
     """
     if not names or MUON_ADAMW_NAMES.intersection(names):
         return None
