@@ -42,7 +42,7 @@ def test_block_loss_matches_numpy_and_skips_padding():
     token_mask = np.ones((3, 12), bool)
     token_mask[1, :5] = False  # left padding
     token_mask[2] = False  # a sequence with no real token gets 0
-    _, chosen, balance = moe(x, token_mask=jnp.asarray(token_mask))
+    _, chosen, balance = nnx.jit(lambda m, x, t: m(x, token_mask=t))(moe, x, jnp.asarray(token_mask))
     expected = numpy_balance_loss(np.asarray(x), np.asarray(moe.router[...]), np.asarray(chosen), token_mask, ALPHA)
     np.testing.assert_allclose(np.asarray(balance), expected, rtol=1e-5)
     assert expected[0] > 0 and expected[2] == 0
@@ -53,7 +53,7 @@ def test_block_loss_matches_numpy_and_skips_padding():
 
 def _moe_input(model, ids, attention_mask):
     """The MoE layer's input (post-attention norm), rebuilt from the model's pieces and the dense layer's output."""
-    out = model(ids, attention_mask=attention_mask, return_aux=True)
+    out = nnx.jit(lambda m, i, a: m(i, attention_mask=a, return_aux=True))(model, ids, attention_mask)
     graphdef, state = nnx.split(model.moe_layers)
     layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
     cos, sin = model._rope(jnp.arange(ids.shape[1])[None, :])
@@ -72,12 +72,12 @@ def test_model_aux_loss_is_the_mean_over_sequences_and_alpha_zero_changes_nothin
                                       np.asarray(attention_mask, bool), ALPHA)
     expected = per_sequence[:3].mean()  # row 3 is all padding: left out of the mean
     np.testing.assert_allclose(float(out.aux_loss), expected, rtol=1e-5)
-    plain_call = model(ids, attention_mask=attention_mask)
+    plain_call = nnx.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, attention_mask)
     np.testing.assert_allclose(float(plain_call.aux_loss), expected, rtol=1e-5)
 
     # alpha = 0 (the default): the call returns bare logits, identical, and nothing is added to the loss.
     model.config = small_config(num_nextn_predict_layers=0)
-    off = model(ids, attention_mask=attention_mask)
+    off = nnx.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, attention_mask)
     assert isinstance(off, jax.Array)
     np.testing.assert_array_equal(np.asarray(off), np.asarray(plain_call.logits))
 
@@ -85,10 +85,11 @@ def test_model_aux_loss_is_the_mean_over_sequences_and_alpha_zero_changes_nothin
 def test_aux_loss_is_the_same_on_an_explicit_sharded_mesh():
     config = small_config(seq_aux_loss_alpha=ALPHA, num_nextn_predict_layers=0, batch_split_factor=2)
     ids = jax.random.randint(jax.random.key(3), (16, 8), 0, config.vocab_size)
-    single = DeepSeekV3.create(config)(ids).aux_loss
+    aux_loss = jax.jit(lambda m, i: m(i).aux_loss)
+    single = aux_loss(DeepSeekV3.create(config), ids)
     mesh = make_mesh({"fsdp": 4, "expert": 2}, shard_mode="explicit")
     sharded = DeepSeekV3.create(config, mesh=mesh)
     with jax.set_mesh(mesh):
         ids = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "expert"))))
-        value = jax.jit(lambda m, i: m(i).aux_loss)(sharded, ids)
+        value = aux_loss(sharded, ids)
     np.testing.assert_allclose(float(value), float(single), rtol=1e-5)
