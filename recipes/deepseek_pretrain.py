@@ -42,6 +42,18 @@ def parse_mesh(text: str) -> dict[str, int]:
     return sizes
 
 
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'5:7' -> (5, 7); '5' -> (5, 5)."""
+    first, _, last = text.partition(":")
+    try:
+        steps = (int(first), int(last or first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers such as 5:7, got {text!r}") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
 def _field_parser(annotation: Any):
     """A string -> value parser for a config field's type annotation ('none' means None where allowed)."""
     hint = annotation
@@ -92,6 +104,9 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--keep-checkpoints", type=int, default=3)
     g.add_argument("--sync-checkpoints", action="store_true", help="save synchronously (default: async)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events (needs tensorboardX)")
+    g.add_argument("--profile-steps", type=parse_step_range, metavar="FIRST:LAST",
+                   help="write a JAX profiler trace of these steps (1-based, inclusive) to <run dir>/profile, "
+                   "e.g. 5:7 (view with TensorBoard's profile plugin or Perfetto)")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
     g.add_argument("--plan", action="store_true",
                    help="print the sharding report and per-device memory for the mesh, allocate nothing, exit")
@@ -116,6 +131,9 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default="bytes",
                    help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
     g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon on the hidden weight matrices (per layer and expert), AdamW on embeddings, "
+                   "output head, norms (default: %(default)s)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--warmup-steps", type=int, default=5)
@@ -170,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         print(report.table().split("\n\n", 1)[-1])
         return 0
 
+    with_mtp = config.num_nextn_predict_layers > 0 and args.mtp_weight > 0
     train_config = TrainConfig(
         steps=args.steps,
         run_dir=args.run_dir or f"runs/{args.model}",
@@ -181,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         # The MTP heads only run (and cost) when their loss counts; expert loads only when balancing uses them.
         model_kwargs=tuple(
             (name, True) for name, wanted in (
-                ("with_mtp", config.num_nextn_predict_layers > 0 and args.mtp_weight > 0),
+                ("with_mtp", with_mtp),
                 ("with_expert_load", config.num_moe_layers > 0 and args.routing_bias_rate > 0),
             ) if wanted
         ),
@@ -192,9 +211,11 @@ def run(args: argparse.Namespace) -> int:
         async_checkpoints=not args.sync_checkpoints,
         seed=args.seed,
         tensorboard=args.tensorboard,
+        profile_steps=args.profile_steps,
         progress=not args.no_progress,
         optimizer=OptimizerConfig(
-            lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps, schedule=args.schedule,
+            name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
+            schedule=args.schedule,
             weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
         data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
@@ -208,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: DeepSeekV3(config, rngs=nnx.Rngs(args.seed)),
         train_config,
         vocab_size=config.vocab_size,
-        flops_per_token=config.train_flops_per_token(args.seq_len),
+        flops_per_token=config.train_flops_per_token(args.seq_len, include_mtp=with_mtp),  # MTP heads count when run
     )
     print_summary(summary, train_config)
     return 0

@@ -77,8 +77,10 @@ def state_shardings(
 ) -> list[NamedSharding]:
     """NamedShardings for the leaves of ``state`` (in ``jax.tree.leaves`` order)."""
     rules = get_rules(rules)
+    # A Variable may hold no array at all (optax's MaskedNode, in the state of an optimizer that partitions the
+    # parameters, e.g. Muon + AdamW): it has no leaf, so it gets no sharding.
     return [NamedSharding(mesh, variable_spec(path, var, rules, mesh, strict=strict)) for path, var in
-            iter_variables(state)]
+            iter_variables(state) if jax.tree.leaves(var.get_value())]
 
 
 def abstract_module(make: Callable[[], M]) -> M:

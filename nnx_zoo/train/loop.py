@@ -46,6 +46,7 @@ class TrainConfig:
     async_checkpoints: bool = True
     seed: int = 0
     tensorboard: bool = False
+    profile_steps: tuple[int, int] | None = None  # (first, last) step, 1-based, inclusive: JAX trace in run_dir/profile
     progress: bool = True
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -68,6 +69,8 @@ class TrainConfig:
             problems.append(f"routing_bias_rate must be >= 0, got {self.routing_bias_rate}")
         if self.mtp_weight < 0:
             problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
+        if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
         if problems:
             raise ValueError("invalid training settings: " + "; ".join(problems))
 
@@ -119,6 +122,27 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+class _Profiler:
+    """Runs a JAX profiler trace (``jax.profiler.start_trace``) around steps ``first..last`` (1-based)."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: Path):
+        self.steps, self.directory, self.active = steps, directory, False
+
+    def before(self, step: int) -> None:
+        if self.steps is not None and step == self.steps[0]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.steps[1]:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
@@ -157,6 +181,7 @@ def train(
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
+    profiler = _Profiler(config.profile_steps, run_dir / "profile")
 
     saved = [start_step]
 
@@ -171,6 +196,7 @@ def train(
     try:
         with _StopSignal() as stop, jax.set_mesh(mesh):
             while step < config.steps and stop.received is None:
+                profiler.before(step + 1)
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
                 metrics = step_fn(state.model, state.optimizer, batch, accum_steps=config.accum_steps,
@@ -184,6 +210,7 @@ def train(
                         "rate or check the data, then rerun to resume from it."
                     )
                 step += 1
+                profiler.after(step)  # float(loss) above waited for the step, so the trace holds all of it
                 losses.append(loss)
                 window_tokens += float(metrics["tokens"])
                 if after_step is not None:
@@ -212,6 +239,7 @@ def train(
                 save(step)
             summary["stopped_by_signal"] = stop.received
     finally:
+        profiler.stop()
         progress.close()
         checkpoints.close()
         writer.close()

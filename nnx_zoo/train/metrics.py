@@ -55,7 +55,13 @@ def peak_flops_per_device() -> tuple[float, str]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``<run dir>/metrics.jsonl`` (and TensorBoard if asked)."""
+    """Appends one JSON object per logged step to ``<run dir>/metrics.jsonl``; with ``tensorboard``, also writes
+    every finite number of it as a TensorBoard scalar (tag = the JSON key) under ``<run dir>/tensorboard``.
+
+    >>> writer = MetricsWriter("runs/demo", tensorboard=True)
+    >>> writer.write({"step": 1, "loss": 5.2})
+    >>> writer.close()
+    """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = False, enabled: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -65,9 +71,11 @@ class MetricsWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 try:
-                    from tensorboardX import SummaryWriter  # optional, not a dependency
+                    from tensorboardX import SummaryWriter  # the optional `tensorboard` extra
                 except ImportError as err:
-                    raise RuntimeError("--tensorboard needs tensorboardX: pip install tensorboardX") from err
+                    raise RuntimeError(
+                        "--tensorboard needs tensorboardX: pip install 'nnx-zoo[tensorboard]' (or tensorboardX)"
+                    ) from err
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:

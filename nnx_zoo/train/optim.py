@@ -1,25 +1,39 @@
 """Optimizers and learning-rate schedules.
 
-AdamW with warmup + cosine or WSD schedules and global-norm clipping. Weight decay skips parameters
-whose logical names say they are norm scales or biases: the Variables carry that knowledge, so no path regexes.
+AdamW (or Muon for the hidden weight matrices) with warmup + cosine or WSD schedules and global-norm clipping.
+Weight decay skips parameters whose logical names say they are norm scales or biases, and Muon's matrix view of
+each weight comes from its logical names too: the Variables carry that knowledge, so no path regexes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import optax
 from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+from nnx_zoo.sharding import logical_names, shard_mode_of
 
 NO_DECAY_NAMES = frozenset({"norm", "bias"})
+# Muon: leading stack axes and the expert index are batch dims (one matrix per layer and per expert); weights
+# with a vocabulary dim (embedding, output head), norm scales and biases stay on AdamW, as in Muon practice.
+MUON_BATCH_NAMES = frozenset({"dense_layers", "moe_layers", "mtp_layers", "exp"})
+MUON_ADAMW_NAMES = frozenset({"vocab", "norm", "bias"})
+# Dims that belong to the one before them in a kernel's matrix view: a head's features ride with its head.
+MUON_JOINED_NAMES = {"kv": "heads"}
+# Moonlight's consistent-RMS scale (Liu et al. 2025): Muon updates get AdamW's typical RMS, so one learning rate
+# and one weight decay serve both halves of the optimizer.
+MUON_CONSISTENT_RMS = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """What the optimizer does; every field is a recipe flag (``--lr``, ``--schedule``, ...)."""
 
+    name: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of ``lr``
     warmup_steps: int = 10
@@ -30,9 +44,16 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0  # global-norm clipping; 0 turns it off
+    muon_beta: float = 0.95  # Muon's (Nesterov) momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
 
     def __post_init__(self) -> None:
         problems = []
+        if self.name not in ("adamw", "muon"):
+            problems.append(f"optimizer must be 'adamw' or 'muon', got {self.name!r}")
+        if not 0 <= self.muon_beta < 1 or self.muon_ns_steps < 1:
+            problems.append(f"muon_beta must be in [0, 1) and muon_ns_steps >= 1, got {self.muon_beta}, "
+                            f"{self.muon_ns_steps}")
         if self.schedule not in ("cosine", "wsd", "constant"):
             problems.append(f"schedule must be 'cosine', 'wsd' or 'constant', got {self.schedule!r}")
         if not self.lr > 0:
@@ -76,11 +97,94 @@ def decay_mask(model: nnx.Module) -> nnx.State:
     return jax.tree.map(decays, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def muon_dimension_numbers(
+    names: tuple[str | None, ...] | None, shape: tuple[int, ...] = (), path: str = "parameter"
+) -> MuonDimensionNumbers | None:
+    """How Muon sees a weight with these logical names as a batch of matrices, or None for AdamW.
+
+    Batch dims: the layer-stack axes and ``exp``. The other dims of a kernel are laid out ``[inputs...,
+    outputs...]``; ``kv`` joins the ``heads`` dim before it, so ``[embed, heads, kv]`` is the matrix
+    ``embed x (heads*kv)`` and ``[heads, kv, embed]`` is ``(heads*kv) x embed``. Weights with a ``vocab``, ``norm``
+    or ``bias`` dim, no names, or fewer than two matrix dims return None (AdamW). The MoE router ``[embed,
+    exp_router]`` is a hidden matrix like the others and takes Muon.
+    """
+    if not names or MUON_ADAMW_NAMES.intersection(names):
+        return None
+    if None in names:
+        raise ValueError(f"{path}: Muon needs a logical name on every dim to find its matrix view, got {names}")
+    groups: list[list[int]] = []  # runs of dims that form one side of the matrix
+    for axis, name in enumerate(names):
+        if name in MUON_BATCH_NAMES:
+            continue
+        joins = groups and names[groups[-1][-1]] == MUON_JOINED_NAMES.get(name) and groups[-1][-1] == axis - 1
+        if joins:
+            groups[-1].append(axis)
+        else:
+            groups.append([axis])
+    if len(groups) < 2:
+        return None  # a vector per batch entry (e.g. a stacked bias): nothing to orthogonalize
+    if len(groups) > 2:
+        raise ValueError(
+            f"{path}: cannot tell the input dims from the output dims of a weight with logical names {names} "
+            f"(shape {shape}): Muon expects [batch..., inputs..., outputs...] with multi-dim sides joined as in "
+            f"{MUON_JOINED_NAMES}; extend MUON_JOINED_NAMES / MUON_BATCH_NAMES in nnx_zoo/train/optim.py, or use "
+            "--optimizer adamw"
+        )
+    return MuonDimensionNumbers(reduction_axis=tuple(groups[0]), output_axis=tuple(groups[1]))
+
+
+def muon_weight_dimension_numbers(model: nnx.Module) -> nnx.State:
+    """``muon_dimension_numbers`` of every parameter (None where AdamW takes it), as a tree like the params."""
+    def dims(path: tuple[Any, ...], variable: nnx.Variable) -> MuonDimensionNumbers | None:
+        dotted = ".".join(str(getattr(k, "key", k)) for k in path)
+        return muon_dimension_numbers(logical_names(variable), variable.shape, dotted)
+
+    return jax.tree.map_with_path(dims, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _in_auto_axes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` with its update traced in Auto mode under an Explicit mesh, outputs keeping their input shardings.
+
+    Newton-Schulz multiplies a sharded matrix by its transpose: under Explicit axes that dot has its contraction
+    dim sharded on both sides and no single right output sharding, so JAX refuses it; ``auto_axes`` lets XLA pick
+    the collectives inside and reshards the results back to the parameters' (and optimizer state's) layouts.
+    """
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or shard_mode_of(mesh) != "explicit":
+            return tx.update(updates, state, params)
+        out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding, (updates, state))
+        return jax.sharding.auto_axes(tx.update, out_sharding=out_sharding)(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def _muon(config: OptimizerConfig, model: nnx.Module, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Muon (``optax.contrib.muon``) on the hidden matrices, the same AdamW as ``name='adamw'`` on the rest."""
+    dims = muon_weight_dimension_numbers(model)
+    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
+
+    def muon_dims(masked: Any) -> Any:  # optax hands the Muon half its params with the AdamW ones masked out
+        return jax.tree.map(lambda d, x: x if d is None else d, dims, masked, is_leaf=is_dims)
+
+    muon = optax.contrib.muon(
+        schedule, ns_steps=config.muon_ns_steps, beta=config.muon_beta, weight_decay=config.weight_decay,
+        muon_weight_dimension_numbers=muon_dims, consistent_rms=MUON_CONSISTENT_RMS,
+    )
+    adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                        mask=decay_mask(model))
+    return optax.partition({"muon": _in_auto_axes(muon), "adamw": adamw}, labels)
+
+
 def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
-    """The full gradient transformation: global-norm clipping, then AdamW on the schedule."""
+    """The full gradient transformation: global-norm clipping, then AdamW (or Muon + AdamW) on the schedule."""
     schedule = learning_rate_schedule(config, total_steps)
-    opt = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                      mask=decay_mask(model))
+    if config.name == "muon":
+        opt = _muon(config, model, schedule)
+    else:
+        opt = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                          mask=decay_mask(model))
     if config.clip_norm:
         return optax.chain(optax.clip_by_global_norm(config.clip_norm), opt)
     return opt

@@ -20,7 +20,10 @@ SMALL = [
 
 def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--mesh", "fsdp=4,expert=2"]) == 0
+    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--mesh", "fsdp=4,expert=2",
+                        "--tensorboard", "--profile-steps", "2:2"]) == 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "mtp1"):
@@ -51,10 +54,11 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
-def test_trains_on_local_jsonl_with_packing(tmp_path):
+def test_trains_on_local_jsonl_with_packing_and_muon(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document number {i} says hello."}) for i in range(40)) + "\n")
     run_dir = tmp_path / "run"
-    assert recipe.main([*SMALL, "--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus)]) == 0
+    args = ["--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus), "--optimizer", "muon"]
+    assert recipe.main([*SMALL, *args]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)

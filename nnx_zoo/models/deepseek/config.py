@@ -81,6 +81,8 @@ class DeepSeekV3Config:
     batch_split_factor: int = 1  # split each MoE layer's batch into this many micro-batches (1 = off)
     scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    seq_aux_loss_alpha: float = 0.0  # weight of the sequence-wise balance loss (V3 paper eq. 17-20); 0 = off.
+    # When > 0 the model's call returns a DeepSeekV3Output whose aux_loss the trainer adds to the loss.
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -134,6 +136,8 @@ class DeepSeekV3Config:
                          "the other paths are dropless")
         if not isinstance(self.batch_split_factor, int) or self.batch_split_factor < 1:
             p.append(f"batch_split_factor must be a positive integer (1 = off), got {self.batch_split_factor!r}")
+        if not isinstance(self.seq_aux_loss_alpha, (int, float)) or self.seq_aux_loss_alpha < 0:
+            p.append(f"seq_aux_loss_alpha must be a number >= 0 (0 = off), got {self.seq_aux_loss_alpha!r}")
         if self.remat_policy not in REMAT_POLICIES:
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         return p

@@ -38,6 +38,16 @@ def _dtypes(c: DeepSeekV3Config) -> dict[str, Any]:
     return dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
 
 
+def _mean_over_sequences(balance: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+    """Per-layer, per-sequence balance losses ``[layers, batch]`` -> their sum over layers (as DeepSeek's own
+    code adds each MoE layer's loss), averaged over the sequences holding at least one real token."""
+    per_sequence = jnp.sum(balance, axis=0)
+    if attention_mask is None:
+        return jnp.mean(per_sequence)
+    has_tokens = jnp.any(attention_mask.astype(bool), axis=-1).astype(jnp.float32)
+    return jnp.sum(per_sequence * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + MLA(norm(x))``, then ``+ MLP(norm(.))`` (dense SwiGLU, or the MoE block)."""
 
@@ -54,16 +64,23 @@ class DecoderLayer(nnx.Module):
         self.is_moe = moe
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
         """``(output [batch, seq, embed], aux)``: for an MoE layer ``aux = (chosen experts [batch, seq, k],
-        (token, expert) pairs dropped over capacity (int32 scalar))``, for a dense layer None."""
+        (token, expert) pairs dropped over capacity (int32 scalar), sequence-wise balance loss [batch])``, for a
+        dense layer None. (XLA drops the balance loss when nothing uses it.)"""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
-        return self._feed_forward(x)
+        seq = x.shape[1]
+        # A token is real (not padding) when it may attend to itself.
+        token_mask = (jnp.ones((1, seq), bool) if mask is None
+                      else jnp.any(mask[:, 0] & jnp.eye(seq, dtype=bool), axis=-1))
+        return self._feed_forward(x, token_mask)
 
-    def _feed_forward(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    def _feed_forward(self, x: jax.Array, token_mask: jax.Array
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
         if self.is_moe:
-            mlp_out, expert_idx, dropped = self.mlp(self.post_attn_norm(x), return_dropped=True)
-            aux = (expert_idx, dropped)
+            mlp_out, expert_idx, dropped, balance = self.mlp(self.post_attn_norm(x), return_dropped=True,
+                                                             token_mask=token_mask)
+            aux = (expert_idx, dropped, balance)
         else:
             mlp_out, aux = self.mlp(self.post_attn_norm(x)), None
         return shard(x + mlp_out, _BLE), aux
@@ -74,7 +91,7 @@ class DecoderLayer(nnx.Module):
         rope_cache)`` with the new tokens written at slots ``start .. start + t``."""
         attn, latent_cache, rope_cache = self.attn.decode(self.input_norm(x), cos, sin, latent_cache, rope_cache,
                                                           start, mask)
-        x, _ = self._feed_forward(shard(x + attn, _BLE))
+        x, _ = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
         return x, latent_cache, rope_cache
 
     def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, factor: int
@@ -117,7 +134,9 @@ class DeepSeekV3Output(NamedTuple):
     ``mtp_logits`` [num_nextn_predict_layers, b, s, vocab], where depth ``k`` at position ``i`` predicts token
     ``i + k + 1``; ``dropped_tokens`` [num_moe_layers] int32: (token, expert) pairs each MoE layer dropped over
     capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; zeros when dropless); ``expert_load``
-    [num_moe_layers, n_routed_experts] float32: how many (token, expert) pairs each routed expert received.
+    [num_moe_layers, n_routed_experts] float32: how many (token, expert) pairs each routed expert received;
+    ``aux_loss`` (scalar, when ``seq_aux_loss_alpha > 0``): the sequence-wise balance loss, averaged over the
+    sequences that hold a real token and summed over the MoE layers (MTP heads excluded).
     """
 
     logits: jax.Array
@@ -128,6 +147,7 @@ class DeepSeekV3Output(NamedTuple):
     mtp_logits: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
     expert_load: jax.Array | None = None
+    aux_loss: jax.Array | None = None
 
 
 class DeepSeekV3(nnx.Module):
@@ -197,7 +217,8 @@ class DeepSeekV3(nnx.Module):
         chosen experts); ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]``
         (packed training data) keep attention inside each document. ``with_expert_load`` adds each MoE layer's
         per-expert token counts (``expert_load``), which ``update_routing_bias`` turns into DeepSeek's
-        aux-loss-free balancing."""
+        aux-loss-free balancing. With ``config.seq_aux_loss_alpha > 0`` the call returns a ``DeepSeekV3Output``
+        carrying ``aux_loss``."""
         with use_rules(self.rules), self._parameter_mesh():
             return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp,
                                  with_expert_load=with_expert_load, position_ids=position_ids)
@@ -307,30 +328,35 @@ class DeepSeekV3(nnx.Module):
                 h, aux = layer(h, cos, sin, mask)
             if return_aux:
                 return h, (h, aux)
-            if with_expert_load and aux is not None:
-                expert_idx = aux[0]
-                return h, jnp.sum(jax.nn.one_hot(expert_idx, c.n_routed_experts, dtype=jnp.float32), axis=(0, 1, 2))
-            return h, None
+            if aux is None:
+                return h, (None, None)
+            expert_idx, _, balance = aux
+            load = jnp.sum(jax.nn.one_hot(expert_idx, c.n_routed_experts, dtype=jnp.float32), axis=(0, 1, 2))
+            return h, (load if with_expert_load else None, balance if c.seq_aux_loss_alpha > 0 else None)
 
-        h, per_layer = embeddings, []
+        h, per_layer, moe_outs = embeddings, [], None
         for stack in (self.dense_layers, self.moe_layers):
             if stack is not None:
                 h, outs = run_stack(stack, layer_body, h, **run)
                 per_layer.append(outs)
+                moe_outs = outs if stack is self.moe_layers else None
         final_hidden = self.norm(h)
         logits = self._logits(final_hidden)
         mtp_logits = (self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions) if with_mtp
                       else None)
         if not return_aux:
-            load = per_layer[-1] if with_expert_load and self.moe_layers is not None else None
-            if mtp_logits is None and load is None:
+            load, balance = moe_outs if moe_outs is not None else (None, None)
+            aux_loss = None if balance is None else _mean_over_sequences(balance, attention_mask)
+            if mtp_logits is None and load is None and aux_loss is None:
                 return logits
-            return DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits, expert_load=load)
+            return DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits, expert_load=load, aux_loss=aux_loss)
         layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
-        expert_indices, dropped = per_layer[-1][1] if self.moe_layers is not None else (None, None)
+        expert_indices, dropped, balance = moe_outs[1] if moe_outs is not None else (None, None, None)
+        aux_loss = None if balance is None or c.seq_aux_loss_alpha == 0 else _mean_over_sequences(
+            balance, attention_mask)
         return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
                                 final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits,
-                                dropped_tokens=dropped)
+                                dropped_tokens=dropped, aux_loss=aux_loss)
 
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves

@@ -49,6 +49,32 @@ def route(
     return idx, weights * c.routed_scaling_factor
 
 
+def sequence_balance_loss(
+    logits: jax.Array, idx: jax.Array, token_mask: jax.Array, config: DeepSeekV3Config
+) -> jax.Array:
+    """DeepSeek-V3's complementary sequence-wise balance loss (paper eq. 17-20), one value per sequence.
+
+    For router ``logits [B*S, E]`` and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens:
+    ``f_i = E / (k T) * #{t : t chose i}``, ``P_i = 1/T * sum_t s'_{i,t}`` with ``s' = s / sum_j s_j`` the sigmoid
+    scores normalized over all experts, and ``L = alpha * sum_i f_i P_i`` -> ``[B]`` float32. ``T`` counts the
+    sequence's real tokens: ``token_mask [B or 1, S]`` (False = padding) leaves the others out; a sequence with
+    none gets 0. ``f`` counts the experts actually chosen (selection includes the routing bias) and carries no
+    gradient; the gradient flows through ``P`` into the router.
+    """
+    num_experts, k = logits.shape[-1], idx.shape[-1]
+    seq = token_mask.shape[-1]
+    batch = logits.shape[0] // seq
+    valid = jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.float32)[..., None]  # [B, S, 1]
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    normalized = (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(batch, seq, num_experts) * valid
+    chosen = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B*S, E]: 1 where chosen
+    chosen = jax.lax.stop_gradient(chosen.reshape(batch, seq, num_experts) * valid)
+    tokens = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1.0)[:, None]  # T of each sequence, [B, 1]
+    f = num_experts / (k * tokens) * jnp.sum(chosen, axis=1)  # [B, E]
+    p = jnp.sum(normalized, axis=1) / tokens  # [B, E]
+    return config.seq_aux_loss_alpha * jnp.sum(f * p, axis=-1)
+
+
 class DeepSeekMoE(nnx.Module):
     """The MoE feed-forward block. ``moe(x [batch, seq, embed]) -> (out [batch, seq, embed], expert_idx [batch,
     seq, k])``.
@@ -76,10 +102,12 @@ class DeepSeekMoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x: jax.Array, *, return_dropped: bool = False
-                 ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, *, return_dropped: bool = False, token_mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, ...]:
         """``(out, expert_idx)``; with ``return_dropped`` also the number of (token, expert) pairs dropped over
-        capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0), an int32 scalar."""
+        capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0), an int32 scalar; with ``token_mask
+        [batch or 1, seq]`` (True = real token) last also each sequence's balance loss ``[batch]``
+        (``sequence_balance_loss``)."""
         c = self.config
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
@@ -96,5 +124,7 @@ class DeepSeekMoE(nnx.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out, _BLE), in_sharding)
-        idx = idx.reshape(batch, seq, c.num_experts_per_tok)
-        return (out, idx, dropped) if return_dropped else (out, idx)
+        outputs = (out, idx.reshape(batch, seq, c.num_experts_per_tok)) + ((dropped,) if return_dropped else ())
+        if token_mask is not None:
+            outputs += (sequence_balance_loss(logits, idx, token_mask, c),)
+        return outputs

@@ -18,7 +18,7 @@ from nnx_zoo.models.deepseek.config import PRESETS
 from nnx_zoo.sharding import abstract_module
 
 NNX_ONLY = ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "batch_split_factor", "scan_layers",
-            "remat_policy")
+            "remat_policy", "seq_aux_loss_alpha")
 
 
 def hf_fields(c: DeepSeekV3Config) -> dict:
