@@ -66,26 +66,31 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
     )
 
 
-def decay_mask(model: nnx.Module) -> nnx.State:
-    """True for parameters that get weight decay: all but norm scales and biases (by their logical names)."""
+def decay_mask(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
+    """True for parameters (those ``wrt`` selects) that get weight decay: all but norm scales and biases (by their
+    logical names)."""
 
     def decays(variable: nnx.Variable) -> bool:
         names = variable.get_metadata().get("out_sharding") or ()
         return not NO_DECAY_NAMES.intersection(n for n in names if n is not None) and variable.ndim > 1
 
-    return jax.tree.map(decays, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(decays, nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
-    """The full gradient transformation: global-norm clipping, then AdamW on the schedule."""
+def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int, wrt: nnx.filterlib.Filter = nnx.Param
+            ) -> optax.GradientTransformation:
+    """The full gradient transformation for the parameters ``wrt`` selects: global-norm clipping, then AdamW on
+    the schedule."""
     schedule = learning_rate_schedule(config, total_steps)
     opt = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                      mask=decay_mask(model))
+                      mask=decay_mask(model, wrt))
     if config.clip_norm:
         return optax.chain(optax.clip_by_global_norm(config.clip_norm), opt)
     return opt
 
 
-def make_optimizer(config: OptimizerConfig, model: nnx.Module, total_steps: int) -> nnx.Optimizer:
-    """``nnx.Optimizer(model, tx, wrt=nnx.Param)``: only trainable parameters (not routing biases) are updated."""
-    return nnx.Optimizer(model, make_tx(config, model, total_steps), wrt=nnx.Param)
+def make_optimizer(config: OptimizerConfig, model: nnx.Module, total_steps: int,
+                   wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``: only trainable parameters (not routing biases) are updated; pass
+    ``wrt=LoRAParam`` to train only LoRA adapters."""
+    return nnx.Optimizer(model, make_tx(config, model, total_steps, wrt), wrt=wrt)
