@@ -162,11 +162,9 @@ def test_adapters_follow_their_logical_names_on_an_fsdp_mesh(checkpoint, shard_m
     kernels = [v[...].sharding for _, v in iter_variables(nnx.state(model, nnx.Param)) if not isinstance(v, LoRAParam)]
     with jax.set_mesh(mesh):
         assert rel_l2(_logits(model, jnp.asarray(IDS)), expected) < 1e-5
-    merge_lora(model)
+    merge_lora(model)  # merged weights stay where they were (merge equals the adapted logits: tested above)
     assert [v[...].sharding for _, v in iter_variables(nnx.state(model, nnx.Param))] == kernels
-    assert [s for s in state_shardings(nnx.state(model, nnx.Param), mesh, model.rules)] == kernels
-    with jax.set_mesh(mesh):
-        assert rel_l2(_logits(model, jnp.asarray(IDS)), expected) < 1e-5
+    assert state_shardings(nnx.state(model, nnx.Param), mesh, model.rules) == kernels
 
 
 def test_bad_arguments_are_explained(checkpoint):
