@@ -16,6 +16,8 @@ from nnx_zoo.layers.attention import dot_product_attention
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope, yarn_softmax_multiplier
+from nnx_zoo.layers.spec import weight_einsum
+from nnx_zoo.models.deepseek.cache import write as cache_write
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
@@ -24,6 +26,7 @@ _BLQ = ("activation_batch", "activation_length", "activation_q_lora")
 _BLKV = ("activation_batch", "activation_length", "activation_kv_lora")
 _BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _BKHD = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")
+_BLH_KV_LORA = ("activation_batch", "activation_length", "activation_heads", "activation_kv_lora")
 _LATENT_NORM_EPS = 1e-6  # HF's q_a / kv_a norms use the RMSNorm default, not rms_norm_eps
 
 
@@ -61,19 +64,12 @@ class MLA(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> jax.Array:
         c = self.config
         in_sharding = sharding_of(x)
-        if c.q_lora_rank is None:
-            q = self.q_proj(x, _BLHD)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, _BLQ)), _BLHD)
-        q_nope, q_rope = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
-
-        latent, k_rope = jnp.split(self.kv_a_proj(x, _BLKV), [c.kv_lora_rank], axis=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(latent), _BLHD)
+        q_nope, q_rope = self._queries(x, cos, sin)
+        latent, k_rope = self.compress(x, cos, sin)
+        kv = self.kv_b_proj(latent, _BLHD)
         k_nope, v = jnp.split(kv, [c.qk_nope_head_dim], axis=-1)
 
-        q_rope = apply_rope(q_rope, cos, sin, interleaved=c.rope_interleave)
-        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, interleaved=c.rope_interleave)
-        k_rope = shard(jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:]), _BLHD)
+        k_rope = shard(jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:-1] + k_rope.shape[-1:]), _BLHD)
         q = shard(jnp.concatenate([q_nope, q_rope], axis=-1), _BLHD)
         # Keys and values are gathered over the sequence (context parallelism keeps only queries split).
         k = shard(jnp.concatenate([k_nope, k_rope], axis=-1), _BKHD)
@@ -81,3 +77,58 @@ class MLA(nnx.Module):
 
         out = shard(dot_product_attention(q, k, v, mask, self.scale), _BLHD)
         return restore_sharding(self.o_proj(out, _BLE), in_sharding)
+
+    def _queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(q_nope [b, s, heads, nope], q_rope [b, s, heads, rope])``, rope applied."""
+        c = self.config
+        if c.q_lora_rank is None:
+            q = self.q_proj(x, _BLHD)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, _BLQ)), _BLHD)
+        q_nope, q_rope = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
+        return q_nope, apply_rope(q_rope, cos, sin, interleaved=c.rope_interleave)
+
+    def compress(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """What a decoding cache keeps per token: ``(kv_a_norm(latent) [b, s, kv_lora], k_rope [b, s, rope])``,
+        the shared rope key with rope applied."""
+        c = self.config
+        latent, k_rope = jnp.split(self.kv_a_proj(x, _BLKV), [c.kv_lora_rank], axis=-1)
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, interleaved=c.rope_interleave)[:, :, 0, :]
+        return self.kv_a_norm(latent), k_rope
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
+               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention for ``t`` new tokens ``x [b, t, embed]`` against a cache, in the absorbed form.
+
+        The new tokens' ``compress`` output is written into ``latent_cache [b, max_len, kv_lora]`` and
+        ``rope_cache [b, max_len, rope]`` at slots ``start .. start + t``; ``mask [b, 1, t, max_len]`` says
+        which slots each new token sees. Keys are never expanded per head: ``q_nope`` is taken through the key
+        half of ``kv_b_proj`` (``q_nope . (W_k latent) = (W_k^T q_nope) . latent``), scores are taken against
+        the cached latent, and the value half is applied after the attention-weighted sum of latents. Returns
+        ``(out [b, t, embed], latent_cache, rope_cache)``.
+        """
+        c = self.config
+        in_sharding = sharding_of(x)
+        q_nope, q_rope = self._queries(x, cos, sin)
+        latent, k_rope = self.compress(x, cos, sin)
+        latent_cache = cache_write(latent_cache, latent, start)
+        rope_cache = cache_write(rope_cache, k_rope, start)
+
+        w_k, w_v = jnp.split(self._kv_b_kernel(), [c.qk_nope_head_dim], axis=-1)  # [kv_lora, heads, nope | v]
+        q_latent = weight_einsum("bthn,chn->bthc", q_nope, w_k.astype(q_nope.dtype), _BLH_KV_LORA)
+        scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent_cache.astype(q_latent.dtype))
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, rope_cache.astype(q_rope.dtype)))
+        scores = jnp.where(mask, scores * jnp.asarray(self.scale, scores.dtype), jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_latent.dtype)
+        context = jnp.einsum("bhts,bsc->bthc", probs, latent_cache.astype(probs.dtype))
+        out = shard(weight_einsum("bthc,chv->bthv", context, w_v.astype(context.dtype), _BLHD), _BLHD)
+        return restore_sharding(self.o_proj(out, _BLE), in_sharding), latent_cache, rope_cache
+
+    def _kv_b_kernel(self) -> jax.Array:
+        """``kv_b_proj``'s effective kernel ``[kv_lora, heads, nope + v]``. A plain ``Linear`` gives its kernel;
+        any other linear module (one carrying adapters, say) is applied to the identity, so the absorbed form
+        sees exactly the map the full forward applies."""
+        if type(self.kv_b_proj) is Linear and self.kv_b_proj.bias is None:
+            return self.kv_b_proj.kernel[...].astype(self.kv_b_proj.dtype)
+        eye = jnp.eye(self.config.kv_lora_rank, dtype=jnp.dtype(self.config.dtype))
+        return self.kv_b_proj(eye)

@@ -23,6 +23,7 @@ from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, run_stack
+from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE
@@ -57,12 +58,24 @@ class DecoderLayer(nnx.Module):
         """``(output [batch, seq, embed], aux)``: for an MoE layer ``aux = (chosen experts [batch, seq, k],
         (token, expert) pairs dropped over capacity (int32 scalar))``, for a dense layer None."""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
+        return self._feed_forward(x)
+
+    def _feed_forward(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         if self.is_moe:
             mlp_out, expert_idx, dropped = self.mlp(self.post_attn_norm(x), return_dropped=True)
             aux = (expert_idx, dropped)
         else:
             mlp_out, aux = self.mlp(self.post_attn_norm(x)), None
         return shard(x + mlp_out, _BLE), aux
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
+               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer on ``t`` new tokens against this layer's cache (``MLA.decode``): ``(output, latent_cache,
+        rope_cache)`` with the new tokens written at slots ``start .. start + t``."""
+        attn, latent_cache, rope_cache = self.attn.decode(self.input_norm(x), cos, sin, latent_cache, rope_cache,
+                                                          start, mask)
+        x, _ = self._feed_forward(shard(x + attn, _BLE))
+        return x, latent_cache, rope_cache
 
     def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, factor: int
                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
@@ -175,16 +188,79 @@ class DeepSeekV3(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, return_aux: bool = False,
                  with_mtp: bool = False, segment_ids: jax.Array | None = None,
-                 with_expert_load: bool = False) -> jax.Array | DeepSeekV3Output:
+                 with_expert_load: bool = False, position_ids: jax.Array | None = None
+                 ) -> jax.Array | DeepSeekV3Output:
         """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``; ``attention_mask [batch, seq]`` (1 =
         token, 0 = padding) may mark left padding. Positions are ``0..seq-1`` whatever the padding, as in HF's
-        forward. ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states, chosen experts);
-        ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]`` (packed training
-        data) keep attention inside each document. ``with_expert_load`` adds each MoE layer's per-expert token
-        counts (``expert_load``), which ``update_routing_bias`` turns into DeepSeek's aux-loss-free balancing."""
+        forward, unless ``position_ids [batch, seq]`` are given (generation uses ``cumsum(attention_mask) - 1``,
+        as HF's ``generate`` does). ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states,
+        chosen experts); ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]``
+        (packed training data) keep attention inside each document. ``with_expert_load`` adds each MoE layer's
+        per-expert token counts (``expert_load``), which ``update_routing_bias`` turns into DeepSeek's
+        aux-loss-free balancing."""
         with use_rules(self.rules), self._parameter_mesh():
             return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp,
-                                 with_expert_load=with_expert_load)
+                                 with_expert_load=with_expert_load, position_ids=position_ids)
+
+    # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
+
+    def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
+        """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
+        from nnx_zoo.generate import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def init_cache(self, batch: int, max_len: int) -> MLACache:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
+        c = self.config
+        with use_rules(self.rules), self._parameter_mesh():
+            return MLACache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
+                                  kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype))
+
+    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None, cache: MLACache
+                ) -> tuple[jax.Array, MLACache]:
+        """Run a (left-padded) prompt ``[batch, t]`` into ``cache``: ``(logits [batch, t, vocab], cache)``.
+        Token ``i`` of a row sits at rope position ``cumsum(attention_mask)[i] - 1``; padding is never attended
+        to. Logits come whole along the vocabulary (ready for sampling)."""
+        if input_ids.shape[1] > cache.max_len:
+            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
+                             "slots; create the cache with max_len >= prompt length + tokens to generate")
+        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
+        with use_rules(self.rules), self._parameter_mesh():
+            return self._extend(input_ids, token_mask, cache)
+
+    def decode_step(self, tokens: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
+        """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``.
+        The cache must have a free slot (``cache.length < cache.max_len``; a full cache overwrites its last)."""
+        with use_rules(self.rules), self._parameter_mesh():
+            logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
+        return logits[:, 0], cache
+
+    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
+        """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
+        c = self.config
+        start = cache.length
+        positions, mask, cache = cache.advance(token_mask)
+        cos, sin = self._rope(positions)
+
+        def layer_body(layer: DecoderLayer, carry: Any, index: jax.Array) -> tuple[Any, None]:
+            h, latent, k_rope = carry
+            h, layer_latent, layer_rope = layer.decode(
+                h, cos, sin, jax.lax.dynamic_index_in_dim(latent, index, keepdims=False),
+                jax.lax.dynamic_index_in_dim(k_rope, index, keepdims=False), start, mask)
+            latent = jax.lax.dynamic_update_index_in_dim(latent, layer_latent, index, 0)
+            k_rope = jax.lax.dynamic_update_index_in_dim(k_rope, layer_rope, index, 0)
+            return (h, latent, k_rope), None
+
+        carry, first_layer = (self.embed(input_ids), cache.latent, cache.k_rope), 0
+        for stack, count in ((self.dense_layers, c.num_dense_layers), (self.moe_layers, c.num_moe_layers)):
+            if stack is not None:  # the cache's layer axis runs over the dense layers, then the MoE layers
+                layer_index = jnp.arange(first_layer, first_layer + count)
+                carry, _ = run_stack(stack, layer_body, carry, layer_index, scan=c.scan_layers)
+                first_layer += count
+        h, latent, k_rope = carry
+        logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
+        return logits, cache._replace(latent=latent, k_rope=k_rope)
 
     def _parameter_mesh(self) -> Any:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
@@ -209,10 +285,11 @@ class DeepSeekV3(nnx.Module):
         return self.lm_head(hidden, _BLV)
 
     def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None, *,
-                 return_aux: bool, with_mtp: bool, with_expert_load: bool = False) -> jax.Array | DeepSeekV3Output:
+                 return_aux: bool, with_mtp: bool, with_expert_load: bool = False,
+                 position_ids: jax.Array | None = None) -> jax.Array | DeepSeekV3Output:
         c = self.config
         seq_len = input_ids.shape[1]
-        positions = jnp.arange(seq_len)[None, :]
+        positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
         cos, sin = self._rope(positions)
         mask = causal_mask(seq_len, attention_mask, segment_ids)
         embeddings = self.embed(input_ids)
@@ -237,7 +314,8 @@ class DeepSeekV3(nnx.Module):
                 per_layer.append(outs)
         final_hidden = self.norm(h)
         logits = self._logits(final_hidden)
-        mtp_logits = self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run) if with_mtp else None
+        mtp_logits = (self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions) if with_mtp
+                      else None)
         if not return_aux:
             load = per_layer[-1] if with_expert_load and self.moe_layers is not None else None
             if mtp_logits is None and load is None:
@@ -261,7 +339,7 @@ class DeepSeekV3(nnx.Module):
         bias[...] = bias[...] + step.astype(bias[...].dtype)
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-             final_hidden: jax.Array, run: dict[str, Any]) -> jax.Array:
+             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array) -> jax.Array:
         """Logits of every MTP depth. Depth ``k`` reads the tokens shifted left by ``k`` (at their own
         positions), and the previous depth's hidden state (depth 1: the main model's final, normed one). With
         packed documents, position ``i`` attends within the document of position ``i``."""
@@ -274,7 +352,7 @@ class DeepSeekV3(nnx.Module):
             shifted_ids.append(jnp.pad(input_ids[:, k:], ((0, 0), (0, min(k, seq_len)))))
             if attention_mask is not None:
                 shifted_masks.append(jnp.pad(attention_mask[:, k:], ((0, 0), (0, min(k, seq_len)))))
-            cos_sin.append(self._rope(jnp.arange(seq_len)[None, :] + k))
+            cos_sin.append(self._rope(positions + k))
         xs = (jnp.stack([self.embed(ids) for ids in shifted_ids]), jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
               jnp.stack(shifted_masks) if shifted_masks else None)
 

@@ -1,0 +1,95 @@
+"""DeepSeek-V3's decoding cache: per layer and token, MLA's normed latent and the shared rope key.
+
+MLA's keys and values are both expanded from one latent by ``kv_b_proj``, and its rope key is one head shared
+by all heads, so the cache keeps only ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (576 for
+DeepSeek-V3, against ``2 * 128 heads * 192`` for full per-head keys and values). Decoding attends to the latent
+directly (the absorbed form, ``MLA.decode``).
+
+The cache has a fixed number of slots (``max_len``), so one compiled decode step serves every token. Slots are
+written left to right, the same slot for every row; a left-padded prompt leaves its padding slots marked
+invalid, so they are never attended to, and each row's rope positions count only its real tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nnx_zoo.sharding import shard
+
+# Logical names: the cache is laid out like the activations it replaces (batch split like activation_batch).
+LAYER_CACHE_NAMES = ("cache_batch", "cache_length", "cache_kv")
+CACHE_NAMES = ("activation_stack", *LAYER_CACHE_NAMES)
+_SLOT_NAMES = ("cache_batch", "cache_length")
+
+
+class MLACache(NamedTuple):
+    """A fixed-size MLA decoding cache (a pytree of arrays; pass it through ``jax.jit`` and loops freely).
+
+    ``latent [layers, batch, max_len, kv_lora_rank]``: ``kv_a_norm`` of each token's latent (what ``kv_b_proj``
+    expands into keys and values). ``k_rope [layers, batch, max_len, qk_rope_head_dim]``: the shared rope key,
+    rope already applied. ``valid [batch, max_len]``: the slot holds a real token (written, not padding).
+    ``next_position [batch]``: the rope position of the row's next token (its number of real tokens so far).
+    ``length`` (scalar): slots written so far.
+
+    >>> cache = model.init_cache(batch=2, max_len=64)
+    >>> logits, cache = model.prefill(prompt_ids, attention_mask, cache)
+    >>> logits, cache = model.decode_step(next_tokens, cache)
+    """
+
+    latent: jax.Array
+    k_rope: jax.Array
+    valid: jax.Array
+    next_position: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def zeros(cls, *, num_layers: int, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
+              dtype: jnp.dtype) -> MLACache:
+        """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names."""
+        for name, value in (("batch", batch), ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"a cache needs a positive integer {name}, got {value!r}")
+        return cls(
+            latent=shard(jnp.zeros((num_layers, batch, max_len, kv_lora_rank), dtype), CACHE_NAMES),
+            k_rope=shard(jnp.zeros((num_layers, batch, max_len, rope_dim), dtype), CACHE_NAMES),
+            valid=shard(jnp.zeros((batch, max_len), bool), _SLOT_NAMES),
+            next_position=shard(jnp.zeros((batch,), jnp.int32), _SLOT_NAMES[:1]),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes the latent and rope-key arrays hold per cached token per layer (the ``valid`` flags, one byte
+        per token for all layers together, are not counted)."""
+        layers, batch, max_len = self.latent.shape[:3]
+        return (self.latent.nbytes + self.k_rope.nbytes) // (layers * batch * max_len)
+
+    def advance(self, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, MLACache]:
+        """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next
+        ``t`` slots. Returns ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)``: the rope
+        position of each new token (padding gets 0; it is never attended to), which slots each new token may
+        attend to (real tokens in earlier or its own slot), and the cache with ``valid``, ``next_position`` and
+        ``length`` moved on. The latent and rope key are written per layer by the model (``write``)."""
+        token_mask = shard(token_mask.astype(bool), _SLOT_NAMES)
+        t = token_mask.shape[1]
+        positions = self.next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
+        positions = jnp.where(token_mask, positions, 0)
+        valid = jax.lax.dynamic_update_slice(self.valid, token_mask, (0, self.length))
+        query_slot = self.length + jnp.arange(t)
+        causal = jnp.arange(self.max_len)[None, :] <= query_slot[:, None]  # [t, max_len]
+        mask = causal[None, None] & valid[:, None, None, :]
+        advanced = self._replace(valid=valid, length=self.length + t,
+                                 next_position=self.next_position + jnp.sum(token_mask, axis=1, dtype=jnp.int32))
+        return positions, mask, advanced
+
+
+def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``layer_cache [batch, max_len, d]`` with ``new [batch, t, d]`` written at slots ``start .. start + t``."""
+    new = shard(new.astype(layer_cache.dtype), LAYER_CACHE_NAMES)
+    return jax.lax.dynamic_update_slice(layer_cache, new, (0, start, 0))
