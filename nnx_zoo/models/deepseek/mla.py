@@ -4,6 +4,10 @@ Queries: ``x -> q_a (q_lora) -> RMSNorm -> q_b -> [heads, nope | rope]`` (or one
 ``q_lora_rank`` is None). Keys and values: ``x -> kv_a -> [latent (kv_lora) | k_rope]``; the latent is
 RMS-normed and expanded by ``kv_b`` into per-head ``[k_nope | v]``; ``k_rope`` is a single head shared by all
 heads. Rope touches only the rope parts. Softmax scale ``qk_head_dim ** -0.5``, times YaRN's ``mscale ** 2``.
+
+Decoding (``MLA.decode``) caches only the normed latent and the roped ``k_rope`` per token and never expands
+keys or values per head: ``kv_b``'s key half is absorbed into the queries and its value half applied after the
+attention-weighted sum of latents.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ _LATENT_NORM_EPS = 1e-6  # HF's q_a / kv_a norms use the RMSNorm default, not rm
 
 class MLA(nnx.Module):
     """Multi-head Latent Attention. Call with ``x [batch, seq, embed]``, rope ``cos/sin [batch, seq, rope/2]``
-    and a boolean ``mask [batch or 1, 1, seq, seq]``.
+    and a boolean ``mask [batch or 1, 1, seq, seq]``; ``decode`` runs new tokens against a cache.
 
     >>> attn = MLA(DeepSeekV3Config.preset("deepseek3-mini"), rngs=nnx.Rngs(0))
     """

@@ -213,7 +213,7 @@ class DeepSeekV3(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> MLACache:
         """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
         c = self.config
-        with use_rules(self.rules), self._parameter_mesh():
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
             return MLACache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
                                   kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype))
 
@@ -226,15 +226,20 @@ class DeepSeekV3(nnx.Module):
             raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
                              "slots; create the cache with max_len >= prompt length + tokens to generate")
         token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
-        with use_rules(self.rules), self._parameter_mesh():
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
             return self._extend(input_ids, token_mask, cache)
 
     def decode_step(self, tokens: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
         """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``.
         The cache must have a free slot (``cache.length < cache.max_len``; a full cache overwrites its last)."""
-        with use_rules(self.rules), self._parameter_mesh():
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
             logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
         return logits[:, 0], cache
+
+    def _decoding_rules(self) -> Rules:
+        """The model's rules with the new tokens' sequence dim unsplit: one decoded token cannot be divided
+        over context-parallel devices (the first rule for a name wins, so this one overrides)."""
+        return (("activation_length", None), *self.rules)
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
         """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""

@@ -29,6 +29,8 @@ MODELS = {
                               ours=dict(moe_impl="gmm", scan_layers=False)),
 }
 PAD = 3  # row 0 is left-padded by this many tokens
+# One batch shape for every test (8 rows: the fsdp mesh needs a multiple of 8), so each function compiles once.
+BATCH, PROMPT, NEW = 8, 6, 8
 
 
 @pytest.fixture(scope="module")
@@ -72,29 +74,40 @@ def _decode(model, tokens, cache):
     return model.decode_step(tokens, cache)
 
 
+class _AdaptedLinear(nnx.Module):
+    """A stack of linear maps that is not a plain ``Linear`` (as a LoRA wrapper is): base + a low-rank delta."""
+
+    def __init__(self, base, layers: int, rank: int, rngs: nnx.Rngs):
+        self.base = base
+        self.a = nnx.Param(jax.random.normal(rngs.params(), (layers, base.in_features[0], rank)))
+        self.b = nnx.Param(jax.random.normal(rngs.params(), (layers, rank, *base.out_features)) * 0.3)
+
+    def __call__(self, x, out_names=None):  # called per layer (inside the stack's scan), so a, b are 2-D / 3-D
+        return self.base(x, out_names) + jnp.einsum("...c,cr,rhd->...hd", x, self.a[...], self.b[...])
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_logits_equal_full_forward(checkpoints, name):
-    """Prefill 6 tokens, then decode 5 more one at a time (teacher forced): every step's logits equal the full
-    forward's at that position (float32)."""
+    """Prefill 6 tokens, then decode 8 more one at a time (teacher forced): every step's logits equal the full
+    forward's at that position (float32). In the second model every ``kv_b_proj`` is wrapped with an adapter:
+    the absorbed decode must read the wrapped map (off the identity), or the logits would differ."""
     model = _load(checkpoints, name)
-    prompt_len, total = 6, 11
-    ids, mask = _prompts(2, total, model.config.vocab_size)
+    if name == "noqlora-unscanned":
+        for i, stack in enumerate((model.dense_layers, model.moe_layers)):
+            layers = stack.attn.kv_b_proj.kernel.shape[0]
+            stack.attn.kv_b_proj = _AdaptedLinear(stack.attn.kv_b_proj, layers, 2, nnx.Rngs(i))
+    ids, mask = _prompts(BATCH, PROMPT + NEW, model.config.vocab_size)
     reference = np.asarray(_forward(model, ids, mask))
 
-    cache = model.init_cache(batch=2, max_len=total + 1)
-    logits, cache = _prefill(model, ids[:, :prompt_len], mask[:, :prompt_len], cache)
-    real = np.asarray(mask[:, :prompt_len], bool)  # padding queries see nothing; their outputs are unused
-    assert rel_l2(np.asarray(logits)[real], reference[:, :prompt_len][real]) < 1e-5
-    for i in range(prompt_len, total):
+    cache = model.init_cache(batch=BATCH, max_len=PROMPT + NEW)
+    logits, cache = _prefill(model, ids[:, :PROMPT], mask[:, :PROMPT], cache)
+    real = np.asarray(mask[:, :PROMPT], bool)  # padding queries see nothing; their outputs are unused
+    assert rel_l2(np.asarray(logits)[real], reference[:, :PROMPT][real]) < 1e-5
+    for i in range(PROMPT, PROMPT + NEW):
         logits, cache = _decode(model, ids[:, i], cache)
         assert rel_l2(logits, reference[:, i]) < 1e-5, f"decode step at position {i}"
-    assert int(cache.length) == total
+    assert int(cache.length) == PROMPT + NEW
     np.testing.assert_array_equal(cache.next_position, np.asarray(mask).sum(axis=1))
-
-
-# The generation tests share one model and one prompt shape (8 rows: the fsdp mesh needs a multiple of 8), so
-# greedy generation compiles once for all of them.
-BATCH, PROMPT, NEW = 8, 6, 8
 
 
 @pytest.fixture(scope="module")
@@ -213,17 +226,24 @@ def test_stop_tokens_end_a_row_and_pad_the_rest(greedy):
     np.testing.assert_array_equal(out.tokens[:, :PROMPT], ids)
 
 
-def test_generation_on_explicit_fsdp_mesh_equals_unsharded(checkpoints, greedy):
+@pytest.mark.parametrize("sizes, shard_mode, rules", [
+    ({"fsdp": 8}, "explicit", "default"),
+    # context parallelism: one decoded token is not split over the sequence axes (DeepSeekV3._decoding_rules)
+    ({"fsdp": 2, "context": 2, "expert": 2}, "explicit", "ep-as-cp"),
+    ({"fsdp": 4, "tensor": 2}, "auto", "default"),  # vocab split over tensor: logits are gathered to sample
+])
+def test_generation_on_meshes_equals_unsharded(checkpoints, greedy, sizes, shard_mode, rules):
     _, ids, mask, expected = greedy
-    mesh = make_mesh({"fsdp": 8}, shard_mode="explicit")
-    model = _load(checkpoints, "qlora-scanned", mesh=mesh)
-    assert model.embed.embedding[...].sharding.spec == P(None, "fsdp")
-    out = generate(model, ids, mask, max_new_tokens=NEW)
+    mesh = make_mesh(sizes, shard_mode=shard_mode)
+    model = _load(checkpoints, "qlora-scanned", mesh=mesh, rules=rules)
+    assert len(model.embed.embedding[...].sharding.device_set) == 8
+    out = generate(model, ids, mask, max_new_tokens=NEW, temperature=1.0, top_k=1)  # top-k = 1 sorts the vocab
     np.testing.assert_array_equal(out.tokens, expected.tokens)
-    with jax.set_mesh(mesh):  # the cache is laid out like the activations: batch over fsdp
-        _, cache = _prefill(model, ids, mask, model.init_cache(batch=BATCH, max_len=PROMPT + 1))
-    assert cache.latent.sharding.spec == P(None, "fsdp", None, None)
-    assert cache.k_rope.sharding.spec == P(None, "fsdp", None, None)
+    if shard_mode == "explicit":
+        # The cache is laid out like the activations, batch over fsdp (types carry shardings: nothing compiles).
+        _, cache = nnx.eval_shape(lambda m: m.prefill(ids, mask, m.init_cache(batch=BATCH, max_len=PROMPT)), model)
+        assert cache.latent.sharding.spec == P(None, "fsdp", None, None)
+        assert cache.k_rope.sharding.spec == P(None, "fsdp", None, None)
 
 
 def test_bad_arguments_are_explained(checkpoints):
@@ -232,6 +252,8 @@ def test_bad_arguments_are_explained(checkpoints):
     right_padded = jnp.asarray([[1, 1, 1, 0], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match=r"rows \[0\] end in padding: pad prompts on the left"):
         generate(model, ids, right_padded)
+    with pytest.raises(ValueError, match=r"rows \[0\] end in padding"):  # the method is the same function
+        model.generate(ids, right_padded, max_new_tokens=4)
     with pytest.raises(ValueError, match="add a batch dim"):
         generate(model, ids[0])
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
@@ -246,3 +268,4 @@ def test_bad_arguments_are_explained(checkpoints):
         generate(object(), ids)
     with pytest.raises(ValueError, match="does not fit a cache of 3 slots"):
         model.prefill(ids, None, model.init_cache(batch=2, max_len=3))
+
