@@ -2,7 +2,17 @@
 
 from nnx_zoo import sharding
 from nnx_zoo.generate import GenerateOutput, generate
+from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 
-__all__ = ["DeepSeekV3", "DeepSeekV3Config", "GenerateOutput", "generate", "sharding"]
+__all__ = [
+    "DeepSeekV3",
+    "DeepSeekV3Config",
+    "GenerateOutput",
+    "LoRAParam",
+    "apply_lora",
+    "generate",
+    "merge_lora",
+    "sharding",
+]
 __version__ = "0.1.0"

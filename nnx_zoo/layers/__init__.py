@@ -3,6 +3,7 @@
 from nnx_zoo.layers.attention import causal_mask, dot_product_attention
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.lora import LoRAExperts, LoRALinear, LoRAParam, apply_lora, merge_lora
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import RoutedExperts, default_moe_impl
 from nnx_zoo.layers.norm import RMSNorm
@@ -14,10 +15,14 @@ __all__ = [
     "REMAT_POLICIES",
     "Embed",
     "Linear",
+    "LoRAExperts",
+    "LoRALinear",
+    "LoRAParam",
     "RMSNorm",
     "RoutedExperts",
     "SwiGLU",
     "YarnScaling",
+    "apply_lora",
     "apply_rope",
     "batch_split",
     "causal_mask",
@@ -25,6 +30,7 @@ __all__ = [
     "default_moe_impl",
     "dot_product_attention",
     "explicit_spec",
+    "merge_lora",
     "rope_cos_sin",
     "rope_frequencies",
     "run_stack",

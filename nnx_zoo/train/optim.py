@@ -87,14 +87,15 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
     )
 
 
-def decay_mask(model: nnx.Module) -> nnx.State:
-    """True for parameters that get weight decay: all but norm scales and biases (by their logical names)."""
+def decay_mask(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
+    """True for parameters (those ``wrt`` selects) that get weight decay: all but norm scales and biases (by their
+    logical names)."""
 
     def decays(variable: nnx.Variable) -> bool:
         names = variable.get_metadata().get("out_sharding") or ()
         return not NO_DECAY_NAMES.intersection(n for n in names if n is not None) and variable.ndim > 1
 
-    return jax.tree.map(decays, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(decays, nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def muon_dimension_numbers(
@@ -133,13 +134,14 @@ def muon_dimension_numbers(
     return MuonDimensionNumbers(reduction_axis=tuple(groups[0]), output_axis=tuple(groups[1]))
 
 
-def muon_weight_dimension_numbers(model: nnx.Module) -> nnx.State:
-    """``muon_dimension_numbers`` of every parameter (None where AdamW takes it), as a tree like the params."""
+def muon_weight_dimension_numbers(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
+    """``muon_dimension_numbers`` of every parameter ``wrt`` selects (None where AdamW takes it), as a tree like
+    those parameters."""
     def dims(path: tuple[Any, ...], variable: nnx.Variable) -> MuonDimensionNumbers | None:
         dotted = ".".join(str(getattr(k, "key", k)) for k in path)
         return muon_dimension_numbers(logical_names(variable), variable.shape, dotted)
 
-    return jax.tree.map_with_path(dims, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map_with_path(dims, nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _in_auto_axes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -159,9 +161,10 @@ def _in_auto_axes(tx: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.GradientTransformation(tx.init, update)
 
 
-def _muon(config: OptimizerConfig, model: nnx.Module, schedule: optax.Schedule) -> optax.GradientTransformation:
+def _muon(config: OptimizerConfig, model: nnx.Module, schedule: optax.Schedule, wrt: nnx.filterlib.Filter
+          ) -> optax.GradientTransformation:
     """Muon (``optax.contrib.muon``) on the hidden matrices, the same AdamW as ``name='adamw'`` on the rest."""
-    dims = muon_weight_dimension_numbers(model)
+    dims = muon_weight_dimension_numbers(model, wrt)
     is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
 
@@ -173,23 +176,27 @@ def _muon(config: OptimizerConfig, model: nnx.Module, schedule: optax.Schedule) 
         muon_weight_dimension_numbers=muon_dims, consistent_rms=MUON_CONSISTENT_RMS,
     )
     adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                        mask=decay_mask(model))
+                        mask=decay_mask(model, wrt))
     return optax.partition({"muon": _in_auto_axes(muon), "adamw": adamw}, labels)
 
 
-def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int) -> optax.GradientTransformation:
-    """The full gradient transformation: global-norm clipping, then AdamW (or Muon + AdamW) on the schedule."""
+def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int, wrt: nnx.filterlib.Filter = nnx.Param
+            ) -> optax.GradientTransformation:
+    """The full gradient transformation for the parameters ``wrt`` selects: global-norm clipping, then AdamW (or
+    Muon + AdamW) on the schedule."""
     schedule = learning_rate_schedule(config, total_steps)
     if config.name == "muon":
-        opt = _muon(config, model, schedule)
+        opt = _muon(config, model, schedule, wrt)
     else:
         opt = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                          mask=decay_mask(model))
+                          mask=decay_mask(model, wrt))
     if config.clip_norm:
         return optax.chain(optax.clip_by_global_norm(config.clip_norm), opt)
     return opt
 
 
-def make_optimizer(config: OptimizerConfig, model: nnx.Module, total_steps: int) -> nnx.Optimizer:
-    """``nnx.Optimizer(model, tx, wrt=nnx.Param)``: only trainable parameters (not routing biases) are updated."""
-    return nnx.Optimizer(model, make_tx(config, model, total_steps), wrt=nnx.Param)
+def make_optimizer(config: OptimizerConfig, model: nnx.Module, total_steps: int,
+                   wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``: only trainable parameters (not routing biases) are updated; pass
+    ``wrt=LoRAParam`` to train only LoRA adapters."""
+    return nnx.Optimizer(model, make_tx(config, model, total_steps, wrt), wrt=wrt)

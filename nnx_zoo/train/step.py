@@ -94,7 +94,8 @@ def train_step(
     ``with_expert_load``) and ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the
     optimizer update (DeepSeek's aux-loss-free balancing).
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # Differentiate only what the optimizer updates (e.g. LoRA adapters with ``wrt=LoRAParam``).
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
 
     def micro_step(carry, micro_batch):
         grad_acc, metric_acc = carry

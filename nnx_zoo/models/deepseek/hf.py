@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save_file
 
+from nnx_zoo.layers.lora import LoRAParam
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import abstract_module, get_rules, iter_variables, variable_spec
 from nnx_zoo.sharding.rules import Rules
@@ -453,6 +454,10 @@ def save_pretrained(model: Any, path: str | Path, *, max_shard_bytes: int = 4 * 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     variables = dict(iter_variables(nnx.state(model)))
+    adapters = [p for p, v in variables.items() if isinstance(v, LoRAParam)]
+    if adapters:
+        raise ValueError(f"the model holds LoRA adapters ({adapters[0]}, ...), which Hugging Face checkpoints have no "
+                         "place for; fold them into the weights with nnx_zoo.merge_lora(model) first")
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
     slots = _export_slots(config, shapes)
 
