@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.sharding import shard_mode_of
 
 Batch = dict[str, jax.Array]
 
@@ -33,6 +36,22 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) 
     return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
 
 
+def shift_left(x: jax.Array, shift: int) -> jax.Array:
+    """``x[:, shift:]`` padded with zeros at the end: same shape and sharding as ``x``.
+
+    Under an Explicit mesh a sequence dim sharded over devices (context parallelism) cannot be sliced by a few
+    positions, so it is gathered along that dim first and resharded afterwards.
+    """
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    explicit = mesh is not None and not mesh.empty and shard_mode_of(mesh) == "explicit"
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec)) if explicit else ()
+    if explicit and spec[1] is not None:
+        x = jax.reshard(x, PartitionSpec(spec[0], None, *spec[2:]))
+    out = jnp.pad(x[:, shift:], [(0, 0), (0, min(shift, x.shape[1]))] + [(0, 0)] * (x.ndim - 2))
+    return jax.reshard(out, PartitionSpec(*spec)) if explicit and spec[1] is not None else out
+
+
 def loss_terms(
     model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = ()
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -49,8 +68,9 @@ def loss_terms(
     mtp_logits = () if mtp_logits is None else mtp_logits
     for k, head_logits in enumerate(mtp_logits):
         shift = k + 1  # head k predicts targets[t + shift]
+        # Targets and mask are shifted, not the logits: the same sum, and only small integer arrays move.
         mtp_sum, mtp_tokens = token_cross_entropy(
-            head_logits[:, :-shift], batch["targets"][:, shift:], batch["loss_mask"][:, shift:]
+            head_logits, shift_left(batch["targets"], shift), shift_left(batch["loss_mask"], shift)
         )
         # Scale so that the MTP term is mtp_weight * (mean over heads of the per-token MTP loss).
         total = total + mtp_weight / len(mtp_logits) * mtp_sum * tokens / jnp.maximum(mtp_tokens, 1.0)

@@ -117,12 +117,13 @@ class MTPHead(nnx.Module):
         self.eh_proj = Linear(2 * h, h, kernel_names=("mtp_embed", "embed"),
                               kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs, **_dtypes(c))
         self.layer = DecoderLayer(c, moe=True, rngs=rngs)
+        self.batch_split_factor = c.batch_split_factor  # its MoE layer splits the batch like the main stack's
         self.final_norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
 
     def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
                  mask: jax.Array | None) -> jax.Array:
         joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
-        hidden, _ = self.layer(self.eh_proj(joined, _BLE), cos, sin, mask)
+        hidden, _ = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
         return self.final_norm(hidden)
 
 

@@ -1,0 +1,426 @@
+"""The explicit-mesh matrix: shard mode x mesh x rule set x batch split, two optimizer steps each.
+
+Every case trains the same tiny DeepSeek-V3 (one dense layer, two scanned MoE layers, an MTP head whose layer is
+MoE too) for two Adam steps on 8 CPU devices and must give the losses and gradients of the single-device run
+(float32, relative 1e-5). Which rule sets run on which mesh is decided by ``plan()`` from data: a rule set is left
+out of a mesh only when the resolver rejects it there, or when it lays out every parameter and activation exactly
+as a rule set already in the list (it maps nothing new); each such pair is listed with its reason in ``SKIPPED``.
+
+``moe_impl`` is ``ep`` wherever the rule set shards the expert dim over a mesh axis (so EP runs under Auto and
+Explicit meshes), ``dense`` elsewhere (where ``ep`` would be the local computation anyway).
+
+Cost: compilation dominates (one train-step compile per case, ~10 s of CPU each). CI runs every kept (mesh, rule
+set) pair under both modes with the batch split alternating between pairs (see ``plan``); set
+``NNX_ZOO_FULL_MATRIX=1`` for the whole product. While one case compiles, the next selected case is traced and
+compiled on a second thread (XLA compiles without holding the GIL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.layers import batch_split
+from nnx_zoo.models.deepseek.model import DeepSeekV3Output
+from nnx_zoo.sharding import (
+    ShardingError,
+    get_rules,
+    iter_variables,
+    logical_names,
+    logical_to_mesh_axes,
+    make_abstract_mesh,
+    make_mesh,
+    record_shardings,
+    state_shardings,
+)
+from nnx_zoo.train.step import loss_terms, shift_left
+
+BATCH, SEQ, VOCAB = 16, 16, 128
+MTP_WEIGHT = 0.3
+STEPS = 2
+
+MESHES: tuple[dict[str, int], ...] = (
+    {"fsdp": 8},
+    {"fsdp": 4, "tensor": 2},
+    {"fsdp": 4, "tensor_transpose": 2},
+    {"fsdp": 4, "expert": 2},
+    {"data": 2, "fsdp": 2, "expert": 2},
+    {"fsdp": 2, "context": 2, "expert": 2},
+)
+RULE_ORDER = ("default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp")
+MODES = ("auto", "explicit")
+BATCH_SPLITS = (1, 2)
+FULL = os.environ.get("NNX_ZOO_FULL_MATRIX") == "1"  # run the whole product (4x the CI cases' compiles)
+
+
+def tiny_config(**overrides) -> DeepSeekV3Config:
+    """The smallest V3 with every block kind: 1 dense + 2 MoE layers (8 experts, top-2), an MoE MTP head."""
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, num_nextn_predict_layers=1,
+    )
+    return DeepSeekV3Config.preset("deepseek3-mini", **{**fields, **overrides})
+
+
+def _name(sizes: dict[str, int]) -> str:
+    return "+".join(f"{axis}{size}" for axis, size in sizes.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: which (mesh, rule set) pairs run, and why the others do not.
+
+
+@functools.cache
+def _logical_layout() -> tuple[tuple[tuple[str | None, ...], tuple[int, ...]], ...]:
+    """Every (logical names, shape) the model lays out: its parameters, and each shard() call of a forward pass
+    with MTP (traced on an abstract mesh whose axes all have size 2, so every call records)."""
+    model = nnx.eval_shape(lambda: DeepSeekV3(tiny_config(moe_impl="dense"), rngs=nnx.Rngs(0)))
+    params = [(logical_names(v), tuple(v.shape)) for _, v in iter_variables(model) if logical_names(v) is not None]
+    graphdef, state = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    mesh = make_abstract_mesh({axis: 2 for axis in ("data", "fsdp", "context", "tensor", "expert")})
+    with jax.sharding.use_abstract_mesh(mesh), record_shardings() as seen:
+        jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i, with_mtp=True), state, ids)
+    return tuple(dict.fromkeys(params + [(names, shape) for names, shape, _ in seen]))
+
+
+def _layout(sizes: dict[str, int], rules: str) -> tuple[jax.P, ...]:
+    """The spec of every parameter and activation under ``rules`` on the mesh ``sizes`` (ShardingError when a
+    dimension does not divide)."""
+    mesh = make_abstract_mesh(sizes)
+    return tuple(logical_to_mesh_axes(names, rules, mesh, shape=shape) for names, shape in _logical_layout())
+
+
+def _ep_axes(sizes: dict[str, int], rules: str) -> tuple[str, ...]:
+    spec = logical_to_mesh_axes(("exp",), rules, make_abstract_mesh(sizes))[0]
+    return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str
+    sizes: tuple[tuple[str, int], ...]
+    rules: str
+    batch_split: int
+    moe_impl: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.mode}-{_name(dict(self.sizes))}-{self.rules}-split{self.batch_split}-{self.moe_impl}"
+
+
+def plan(full: bool = FULL) -> tuple[list[Case], list[tuple[str, str, str]]]:
+    """(cases to run, skipped (mesh, rule set, reason)). Deterministic: meshes, rule sets, modes in order.
+
+    ``full``: every kept (mesh, rule set) pair under both modes and both batch splits (96 compiles). Otherwise
+    (CI: compiles cost ~10 s of CPU each) every kept pair runs once, cycling through (auto, 1), (explicit, 1),
+    (auto, 2), (explicit, 2) as (mode, batch split) in plan order, and a rule set kept on one mesh only runs there
+    under both modes: every mesh and every rule set runs under both modes, and each mode with both batch splits
+    (``test_plan_covers_every_mesh_rule_set_and_mode``).
+    """
+    kept, skipped = [], []
+    for sizes in MESHES:
+        layouts: dict[tuple[jax.P, ...], str] = {}
+        for rules in RULE_ORDER:
+            try:
+                layout = _layout(sizes, rules)
+            except ShardingError as e:
+                skipped.append((_name(sizes), rules, f"resolver rejects it: {e}"))
+                continue
+            if layout in layouts:
+                skipped.append((_name(sizes), rules, f"maps nothing new: same layout as {layouts[layout]!r}"))
+                continue
+            layouts[layout] = rules
+            kept.append((tuple(sizes.items()), rules, "ep" if _ep_axes(sizes, rules) else "dense"))
+    cases = []
+    for i, (sizes, rules, impl) in enumerate(kept):
+        if full:
+            runs = [(mode, split) for mode in MODES for split in BATCH_SPLITS]
+        else:
+            runs = [(MODES[i % 2], BATCH_SPLITS[i // 2 % 2])]
+            if sum(r == rules for _, r, _ in kept) == 1:
+                runs.append((MODES[(i + 1) % 2], runs[0][1]))
+        cases += [Case(mode, sizes, rules, split, impl) for mode, split in runs]
+    return cases, skipped
+
+
+CASES, SKIPPED = plan()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running two optimizer steps: one compiled step, called twice; compiles of the next cases overlap this one's.
+
+
+# Plain Adam: a real optimizer state sharded like the parameters. (The trainer's AdamW with global-norm clipping
+# made each compile ~40% slower here; it runs under meshes in tests/train.) A small learning rate keeps Adam's
+# near-sign first update from amplifying float32 rounding in the second step's gradients.
+_TX = optax.adam(1e-3)
+
+
+def _with_optimizer(model: DeepSeekV3) -> tuple[DeepSeekV3, nnx.Optimizer]:
+    return model, nnx.Optimizer(model, _TX, wrt=nnx.Param)
+
+
+@functools.cache
+def _graphdef(rules: str, batch_split: int, moe_impl: str):
+    config = tiny_config(batch_split_factor=batch_split, moe_impl=moe_impl)
+    return nnx.graphdef(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules))))
+
+
+@functools.cache
+def _initial_state() -> nnx.State:
+    """Model and optimizer state, drawn with numpy (the model's own initializers would compile one program per
+    parameter shape): weights N(0, 0.02), norm scales 1, the router bias and the optimizer's moments 0."""
+    abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(tiny_config(), rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+        is_model, name = path[0].key == 0, jax.tree_util.keystr(path)
+        if is_model and "['scale']" in name:  # RMSNorm scales
+            return jnp.ones(leaf.shape, leaf.dtype)
+        if is_model and leaf.ndim >= 2:
+            return jnp.asarray(rng.normal(0.0, 0.02, leaf.shape), leaf.dtype)
+        return jnp.zeros(leaf.shape, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.cache
+def _batch() -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ + 1))
+    mask = np.ones((BATCH, SEQ), np.int32)
+    mask[0, :3] = 0  # some left padding
+    return {"input_ids": jnp.asarray(ids[:, :-1], jnp.int32), "targets": jnp.asarray(ids[:, 1:], jnp.int32),
+            "attention_mask": jnp.asarray(mask), "loss_mask": jnp.asarray(mask)}
+
+
+def _train_step(graphdef, state, batch):
+    """One Adam step on the trainer's loss (with the MTP term): (new state, (cross-entropy, parameter grads))."""
+    model, optimizer = nnx.merge(graphdef, state)
+    model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        total, metrics = loss_terms(nnx.merge(model_graph, p, rest), batch, MTP_WEIGHT, (("with_mtp", True),))
+        return total / metrics["tokens"], metrics["ce_sum"] / metrics["tokens"]
+
+    (_, ce), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), (ce, grads)
+
+
+# Cheaper LLVM optimization: the programs are tiny and run twice, compilation is the cost (float semantics are
+# the same at every level: XLA:CPU does not enable fast math).
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+_COMPILES = ThreadPoolExecutor(max_workers=2)  # XLA compiles without the GIL: two at once on CI's two cores
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one run needs: model options and, for a sharded run, the mesh."""
+
+    rules: str = "default"
+    batch_split: int = 1
+    moe_impl: str = "dense"
+    sizes: tuple[tuple[str, int], ...] = ()  # () = one device
+    mode: str = "explicit"
+    devices: int = 8
+
+    @classmethod
+    def of(cls, case: Case) -> Setup:
+        return cls(case.rules, case.batch_split, case.moe_impl, case.sizes, case.mode)
+
+    def mesh(self):
+        return make_mesh(dict(self.sizes), shard_mode=self.mode, devices=jax.devices()[: self.devices])
+
+
+def _place(tree, mesh, rules):
+    shardings = state_shardings(tree, mesh, get_rules(rules))
+    leaves = [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(tree), shardings)]
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+
+@functools.cache
+def _inputs(setup: Setup):
+    """(graphdef, state, batch), placed on the setup's mesh."""
+    graphdef, state, batch = _graphdef(setup.rules, setup.batch_split, setup.moe_impl), _initial_state(), _batch()
+    if not setup.sizes:
+        return graphdef, state, batch
+    mesh = setup.mesh()
+    batch_spec = logical_to_mesh_axes(("activation_batch", None), setup.rules, mesh)
+    return graphdef, _place(state, mesh, setup.rules), jax.device_put(batch, jax.NamedSharding(mesh, batch_spec))
+
+
+@functools.cache
+def compiled_step(setup: Setup) -> Future:
+    """The setup's train step, traced here and compiled in the background (a future of the executable)."""
+    graphdef, state, batch = _inputs(setup)
+    if setup.sizes:
+        # The new state keeps the input's shardings. (Under Auto, XLA would otherwise choose its own for some of it,
+        # e.g. norm scales sharded like the activations they scale, and the second call would not match.)
+        step = jax.jit(_train_step, static_argnums=0, out_shardings=(jax.tree.map(lambda a: a.sharding, state), None))
+        with jax.set_mesh(setup.mesh()):
+            lowered = step.trace(graphdef, state, batch).lower()
+    else:
+        lowered = jax.jit(_train_step, static_argnums=0).trace(graphdef, state, batch).lower()
+    return _COMPILES.submit(lowered.compile, _COMPILER_OPTIONS)
+
+
+@functools.cache
+def run(setup: Setup):
+    """(cross-entropy per step [STEPS], parameter gradients per step) as numpy."""
+    step = compiled_step(setup).result()
+    _, state, batch = _inputs(setup)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        state, (loss, g) = step(state, batch)
+        losses.append(loss)
+        grads.append(g)
+    return jax.device_get((np.stack(losses), jax.tree.map(lambda *a: np.stack(a), *grads)))
+
+
+def assert_same(got, want, what: str = "") -> None:
+    """Losses equal to rtol 1e-5; each gradient tensor of each step within 1e-5 of the reference in relative
+    L2 norm (element-wise relative error is meaningless for entries that are float32 rounding noise around 0)."""
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=f"{what} losses")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1]), strict=True):
+        for step in range(STEPS):
+            error = np.linalg.norm(g[step] - r[step]) / max(np.linalg.norm(r[step]), 1e-30)
+            assert error <= 1e-5, f"{what} step {step} grad {jax.tree_util.keystr(path)}: relative error {error:.2e}"
+
+
+def _prefetch(request: pytest.FixtureRequest) -> None:
+    """Start compiling the next selected case of this test function while this one compiles and runs."""
+    items = request.session.items
+    here = items.index(request.node)
+    for item in items[here + 1:]:
+        callspec = getattr(item, "callspec", None)
+        if item.originalname == request.node.originalname and callspec is not None:
+            try:
+                compiled_step(Setup.of(callspec.params["case"]))
+            except Exception:  # noqa: BLE001 - not cached: that case's own test traces it again and reports
+                pass
+            return
+
+
+def test_plan_covers_every_mesh_rule_set_and_mode():
+    pairs = {(c.sizes, c.rules) for c in CASES}
+    assert len(pairs) + len(SKIPPED) == len(MESHES) * len(RULE_ORDER)
+    assert all(reason for _, _, reason in SKIPPED)
+    # On fsdp 8 every rule set but shard-exp-on-fsdp lays the model out exactly like 'default'.
+    assert [rules for mesh, rules, _ in SKIPPED if mesh == "fsdp8"] == ["pure-fsdp", "ep-as-cp", "cp-as-ep",
+                                                                         "ep-as-dp"]
+    for sizes in MESHES:
+        assert {c.mode for c in CASES if c.sizes == tuple(sizes.items())} == set(MODES), sizes
+    for rules in RULE_ORDER:
+        assert {c.mode for c in CASES if c.rules == rules} == set(MODES), rules
+    assert {(c.mode, c.batch_split) for c in CASES} == {(m, s) for m in MODES for s in BATCH_SPLITS}
+    assert {c.mode for c in CASES if c.moe_impl == "ep"} == set(MODES)  # EP under Auto meshes too
+    assert {c.mode for c in CASES if c.moe_impl == "ep" and c.batch_split == 2} == set(MODES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matrix(case, request):
+    compiled_step(Setup.of(case))
+    compiled_step(Setup(batch_split=case.batch_split))
+    _prefetch(request)
+    assert_same(run(Setup.of(case)), run(Setup(batch_split=case.batch_split)), case.id)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seed regressions and the MTP head under batch split.
+
+# Seed 004: FSDP 2 + CP 2 and FSDP 2 + EP-as-CP 2 (4 devices each, one sequence shard pair per batch shard) must
+# give the same loss: the expert axis, acting as context parallelism outside the MoE core, changes no number.
+SEED004 = (
+    Setup(rules="default", sizes=(("fsdp", 2), ("context", 2)), devices=4),
+    Setup(rules="ep-as-cp", moe_impl="ep", sizes=(("fsdp", 2), ("expert", 2)), devices=4),
+)
+
+
+def test_seed004_context_parallel_equals_expert_as_context_parallel():
+    for setup in SEED004:
+        compiled_step(setup)
+    cp, ep_as_cp = (run(setup) for setup in SEED004)
+    mesh = SEED004[1].mesh()
+    # ep-as-cp really splits the sequence over 'expert' here, and the experts too.
+    assert logical_to_mesh_axes(("activation_batch", "activation_length"), "ep-as-cp", mesh) == jax.P("fsdp", "expert")
+    assert _ep_axes(dict(SEED004[1].sizes), "ep-as-cp") == ("expert",)
+    assert_same(ep_as_cp, cp, "fsdp2+expert2 (ep-as-cp) vs fsdp2+context2")
+    assert_same(cp, run(Setup()), "fsdp2+context2 vs one device")
+
+
+def test_mtp_head_splits_its_batch(monkeypatch):
+    # The MTP head's decoder layer is MoE: with batch_split_factor > 1 it must run as micro-batches like the main
+    # MoE stack. Count the batch-split calls traced with and without the MTP head.
+    import nnx_zoo.models.deepseek.model as model_module
+
+    factors = []
+
+    def counting(fn, x, *args, factor):
+        factors.append(factor)
+        return batch_split(fn, x, *args, factor=factor)
+
+    monkeypatch.setattr(model_module, "batch_split", counting)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepSeekV3(tiny_config(batch_split_factor=2),
+                                                                  rngs=nnx.Rngs(0))))
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i), state, ids)
+    without_mtp = list(factors)
+    jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i, with_mtp=True), state, ids)
+    assert without_mtp == [2]  # the scanned MoE stack's body
+    assert factors[len(without_mtp):] == [2, 2]  # the MoE stack again, and the MTP head
+
+
+def test_shift_left_keeps_a_sequence_sharded_layout():
+    # The trainer's MTP loss shifts targets and mask left; under an Explicit mesh with the sequence sharded
+    # (context parallelism, ep-as-cp) slicing x[:, 1:] is a sharding type error, so shift_left gathers first.
+    mesh = make_mesh({"fsdp": 4, "context": 2}, shard_mode="explicit")
+    values = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(values, jax.P("fsdp", "context"))
+        with pytest.raises(Exception, match="not divisible"):
+            jax.jit(lambda x: x[:, 1:])(x)
+        out = jax.jit(shift_left, static_argnums=1)(x, 3)
+    np.testing.assert_array_equal(out, np.pad(values[:, 3:], ((0, 0), (0, 3))))
+    assert jax.typeof(out).sharding.spec == jax.typeof(x).sharding.spec
+
+
+def test_mtp_loss_equals_the_sliced_formula():
+    # shift_left moves targets, not logits: the MTP term must still be the mean CE of head k's logits at t against
+    # the target at t + k + 1, over positions whose shifted target counts.
+    rng = np.random.default_rng(1)
+    b, s, v = 2, 6, 5
+    logits, mtp = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, s, v), (2, b, s, v)))
+    batch = {"input_ids": jnp.zeros((b, s), jnp.int32), "targets": jnp.asarray(rng.integers(0, v, (b, s))),
+             "loss_mask": jnp.asarray(rng.integers(0, 2, (b, s)), jnp.float32)}
+
+    class Fixed:
+        def __call__(self, ids, attention_mask=None):
+            return DeepSeekV3Output(logits=logits, mtp_logits=mtp)
+
+    total, metrics = loss_terms(Fixed(), batch, 0.5)
+
+    def ce(lg, t, m):
+        nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(lg)), np.asarray(t)[..., None], -1)[..., 0]
+        return float(np.sum(nll * np.asarray(m))), float(np.sum(m))
+
+    main, tokens = ce(logits, batch["targets"], batch["loss_mask"])
+    want = main
+    for k in range(2):
+        shift = k + 1
+        part, count = ce(mtp[k][:, :-shift], batch["targets"][:, shift:], batch["loss_mask"][:, shift:])
+        want += 0.5 / 2 * part * tokens / max(count, 1.0)
+    np.testing.assert_allclose(float(total), want, rtol=1e-5)
