@@ -175,8 +175,8 @@ def train(
         start_step, data_state, _ = checkpoints.restore_into(state)
         data.set_state(data_state)
 
-    step_fn = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs",
-                                                   "routing_bias_rate"))
+    step_fn = _pinned_step(state, accum_steps=config.accum_steps, mtp_weight=config.mtp_weight,
+                           model_kwargs=config.model_kwargs, routing_bias_rate=config.routing_bias_rate)
     schedule = learning_rate_schedule(config.optimizer, config.steps)
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
@@ -199,9 +199,7 @@ def train(
                 profiler.before(step + 1)
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
-                metrics = step_fn(state.model, state.optimizer, batch, accum_steps=config.accum_steps,
-                                  mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
-                                  routing_bias_rate=config.routing_bias_rate)
+                metrics = step_fn(state, batch)
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(
@@ -246,3 +244,29 @@ def train(
     summary.update(end_step=step, losses=losses, last=last_logged)
     return summary
 
+
+
+def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
+    """``train_step`` on ``state`` (updated in place), compiled once, with the updated state pinned to the
+    shardings it came in with.
+
+    Under Auto meshes XLA otherwise picks new layouts for part of the updated state (e.g. norm scales came back
+    split like the activations they scale): the next step then sees different input shardings and compiles again,
+    and the state drifts away from the rule set's layout. Under Explicit meshes the pin changes nothing.
+    """
+    graphdef, _ = nnx.split(state)
+    shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
+
+    def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
+        live = nnx.merge(graphdef, values)
+        metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
+        return nnx.state(live), metrics
+
+    compiled = jax.jit(step, out_shardings=(shardings, None))
+
+    def run(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        values, metrics = compiled(nnx.state(state), batch)
+        nnx.update(state, values)
+        return metrics
+
+    return run

@@ -92,3 +92,30 @@ def test_corrupt_checkpoint_gives_a_clear_error(tmp_path):
             f.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="cannot be restored"):
         run(config(tmp_path, steps=4))
+
+
+def test_auto_mesh_state_keeps_its_layout_and_the_step_compiles_once(tmp_path, caplog):
+    """Under Auto meshes XLA would pick new layouts for part of the updated state (norm scales split over
+    tensor_transpose like the activations they scale): the next step would compile again and the state would
+    drift from the rule set's layout. The loop pins the updated state to its input shardings."""
+    import jax
+
+    from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+    from nnx_zoo.sharding import make_mesh, state_shardings
+
+    model_config = DeepSeekV3Config.preset("deepseek3-mini", vocab_size=VOCAB, num_hidden_layers=2,
+                                           num_nextn_predict_layers=0)
+    mesh_sizes = {"fsdp": 4, "tensor_transpose": 2}
+    trained = []
+    cfg = config(tmp_path, steps=3, mesh=mesh_sizes, checkpoint_every=100)
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+        train(lambda: DeepSeekV3(model_config, rngs=nnx.Rngs(0)), cfg, vocab_size=VOCAB, flops_per_token=1e3,
+              after_step=lambda state, metrics: trained.append(state))
+    compiles = [r for r in caplog.records if "Finished XLA compilation of jit(" in r.getMessage()
+                and ("jit(step)" in r.getMessage() or "jit(train_step)" in r.getMessage())]
+    assert len(compiles) == 1, [r.getMessage() for r in compiles]
+    mesh = make_mesh(mesh_sizes)
+    model = trained[-1].model
+    want = [s.spec for s in state_shardings(nnx.state(model), mesh)]
+    got = [x.sharding.spec for x in jax.tree.leaves(nnx.state(model))]
+    assert got == want
