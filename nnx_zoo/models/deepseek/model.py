@@ -67,7 +67,7 @@ class DecoderLayer(nnx.Module):
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
         """``(output [batch, seq, embed], aux)``: for an MoE layer ``aux = (chosen experts [batch, seq, k],
         (token, expert) pairs dropped over capacity (int32 scalar), sequence-wise balance loss [batch])``, for a
-        dense layer None. (XLA drops the balance loss when nothing uses it.)"""
+        dense layer None. The balance loss is None when ``seq_aux_loss_alpha`` is 0."""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
         seq = x.shape[1]
         # A token is real (not padding) when it may attend to itself.

@@ -22,6 +22,7 @@ from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 _TE = ("activation_tokens", "activation_embed")
 _T_EXPERTS = ("activation_tokens", None)  # every token sees all router scores: top-k needs the whole row
+_BL_EXPERTS = ("activation_batch", "activation_length", None)
 
 
 class RouterBias(nnx.Variable):
@@ -64,11 +65,18 @@ def sequence_balance_loss(
     num_experts, k = logits.shape[-1], idx.shape[-1]
     seq = token_mask.shape[-1]
     batch = logits.shape[0] // seq
+    per_sequence = (batch, seq, num_experts)
+
+    def split_sequences(a: jax.Array) -> jax.Array:  # [B*S, E] -> [B, S, E], laid out like [B, S, E] activations
+        return shard(jnp.reshape(a, per_sequence, out_sharding=explicit_spec(_BL_EXPERTS, per_sequence)),
+                     _BL_EXPERTS)
+
     valid = jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.float32)[..., None]  # [B, S, 1]
+    valid = shard(valid, _BL_EXPERTS)
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    normalized = (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(batch, seq, num_experts) * valid
+    normalized = split_sequences(scores / jnp.sum(scores, axis=-1, keepdims=True)) * valid
     chosen = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B*S, E]: 1 where chosen
-    chosen = jax.lax.stop_gradient(chosen.reshape(batch, seq, num_experts) * valid)
+    chosen = jax.lax.stop_gradient(split_sequences(chosen) * valid)
     tokens = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1.0)[:, None]  # T of each sequence, [B, 1]
     f = num_experts / (k * tokens) * jnp.sum(chosen, axis=1)  # [B, E]
     p = jnp.sum(normalized, axis=1) / tokens  # [B, E]
@@ -107,7 +115,7 @@ class DeepSeekMoE(nnx.Module):
         """``(out, expert_idx)``; with ``return_dropped`` also the number of (token, expert) pairs dropped over
         capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0), an int32 scalar; with ``token_mask
         [batch or 1, seq]`` (True = real token) last also each sequence's balance loss ``[batch]``
-        (``sequence_balance_loss``)."""
+        (``sequence_balance_loss``; None when ``seq_aux_loss_alpha`` is 0)."""
         c = self.config
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
@@ -125,6 +133,7 @@ class DeepSeekMoE(nnx.Module):
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out, _BLE), in_sharding)
         outputs = (out, idx.reshape(batch, seq, c.num_experts_per_tok)) + ((dropped,) if return_dropped else ())
-        if token_mask is not None:
-            outputs += (sequence_balance_loss(logits, idx, token_mask, c),)
+        if token_mask is not None:  # None when the loss is off: nothing to trace
+            balance = sequence_balance_loss(logits, idx, token_mask, c) if c.seq_aux_loss_alpha > 0 else None
+            outputs += (balance,)
         return outputs

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from nnx_zoo import DeepSeekV3
@@ -82,14 +83,19 @@ def test_model_aux_loss_is_the_mean_over_sequences_and_alpha_zero_changes_nothin
     np.testing.assert_array_equal(np.asarray(off), np.asarray(plain_call.logits))
 
 
-def test_aux_loss_is_the_same_on_an_explicit_sharded_mesh():
+@pytest.mark.parametrize(("sizes", "rules", "ids_spec"), [
+    ({"fsdp": 4, "expert": 2}, "default", (("fsdp", "expert"),)),
+    # context parallelism: the sequence dim of the per-sequence sums is split too
+    ({"fsdp": 4, "context": 2}, "default", ("fsdp", "context")),
+])
+def test_aux_loss_is_the_same_on_an_explicit_sharded_mesh(sizes, rules, ids_spec):
     config = small_config(seq_aux_loss_alpha=ALPHA, num_nextn_predict_layers=0, batch_split_factor=2)
     ids = jax.random.randint(jax.random.key(3), (16, 8), 0, config.vocab_size)
     aux_loss = jax.jit(lambda m, i: m(i).aux_loss)
     single = aux_loss(DeepSeekV3.create(config), ids)
-    mesh = make_mesh({"fsdp": 4, "expert": 2}, shard_mode="explicit")
-    sharded = DeepSeekV3.create(config, mesh=mesh)
+    mesh = make_mesh(sizes, shard_mode="explicit")
+    sharded = DeepSeekV3.create(config, mesh=mesh, rules=rules)
     with jax.set_mesh(mesh):
-        ids = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "expert"))))
+        ids = jax.device_put(ids, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*ids_spec)))
         value = aux_loss(sharded, ids)
     np.testing.assert_allclose(float(value), float(single), rtol=1e-5)
