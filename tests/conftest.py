@@ -1,5 +1,6 @@
 """Test configuration: 8 fake CPU devices, set before jax is imported, so no mesh test is ever skipped."""
 
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -16,3 +17,25 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.device_count()}: XLA_FLAGS was set too late"
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after each test module.
+
+    Every XLA:CPU executable kept alive holds memory mappings of its own; the suite compiles over a thousand
+    programs, and one process that keeps them all alive ran past the kernel's mapping limit (``vm.max_map_count``,
+    65530 here), after which XLA:CPU's next compile crashed the interpreter (a segfault in CI, deterministic at the
+    same test). Modules that cache compiled steps clear their own caches too.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
