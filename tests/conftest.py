@@ -19,6 +19,9 @@ def _eight_devices():
     assert jax.device_count() == 8, f"tests need 8 CPU devices, got {jax.device_count()}: XLA_FLAGS was set too late"
 
 
+MAX_MAPS_KEPT = 30_000  # of vm.max_map_count's usual 65530
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:
@@ -29,13 +32,20 @@ def _memory_maps() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs():
-    """Drop JAX's compiled programs after each test module.
+    """Drop JAX's compiled programs after each test module (and after any test that leaves many behind).
 
-    Every XLA:CPU executable kept alive holds memory mappings of its own; the suite compiles over a thousand
-    programs, and one process that keeps them all alive ran past the kernel's mapping limit (``vm.max_map_count``,
-    65530 here), after which XLA:CPU's next compile crashed the interpreter (a segfault in CI, deterministic at the
-    same test). Modules that cache compiled steps clear their own caches too.
+    Every XLA:CPU executable kept alive holds memory mappings (~1500 for a small sharded train step); a process
+    that keeps the suite's programs alive ran past the kernel's limit (``vm.max_map_count``, 65530 here), after
+    which XLA:CPU's next compile crashed the interpreter (a segfault in CI, always at the same test).
     """
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_maps():
+    yield
+    if _memory_maps() > MAX_MAPS_KEPT:
+        jax.clear_caches()
+        gc.collect()

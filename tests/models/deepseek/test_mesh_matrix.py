@@ -11,8 +11,7 @@ Explicit meshes), ``dense`` elsewhere (where ``ep`` would be the local computati
 
 Cost: compilation dominates (one train-step compile per case, ~10 s of CPU each). CI runs every kept (mesh, rule
 set) pair under both modes with the batch split alternating between pairs (see ``plan``); set
-``NNX_ZOO_FULL_MATRIX=1`` for the whole product. Each compiled step is dropped once it has run (see
-``compiled_step``).
+``NNX_ZOO_FULL_MATRIX=1`` for the whole product. Each compiled step is dropped once it has run (see ``run``).
 """
 
 from __future__ import annotations
@@ -262,9 +261,7 @@ def _inputs(setup: Setup):
 
 
 def compiled_step(setup: Setup) -> jax.stages.Compiled:
-    """The setup's train step, compiled. Not cached: ``run`` caches the numbers, and a compiled step kept alive
-    holds ~1500 memory mappings on XLA:CPU; the matrix's steps all alive took the test process past the
-    kernel's limit of 65530 and the next compile segfaulted."""
+    """The setup's train step, compiled (``run`` caches its numbers and frees it)."""
     graphdef, state, batch = _inputs(setup)
     if setup.sizes:
         # The new state keeps the input's shardings. (Under Auto, XLA would otherwise choose its own for some of it,
@@ -279,7 +276,11 @@ def compiled_step(setup: Setup) -> jax.stages.Compiled:
 
 @functools.cache
 def run(setup: Setup):
-    """(cross-entropy per step [STEPS], parameter gradients per step) as numpy."""
+    """(cross-entropy per step [STEPS], parameter gradients per step) as numpy.
+
+    The compiled step is dropped afterwards, from JAX's caches too: each one holds ~1500 memory mappings on
+    XLA:CPU, and the matrix's steps all kept alive took the test process past the kernel's limit
+    (vm.max_map_count, 65530), after which the next compile segfaulted."""
     step = compiled_step(setup)
     _, state, batch = _inputs(setup)
     losses, grads = [], []
@@ -287,7 +288,10 @@ def run(setup: Setup):
         state, (loss, g) = step(state, batch)
         losses.append(loss)
         grads.append(g)
-    return jax.device_get((np.stack(losses), jax.tree.map(lambda *a: np.stack(a), *grads)))
+    result = jax.device_get((np.stack(losses), jax.tree.map(lambda *a: np.stack(a), *grads)))
+    del step
+    jax.clear_caches()
+    return result
 
 
 def assert_same(got, want, what: str = "") -> None:
