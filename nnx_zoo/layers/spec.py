@@ -9,6 +9,7 @@ call site can pass its result straight through: ``jnp.einsum(..., out_sharding=e
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -71,8 +72,12 @@ def weight_einsum_to_spec(
         return jnp.einsum(equation, x, weight)
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
-    x_axes = dict(zip(x_letters, _spec_entries(jax.typeof(x).sharding.spec, x.ndim)))
-    out_axes = dict(zip(out_letters, _spec_entries(out_spec, len(out_letters))))
+    x_spec = _spec_entries(jax.typeof(x).sharding.spec, x.ndim)
+    out_entries = _spec_entries(out_spec, len(out_letters))
+    out_axes = dict(zip(out_letters, out_entries))
+    x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, out_letters, x, weight, x_spec,
+                                                       out_entries)
+    x_axes = dict(zip(x_letters, x_spec))
     used: set[str] = set()
     weight_spec = [()] * weight.ndim
     # Contracting (and batch) dims first: they must match the activation; output dims take what is left.
@@ -83,28 +88,63 @@ def weight_einsum_to_spec(
             axes = tuple(a for a in (x_axes.get(c) if pass_from_x else out_axes.get(c, ())) if a not in used)
             weight_spec[i] = axes
             used |= set(axes)
-    weight_spec = PartitionSpec(*(a if a else None for a in weight_spec))
-    return _einsum_regathering(equation, weight_spec, out_spec, x, weight)
+    return _einsum_regathering(equation, _to_spec(x_spec), _to_spec(weight_spec), out_spec, x, weight)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _einsum_regathering(equation: str, weight_spec: PartitionSpec, out_spec: PartitionSpec, x, weight):
-    """``einsum(x, reshard(weight, weight_spec))`` that reshards the weight again in the backward pass instead of
-    keeping the resharded (usually all-gathered) copy alive from the forward pass, as XLA does under Auto meshes.
-    Kept, the gathered weights of every scanned layer cost the FSDP train step 13% more temporaries."""
-    return jnp.einsum(equation, x, jax.reshard(weight, weight_spec), out_sharding=out_spec)
+def _to_spec(entries: list) -> PartitionSpec:
+    return PartitionSpec(*(axes if axes else None for axes in entries))
 
 
-def _einsum_regathering_fwd(equation, weight_spec, out_spec, x, weight):
-    return _einsum_regathering(equation, weight_spec, out_spec, x, weight), (x, weight)
+def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, out_letters: str, x: jax.Array,
+                                              weight: jax.Array, x_spec: list, out_spec: list) -> list:
+    """``x``'s spec entries, minus the mesh axes worth all-gathering ``x`` over before the dot.
+
+    A mesh axis that splits both a contracted dim of ``x`` and a weight dim of the output can be served two ways:
+    contract the local slices and reduce-scatter partial outputs (each device briefly holds the output unsplit on
+    that axis), or all-gather ``x`` along the contracted dim and let the axis split the weight's output dim. The
+    smaller temporary wins: under tensor_transpose an lm_head or MLP up-projection gathers its narrow input
+    instead of materializing vocab- or mlp-wide partial sums (XLA's own choice under Auto meshes); the
+    down-projection, whose output is the narrow one, keeps reduce-scattering.
+    """
+    axis_sizes = jax.sharding.get_abstract_mesh().shape
+    sizes = {c: n for c, n in zip(w_letters, weight.shape)} | {c: n for c, n in zip(x_letters, x.shape)}
+    out_axes = dict(zip(out_letters, out_spec))
+
+    def local_size(letters: str, spec: list) -> int:
+        return math.prod(sizes[c] for c in letters) // math.prod(axis_sizes.get(a, 1) for axes in spec for a in axes)
+
+    x_local, out_local = local_size(x_letters, x_spec), local_size(out_letters, out_spec)
+    spec = list(x_spec)
+    for i, c in enumerate(x_letters):
+        if c not in w_letters or c in out_axes:  # batch or kept dims: nothing is summed over them
+            continue
+        conflicting = {a for a in spec[i] for d in w_letters if d not in x_letters and a in out_axes.get(d, ())}
+        if conflicting and out_local > x_local:
+            spec[i] = tuple(a for a in spec[i] if a not in conflicting)
+    return spec
 
 
-def _einsum_regathering_bwd(equation, weight_spec, out_spec, residuals, grad):
-    x, weight = residuals
-    _, pullback = jax.vjp(lambda x, w: jnp.einsum(equation, x, w, out_sharding=out_spec), x,
-                          jax.reshard(weight, weight_spec))
-    dx, dweight = pullback(grad)
-    return dx, jax.reshard(dweight, jax.typeof(weight).sharding.spec)
+def _einsum_resharded(equation: str, x_spec: PartitionSpec, weight_spec: PartitionSpec, out_spec: PartitionSpec,
+                      x: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, jax.reshard(x, x_spec), jax.reshard(weight, weight_spec), out_sharding=out_spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum_regathering(equation, x_spec, weight_spec, out_spec, x, weight):
+    """`_einsum_resharded` that reshards its inputs again in the backward pass instead of keeping the resharded
+    (usually all-gathered) copies alive from the forward pass, as XLA does under Auto meshes. Kept, the gathered
+    weights of every scanned layer cost the FSDP train step 13% more temporaries."""
+    return _einsum_resharded(equation, x_spec, weight_spec, out_spec, x, weight)
+
+
+def _einsum_regathering_fwd(equation, x_spec, weight_spec, out_spec, x, weight):
+    return _einsum_resharded(equation, x_spec, weight_spec, out_spec, x, weight), (x, weight)
+
+
+def _einsum_regathering_bwd(equation, x_spec, weight_spec, out_spec, residuals, grad):
+    # The pullback of the reshards returns each cotangent in its input's own sharding.
+    _, pullback = jax.vjp(functools.partial(_einsum_resharded, equation, x_spec, weight_spec, out_spec), *residuals)
+    return pullback(grad)
 
 
 _einsum_regathering.defvjp(_einsum_regathering_fwd, _einsum_regathering_bwd)

@@ -1,0 +1,68 @@
+"""weight_einsum under Explicit meshes: the numbers of a plain einsum, and the cheaper of the two ways to serve a
+mesh axis that splits both the contracted dim and the weight's output dim."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnx_zoo.layers.spec import weight_einsum
+from nnx_zoo.sharding import make_mesh, use_rules
+
+# SEQ = 12 makes every activation's element count a multiple of 3 and every weight's a power of two, so the
+# collectives that move activations can be told apart after XLA's reshapes.
+BATCH, SEQ, NARROW, WIDE = 8, 12, 64, 512
+# Under the default rules on fsdp 4 + tensor_transpose 2 the activations' model width is split over
+# tensor_transpose, and so are the vocabulary / mlp widths: both dims of the up- and down-projections.
+SIZES = {"fsdp": 4, "tensor_transpose": 2}
+
+
+def _activation_collectives(hlo: str) -> list[int]:
+    """Element counts of the activation arrays (multiples of 3) that collectives in ``hlo`` take or give."""
+    counts = []
+    for line in hlo.splitlines():
+        if re.search(r" (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line):
+            line = re.sub(r"metadata=\{.*", "", line)
+            for dims in re.findall(r"f32\[([\d,]*)\]", line):
+                n = int(np.prod([int(d) for d in dims.split(",") if d]))
+                if n % 3 == 0:
+                    counts.append(n)
+    return counts
+
+
+@pytest.mark.parametrize(("d_in", "d_out", "out_name"), [
+    (NARROW, WIDE, "activation_vocab"),  # lm_head / up-projection: the output is the wide side
+    (WIDE, NARROW, "activation_embed"),  # down-projection: the input is the wide side
+])
+def test_explicit_weight_einsum_moves_the_narrow_side_only(d_in, d_out, out_name):
+    names = ("activation_batch", "activation_length", out_name)
+    rng = np.random.default_rng(0)
+    x_np = rng.normal(size=(BATCH, SEQ, d_in)).astype(np.float32)
+    w_np = rng.normal(size=(d_in, d_out)).astype(np.float32) / np.sqrt(d_in)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(weight_einsum("bsi,io->bso", x, w, names)))
+
+    want_value, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(x_np, w_np)
+    mesh = make_mesh(SIZES, shard_mode="explicit")
+    with jax.set_mesh(mesh), use_rules("default"):
+        x = jax.device_put(x_np, jax.P("fsdp", None, "tensor_transpose"))
+        w = jax.device_put(w_np, jax.P(("fsdp", "tensor_transpose") if d_in == NARROW else "fsdp",
+                                       None if d_in == NARROW else "tensor_transpose"))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        value, grads = step(x, w)
+        out = jax.jit(lambda x, w: weight_einsum("bsi,io->bso", x, w, names))(x, w)
+        hlo = step.lower(x, w).compile().as_text()
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert jax.typeof(grads[0]).sharding.spec == jax.typeof(x).sharding.spec
+    assert jax.typeof(grads[1]).sharding.spec == jax.typeof(w).sharding.spec
+    assert jax.typeof(out).sharding.spec == jax.P("fsdp", None, "tensor_transpose")
+    # Activations cross devices only at their narrow width: the wide side is never gathered, and no device
+    # builds wide partial sums to reduce-scatter (what a contraction split over tensor_transpose would do).
+    moved = _activation_collectives(hlo)
+    assert moved, "expected activations to cross devices"
+    assert max(moved) <= BATCH // SIZES["fsdp"] * SEQ * NARROW, sorted(set(moved))
