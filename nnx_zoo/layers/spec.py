@@ -73,10 +73,8 @@ def weight_einsum_to_spec(
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     x_spec = _spec_entries(jax.typeof(x).sharding.spec, x.ndim)
-    out_entries = _spec_entries(out_spec, len(out_letters))
-    out_axes = dict(zip(out_letters, out_entries))
-    x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, out_letters, x, weight, x_spec,
-                                                       out_entries)
+    out_axes = dict(zip(out_letters, _spec_entries(out_spec, len(out_letters))))
+    x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, x, weight, x_spec, out_axes)
     x_axes = dict(zip(x_letters, x_spec))
     used: set[str] = set()
     weight_spec = [()] * weight.ndim
@@ -95,8 +93,8 @@ def _to_spec(entries: list) -> PartitionSpec:
     return PartitionSpec(*(axes if axes else None for axes in entries))
 
 
-def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, out_letters: str, x: jax.Array,
-                                              weight: jax.Array, x_spec: list, out_spec: list) -> list:
+def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, x: jax.Array, weight: jax.Array,
+                                              x_spec: list, out_axes: dict) -> list:
     """``x``'s spec entries, minus the mesh axes worth all-gathering ``x`` over before the dot.
 
     A mesh axis that splits both a contracted dim of ``x`` and a weight dim of the output can be served two ways:
@@ -107,13 +105,12 @@ def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, ou
     down-projection, whose output is the narrow one, keeps reduce-scattering.
     """
     axis_sizes = jax.sharding.get_abstract_mesh().shape
-    sizes = {c: n for c, n in zip(w_letters, weight.shape)} | {c: n for c, n in zip(x_letters, x.shape)}
-    out_axes = dict(zip(out_letters, out_spec))
+    sizes = dict(zip(w_letters, weight.shape)) | dict(zip(x_letters, x.shape))
 
-    def local_size(letters: str, spec: list) -> int:
+    def local_size(letters, spec) -> int:
         return math.prod(sizes[c] for c in letters) // math.prod(axis_sizes.get(a, 1) for axes in spec for a in axes)
 
-    x_local, out_local = local_size(x_letters, x_spec), local_size(out_letters, out_spec)
+    x_local, out_local = local_size(x_letters, x_spec), local_size(out_axes.keys(), out_axes.values())
     spec = list(x_spec)
     for i, c in enumerate(x_letters):
         if c not in w_letters or c in out_axes:  # batch or kept dims: nothing is summed over them
