@@ -6,18 +6,17 @@ same config and same batch, tokens/s = batch * seq / seconds per step. Contender
   jax-gmm     nnx_zoo, moe_impl='gmm' (sort + jax.lax.ragged_dot)
   jax-tiled   nnx_zoo with RoutedExperts' gmm path replaced, inside this script only, by a prototype dropless
               grouped matmul built from batched einsums over fixed-size row tiles (see moe_kernels.py)
-  jax-dense2d nnx_zoo with RoutedExperts' dense path replaced (here only) by the same math as row-major 2-D
-              matmuls over a fused (expert, width) axis (`dense2d_swiglu`: removes a transposing SwiGLU-backward
-              fusion that costs ~half of the MoE block)
-  jax-dense2d+ce  the same, plus a cross-entropy with a hand-written one-pass backward (custom_vjp)
-  jax-dense2d+ce+head  the same, plus the lm_head matmul with a hand-written backward (`lm_head_matmul`)
+  jax-dense+ce  jax-dense with a cross-entropy with a hand-written one-pass backward (custom_vjp, prototype)
   torch-Nt    transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(N)
               (N = 2, the brief's setting, and 1: on a shared, oversubscribed 2-core box torch's 2-thread
               OpenMP regions can stall badly), default experts implementation (grouped_mm) and sdpa attention
 JAX steps are `jax.jit(jax.value_and_grad(loss))` over the `nnx.Param` state (nnx.split / nnx.merge); torch
 steps are `zero_grad(set_to_none=True); model(ids, labels=ids).loss.backward()`. Where `save_pretrained` works,
 the torch model loads the JAX model's weights, so the two first losses must agree (printed as a check).
-MTP heads are switched off (num_nextn_predict_layers=0): HF's forward has none.
+MTP heads are switched off (num_nextn_predict_layers=0): HF's forward has none. The JAX process runs with
+nnx_zoo's measured XLA:CPU flags (`nnx_zoo.platform.use_cpu_xla_flags`, as the pretraining recipe does) unless
+`--no-cpu-flags` is given; XLA reads them once per process, so compare the two settings through their ratios
+against the torch contenders of each run.
 
 Part 2, the MoE block alone (forward + backward w.r.t. its parameters and input, fixed cotangent) against a
 dense SwiGLU MLP of equal active FLOPs per token: width moe_intermediate_size * (num_experts_per_tok +
@@ -38,14 +37,19 @@ import sys
 import tempfile
 import time
 
-import _harness as h
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from moe_kernels import auto_tile, layer_tiled
+from nnx_zoo.platform import use_cpu_xla_flags
 
-from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+if "--no-cpu-flags" not in sys.argv:  # before JAX starts its backend (XLA reads XLA_FLAGS once)
+    use_cpu_xla_flags()
+
+import _harness as h  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from moe_kernels import auto_tile, layer_tiled  # noqa: E402
+
+from nnx_zoo import DeepSeekV3, DeepSeekV3Config  # noqa: E402
 
 # ------------------------------------------------------------------------------------- prototype: tiled grouped mm
 
@@ -75,85 +79,6 @@ def tiled_gmm_patch():
         yield
     finally:
         moe_mod.RoutedExperts._gmm = original
-
-
-def dense2d_swiglu(x, expert_idx, weights, wi_gate, wi_up, wo):
-    """The 'dense' path (every expert on every token) as plain 2-D matmuls over a fused (expert, width) axis.
-
-    Same math as RoutedExperts._dense, which contracts `th,ehi->tei` / `tei,eih->th` on [E, H, F] weights: XLA
-    then computes the weight gradient as (dgate laid out [E*F, T]) @ x and emits the SwiGLU backward as a loop
-    fusion that writes its [T, E, F] result transposed (strided stores): one fusion costs about half of the
-    whole MoE block on CPU. With [T, E*F] activations and [H, E*F] weights (a weight-sized transpose per call)
-    every matmul and its gradients are row-major and that fusion disappears.
-    """
-    e, hdim, f = wi_gate.shape
-    combine = jnp.sum(jax.nn.one_hot(expert_idx, e, dtype=weights.dtype) * weights[..., None], -2)  # [T, E]
-    gate = x @ jnp.transpose(wi_gate, (1, 0, 2)).reshape(hdim, e * f)
-    up = x @ jnp.transpose(wi_up, (1, 0, 2)).reshape(hdim, e * f)
-    hidden = jax.nn.silu(gate) * up * jnp.repeat(combine.astype(x.dtype), f, axis=1)
-    return hidden @ wo.reshape(e * f, hdim)
-
-
-@contextlib.contextmanager
-def dense2d_patch():
-    """Temporarily routes nnx_zoo's RoutedExperts 'dense' path through `dense2d_swiglu` (single device)."""
-    from nnx_zoo.layers import moe as moe_mod
-
-    original = moe_mod.RoutedExperts._dense
-
-    def _dense(self, x, expert_idx, weights):
-        if not jax.sharding.get_abstract_mesh().empty:
-            raise NotImplementedError("the dense2d prototype is single-device only")
-        wi_gate, wi_up, wo = self._weights()
-        return dense2d_swiglu(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
-
-    moe_mod.RoutedExperts._dense = _dense
-    try:
-        yield
-    finally:
-        moe_mod.RoutedExperts._dense = original
-
-
-@jax.custom_vjp
-def lm_head_matmul(x, kernel):
-    """`x [B, S, H] @ kernel [H, V]` with a hand-written backward. Autodiff of the einsum lets XLA:CPU compute the
-    kernel gradient from a transposed copy of the [B*S, V] logits cotangent (a strided-store fusion over the
-    largest tensor of the step); here `dW = x^T @ g` transposes the small operand and keeps `g` row-major."""
-    return jnp.einsum("bsh,hv->bsv", x, kernel)
-
-
-def _lm_head_fwd(x, kernel):
-    return lm_head_matmul(x, kernel), (x, kernel)
-
-
-def _lm_head_bwd(res, g):
-    x, kernel = res
-    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    return jnp.dot(g2, kernel.T).reshape(x.shape), jnp.dot(x2.T, g2)
-
-
-lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
-
-
-@contextlib.contextmanager
-def dense2d_head_patch():
-    """`dense2d_patch` plus DeepSeekV3's untied lm_head routed through `lm_head_matmul` (single device)."""
-    from nnx_zoo.models.deepseek import model as model_mod
-
-    original = model_mod.DeepSeekV3._logits
-
-    def _logits(self, hidden):
-        if self.lm_head is None or not jax.sharding.get_abstract_mesh().empty:
-            return original(self, hidden)
-        dtype = self.lm_head.dtype
-        return lm_head_matmul(hidden.astype(dtype), self.lm_head.kernel[...].astype(dtype))
-
-    model_mod.DeepSeekV3._logits = _logits
-    try:
-        with dense2d_patch():
-            yield
-    finally:
-        model_mod.DeepSeekV3._logits = original
 
 
 @jax.custom_vjp
@@ -190,9 +115,7 @@ JAX_IMPLS = {
     "jax-dense": ("dense", contextlib.nullcontext, False),
     "jax-gmm": ("gmm", contextlib.nullcontext, False),
     "jax-tiled": ("gmm", tiled_gmm_patch, False),
-    "jax-dense2d": ("dense", dense2d_patch, False),
-    "jax-dense2d+ce": ("dense", dense2d_patch, True),
-    "jax-dense2d+ce+head": ("dense", dense2d_head_patch, True),
+    "jax-dense+ce": ("dense", contextlib.nullcontext, True),
 }
 
 
@@ -502,6 +425,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
     p.add_argument("--impls", nargs="+", default=list(JAX_IMPLS), choices=list(JAX_IMPLS))
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch contenders")
+    p.add_argument("--no-cpu-flags", action="store_true",
+                   help="run JAX without nnx_zoo's XLA:CPU flags (nnx_zoo/platform.py)")
     p.add_argument("--parts", nargs="+", default=["step", "moe"], choices=["step", "moe"])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
     p.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")

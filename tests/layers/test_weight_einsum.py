@@ -66,3 +66,55 @@ def test_explicit_weight_einsum_moves_the_narrow_side_only(d_in, d_out, out_name
     moved = _activation_collectives(hlo)
     assert moved, "expected activations to cross devices"
     assert max(moved) <= BATCH // SIZES["fsdp"] * SEQ * NARROW, sorted(set(moved))
+
+
+# ---- single device: the row-major backward (_einsum_row_major_grads) ----
+
+@pytest.mark.parametrize(("equation", "expected"), [
+    ("cda,ab->cdb", (2, 1)),  # Linear on [batch, seq, in]: the lm_head
+    ("th,hx->tx", (1, 1)),  # fused expert gate/up projection
+    ("tei,eih->th", (1, 2)),  # expert down-projection, contracting (expert, width)
+    ("dea,abc->debc", (2, 1)),  # Linear into (heads, head_dim)
+    ("deab,abc->dec", (2, 2)),  # Linear out of (heads, head_dim)
+    ("bthn,chn->bthc", None),  # weight's contracted dims are not leading
+    ("bse,ve->bsv", None),  # tied embedding: table is [vocab, embed]
+    ("th,he->et", None),  # output dims reordered
+])
+def test_matmul_shape_recognises_plain_matmuls_only(equation, expected):
+    from nnx_zoo.layers.spec import _matmul_shape
+
+    assert _matmul_shape(equation) == expected
+
+
+@pytest.mark.parametrize(("equation", "x_shape", "w_shape"), [
+    ("cda,ab->cdb", (2, 6, 8), (8, 40)),
+    ("tei,eih->th", (12, 4, 5), (4, 5, 8)),
+    ("deab,abc->dec", (2, 3, 4, 5), (4, 5, 6)),
+])
+def test_row_major_backward_equals_autodiff(equation, x_shape, w_shape):
+    """Single device: values and both gradients equal those of a plain einsum (float32)."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(equation, x, w)).shape
+    cotangent = jax.random.normal(kg, out_shape)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w) * cotangent)
+
+    ours = jax.jit(jax.value_and_grad(loss(lambda x, w: weight_einsum(equation, x, w, (None,) * len(out_shape))),
+                                      argnums=(0, 1)))(x, w)
+    plain = jax.value_and_grad(loss(lambda x, w: jnp.einsum(equation, x, w)), argnums=(0, 1))(x, w)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The hand-written backward is in use (not autodiff's dot_general for the weight gradient).
+    assert "custom_vjp_call" in str(jax.make_jaxpr(
+        lambda x, w: weight_einsum(equation, x, w, (None,) * len(out_shape)))(x, w))
+
+
+def test_row_major_backward_is_single_device_only():
+    """Under a mesh the sharding-aware path decides; the custom backward is not used there."""
+    mesh = make_mesh({"fsdp": 8}, shard_mode="auto")
+    x, w = jnp.ones((8, 4, 16)), jnp.ones((16, 32))
+    with jax.set_mesh(mesh), use_rules("default"):
+        jaxpr = str(jax.make_jaxpr(lambda w: weight_einsum("cda,ab->cdb", x, w, (None,) * 3))(w))
+    assert "custom_vjp_call" not in jaxpr
