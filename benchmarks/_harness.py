@@ -38,9 +38,13 @@ def interleaved(
     rounds: int,
     target_s: float = 0.3,
     warmup: int = 1,
+    warm_each_round: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Times blocking zero-argument callables side by side; returns seconds per call, one entry per round."""
+    """Times blocking zero-argument callables side by side; returns seconds per call, one entry per round.
+
+    ``warm_each_round`` runs each contender once, untimed, right before its timed calls in every round, so that
+    no contender pays for the state the previous one left behind (caches, freed pages, idle thread pools)."""
     names = list(contenders)
     for name in names:
         for _ in range(warmup):
@@ -57,6 +61,8 @@ def interleaved(
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
                 fn, n = contenders[name], iters[name]
+                if warm_each_round:
+                    fn()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()

@@ -265,7 +265,8 @@ def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
             infos[name] = {**tinfo, **sinfo, "torch_threads": threads}
             log(f"  {name}: {tinfo['weights']}, first step {sinfo['first_step_s']:.1f}s, loss {sinfo['loss']:.5f}")
     load0 = os.getloadavg()
-    times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, log=log)
+    times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round,
+                          log=log)
     tokens = batch * seq
     out = {"preset": preset, "batch": batch, "seq": seq, "tokens_per_step": tokens, "loadavg_before": load0,
            "loadavg_after": os.getloadavg(), "contenders": {}}
@@ -425,6 +426,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
     p.add_argument("--impls", nargs="+", default=list(JAX_IMPLS), choices=list(JAX_IMPLS))
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch contenders")
+    p.add_argument("--warm-each-round", action="store_true",
+                   help="one untimed step of each contender before its timed steps in every round (the JAX step "
+                   "ran up to 1.6x slower right after torch's)")
     p.add_argument("--no-cpu-flags", action="store_true",
                    help="run JAX without nnx_zoo's XLA:CPU flags (nnx_zoo/platform.py)")
     p.add_argument("--parts", nargs="+", default=["step", "moe"], choices=["step", "moe"])
