@@ -13,10 +13,7 @@ same config and same batch, tokens/s = batch * seq / seconds per step. Contender
 JAX steps are `jax.jit(jax.value_and_grad(loss))` over the `nnx.Param` state (nnx.split / nnx.merge); torch
 steps are `zero_grad(set_to_none=True); model(ids, labels=ids).loss.backward()`. Where `save_pretrained` works,
 the torch model loads the JAX model's weights, so the two first losses must agree (printed as a check).
-MTP heads are switched off (num_nextn_predict_layers=0): HF's forward has none. The JAX process runs with
-nnx_zoo's measured XLA:CPU flags (`nnx_zoo.platform.use_cpu_xla_flags`, as the pretraining recipe does) unless
-`--no-cpu-flags` is given; XLA reads them once per process, so compare the two settings through their ratios
-against the torch contenders of each run.
+MTP heads are switched off (num_nextn_predict_layers=0): HF's forward has none.
 
 Part 2, the MoE block alone (forward + backward w.r.t. its parameters and input, fixed cotangent) against a
 dense SwiGLU MLP of equal active FLOPs per token: width moe_intermediate_size * (num_experts_per_tok +
@@ -37,19 +34,14 @@ import sys
 import tempfile
 import time
 
-from nnx_zoo.platform import use_cpu_xla_flags
+import _harness as h
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from moe_kernels import auto_tile, layer_tiled
 
-if "--no-cpu-flags" not in sys.argv:  # before JAX starts its backend (XLA reads XLA_FLAGS once)
-    use_cpu_xla_flags()
-
-import _harness as h  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from moe_kernels import auto_tile, layer_tiled  # noqa: E402
-
-from nnx_zoo import DeepSeekV3, DeepSeekV3Config  # noqa: E402
+from nnx_zoo import DeepSeekV3, DeepSeekV3Config
 
 # ------------------------------------------------------------------------------------- prototype: tiled grouped mm
 
@@ -429,8 +421,6 @@ def main(argv=None) -> int:
     p.add_argument("--warm-each-round", action="store_true",
                    help="one untimed step of each contender before its timed steps in every round (the JAX step "
                    "ran up to 1.6x slower right after torch's)")
-    p.add_argument("--no-cpu-flags", action="store_true",
-                   help="run JAX without nnx_zoo's XLA:CPU flags (nnx_zoo/platform.py)")
     p.add_argument("--parts", nargs="+", default=["step", "moe"], choices=["step", "moe"])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
     p.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")

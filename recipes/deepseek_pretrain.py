@@ -256,7 +256,4 @@ def print_summary(summary: dict[str, Any], config: Any) -> None:
 
 
 if __name__ == "__main__":
-    from nnx_zoo.platform import use_cpu_xla_flags
-
-    use_cpu_xla_flags()  # measured XLA:CPU settings; must precede JAX's first backend (nnx_zoo/platform.py)
     sys.exit(main())
