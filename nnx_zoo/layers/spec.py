@@ -69,8 +69,10 @@ def weight_einsum_to_spec(
 ) -> jax.Array:
     """`weight_einsum` with the output's spec given directly (None: no Explicit mesh, XLA decides)."""
     if out_spec is None:
-        if ambient_mesh_or_none() is None and x.dtype == weight.dtype and _matmul_shape(equation) is not None:
-            return _einsum_row_major_grads(equation, x, weight)  # single device: a layout fix for XLA:CPU
+        mesh = ambient_mesh_or_none()
+        single_device = mesh is None or mesh.size == 1
+        if single_device and x.dtype == weight.dtype and _matmul_shape(equation) is not None:
+            return _einsum_row_major_grads(equation, x, weight)  # a layout fix for XLA:CPU (see below)
         return jnp.einsum(equation, x, weight)
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")

@@ -111,10 +111,12 @@ def test_row_major_backward_equals_autodiff(equation, x_shape, w_shape):
         lambda x, w: weight_einsum(equation, x, w, (None,) * len(out_shape)))(x, w))
 
 
-def test_row_major_backward_is_single_device_only():
-    """Under a mesh the sharding-aware path decides; the custom backward is not used there."""
-    mesh = make_mesh({"fsdp": 8}, shard_mode="auto")
+@pytest.mark.parametrize(("devices", "used"), [(8, False), (1, True)])
+def test_row_major_backward_is_single_device_only(devices, used):
+    """Under a mesh of several devices the sharding-aware path decides and the custom backward is not used; a
+    one-device mesh (the trainer always sets one) is a single device."""
+    mesh = make_mesh({"fsdp": devices}, shard_mode="auto", devices=jax.devices()[:devices])
     x, w = jnp.ones((8, 4, 16)), jnp.ones((16, 32))
     with jax.set_mesh(mesh), use_rules("default"):
         jaxpr = str(jax.make_jaxpr(lambda w: weight_einsum("cda,ab->cdb", x, w, (None,) * 3))(w))
-    assert "custom_vjp_call" not in jaxpr
+    assert ("custom_vjp_call" in jaxpr) == used
