@@ -181,11 +181,10 @@ def _einsum_row_major_grads_fwd(equation, x, weight):
 
 def _einsum_row_major_grads_bwd(equation, residuals, grad):
     x, weight = residuals
-    n_lead, n_contract = _matmul_shape(equation)
-    rows = math.prod(x.shape[:n_lead])
-    inner = math.prod(x.shape[n_lead:])
-    x2, w2 = x.reshape(rows, inner), weight.reshape(inner, -1)
-    g2 = grad.reshape(rows, w2.shape[1]).astype(x.dtype)
+    n_lead, _ = _matmul_shape(equation)
+    x2 = x.reshape(math.prod(x.shape[:n_lead]), -1)  # [rows, contracted]
+    w2 = weight.reshape(x2.shape[1], -1)  # [contracted, out]
+    g2 = grad.reshape(x2.shape[0], -1)  # [rows, out]
     return (g2 @ w2.T).reshape(x.shape), (x2.T @ g2).reshape(weight.shape)
 
 
