@@ -20,6 +20,8 @@ dense SwiGLU MLP of equal active FLOPs per token: width moe_intermediate_size * 
 n_shared_experts). Also the same two blocks in PyTorch for reference.
 
 All contenders of one comparison are timed side by side in one process, interleaved, several rounds, medians.
+Interleaved with the steps, two references: a 1024^3 float32 matmul (this box's practical peak FLOP/s) and the
+step's three lm_head matmuls alone; the "roofline" table turns them into what the >= 2x-PyTorch target asks.
 
     python benchmarks/deepseek_train_step.py            # tiny and small, 1x128 and 4x128 (long: ~30+ min)
     python benchmarks/deepseek_train_step.py --quick    # smoke run: deepseek3-small, 1x128, 2 rounds
@@ -159,6 +161,55 @@ def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch, fused_ce: bool = Fa
     return call, info, compiled
 
 
+# ------------------------------------------------------------------------------------ roofline reference points
+PEAK_MATMUL = 1024  # side of the square float32 matmul timed as this box's practical FLOP/s ceiling
+
+
+def roofline_contenders(cfg: DeepSeekV3Config, tokens: int) -> dict[str, callable]:
+    """Two timed references that are not train steps (names start with '~'):
+
+    ``~peak-matmul``: a 1024^3 float32 matmul, this box's practical matmul FLOP/s, measured under the same load
+    as the steps because it is interleaved with them. ``~lm_head-matmuls``: only the three lm_head matmuls of a
+    train step at its shapes (logits ``x @ W``, ``dx = g @ W^T``, ``dW = x^T @ g``): a floor under any
+    implementation's step time, since every framework must do these three.
+    """
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    a = jax.random.normal(k1, (PEAK_MATMUL, PEAK_MATMUL), jnp.float32)
+    x = jax.random.normal(k1, (tokens, cfg.hidden_size), jnp.float32)
+    w = jax.random.normal(k2, (cfg.hidden_size, cfg.vocab_size), jnp.float32)
+    g = jax.random.normal(k3, (tokens, cfg.vocab_size), jnp.float32)
+    peak = jax.jit(lambda a: a @ a)
+    head = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
+    return {"~peak-matmul": lambda: jax.block_until_ready(peak(a)),
+            "~lm_head-matmuls": lambda: jax.block_until_ready(head(x, w, g))}
+
+
+def roofline(times: dict[str, list[float]], cfg: DeepSeekV3Config, tokens: int, seq: int,
+             best_torch: str | None) -> dict:
+    """What the >= 2x-PyTorch target asks of this box, from the reference timings of `roofline_contenders`.
+
+    The peak is the fastest round of the 1024^3 matmul (the most generous ceiling); the model's FLOPs are the
+    config's own `train_flops_per_token` (6 x active matmul parameters + attention; `dense`'s extra expert work
+    is not counted, so this is what any implementation must do)."""
+    peak = 2 * PEAK_MATMUL**3 / min(times["~peak-matmul"])
+    flops_per_step = cfg.train_flops_per_token(seq) * tokens
+    out = {"peak_gflops_per_s": peak / 1e9, "model_gflop_per_step": flops_per_step / 1e9,
+           "lm_head_matmuls_ms": 1e3 * h.median(times["~lm_head-matmuls"]),
+           "lm_head_share_of_flops": 3 * 2 * tokens * cfg.hidden_size * cfg.vocab_size / flops_per_step,
+           "achieved": {}}
+    for name, ts in times.items():
+        if not name.startswith("~"):
+            out["achieved"][name] = {"gflops_per_s": flops_per_step / h.median(ts) / 1e9,
+                                     "fraction_of_peak": flops_per_step / h.median(ts) / peak}
+    if best_torch:
+        budget = h.median(times[best_torch]) / 2  # the step time that would be 2x the best torch setting
+        out["target_2x"] = {"tokens_per_s": tokens / budget, "step_ms": 1e3 * budget,
+                            "gflops_per_s_needed": flops_per_step / budget / 1e9,
+                            "fraction_of_peak_needed": flops_per_step / budget / peak,
+                            "lm_head_matmuls_fraction_of_step": h.median(times["~lm_head-matmuls"]) / budget}
+    return out
+
+
 _EXPERT_SPECS = ("th,ehi->tei", "tei,eih->th", "nbh,nhf->nbf", "nbf,nfh->nbh")
 _ATTN_SPECS = ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd", "softmax")
 
@@ -256,15 +307,18 @@ def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
             contenders[name], sinfo = torch_train_step(tmodel, np.asarray(ids), threads)
             infos[name] = {**tinfo, **sinfo, "torch_threads": threads}
             log(f"  {name}: {tinfo['weights']}, first step {sinfo['first_step_s']:.1f}s, loss {sinfo['loss']:.5f}")
+    tokens = batch * seq
+    contenders.update(roofline_contenders(cfg, tokens))
     load0 = os.getloadavg()
     times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round,
                           log=log)
-    tokens = batch * seq
     out = {"preset": preset, "batch": batch, "seq": seq, "tokens_per_step": tokens, "loadavg_before": load0,
            "loadavg_after": os.getloadavg(), "contenders": {}}
     torch_names = [n for n in times if n.startswith("torch")]
     best_torch = min(torch_names, key=lambda n: h.median(times[n])) if torch_names else None
     out["best_torch"] = best_torch
+    out["roofline"] = roofline(times, cfg, tokens, seq, best_torch)
+    out["roofline_rounds_s"] = {n: times.pop(n) for n in list(times) if n.startswith("~")}
     for name, ts in times.items():
         med = h.median(ts)
         entry = {**infos[name], "median_s": med, "tokens_per_s": tokens / med, "rounds_s": ts}
@@ -382,6 +436,29 @@ def render(steps: list[dict], blocks: list[dict], a) -> str:
                   "> 1 means nnx_zoo is faster. `load 1m`: the machine's 1-minute load average before/after.", "",
                   h.markdown_table(["preset", "batch", "contender", "s/step", "tokens/s", "vs torch-2t",
                                     "vs best torch", "compile s", "loss", "load 1m"], rows), ""]
+    if steps:
+        rows = []
+        for s in steps:
+            r = s["roofline"]
+            best = max(r["achieved"].values(), key=lambda c: c["fraction_of_peak"]) if r["achieved"] else {}
+            jax_best = max((c["fraction_of_peak"] for n, c in r["achieved"].items() if n.startswith("jax")),
+                           default=float("nan"))
+            t = r.get("target_2x", {})
+            rows.append([s["preset"], f"{s['batch']}x{s['seq']}", r["model_gflop_per_step"], r["peak_gflops_per_s"],
+                         100 * best.get("fraction_of_peak", float("nan")), 100 * jax_best,
+                         t.get("tokens_per_s", ""), t.get("step_ms", ""), t.get("gflops_per_s_needed", ""),
+                         100 * t["fraction_of_peak_needed"] if t else "", r["lm_head_matmuls_ms"],
+                         100 * t["lm_head_matmuls_fraction_of_step"] if t else ""])
+        parts += ["## roofline: what 2x PyTorch asks of this box", "",
+                  "`peak`: fastest round of a 1024^3 float32 matmul timed interleaved with the steps. `GFLOP/step`: "
+                  "the config's `train_flops_per_token` x tokens (what any implementation must compute). `best % "
+                  "peak` / `jax % peak`: model FLOP/s of the fastest contender / the fastest nnx_zoo contender over "
+                  "that peak. `2x target`: twice the faster torch setting's tokens/s, the step time and FLOP/s it "
+                  "implies. `lm_head mm`: median time of only the three lm_head matmuls at the step's shapes, and "
+                  "their share of the 2x step-time budget.", "",
+                  h.markdown_table(["preset", "batch", "GFLOP/step", "peak GFLOP/s", "best % peak", "jax % peak",
+                                    "2x target tokens/s", "2x step ms", "2x GFLOP/s", "2x % peak",
+                                    "lm_head mm ms", "lm_head mm % of 2x step"], rows), ""]
     prof_rows, top_rows = [], []
     for s in steps:
         for name, c in s["contenders"].items():
