@@ -168,8 +168,9 @@ PEAK_MATMUL = 1024  # side of the square float32 matmul timed as this box's prac
 def roofline_contenders(cfg: DeepSeekV3Config, tokens: int) -> dict[str, callable]:
     """Two timed references that are not train steps (names start with '~'):
 
-    ``~peak-matmul``: a 1024^3 float32 matmul, this box's practical matmul FLOP/s, measured under the same load
-    as the steps because it is interleaved with them. ``~lm_head-matmuls``: only the three lm_head matmuls of a
+    ``~peak-matmul``: a 1024^3 float32 matmul, this box's practical matmul FLOP/s: the measurement of
+    `nnx_zoo.train.metrics.measure_cpu_peak_flops`, here as a callable so that it is timed interleaved with the
+    steps, under the same load. ``~lm_head-matmuls``: only the three lm_head matmuls of a
     train step at its shapes (logits ``x @ W``, ``dx = g @ W^T``, ``dW = x^T @ g``): a floor under any
     implementation's step time, since every framework must do these three.
     """
@@ -193,8 +194,9 @@ def roofline(times: dict[str, list[float]], cfg: DeepSeekV3Config, tokens: int, 
     is not counted, so this is what any implementation must do)."""
     peak = 2 * PEAK_MATMUL**3 / min(times["~peak-matmul"])
     flops_per_step = cfg.train_flops_per_token(seq) * tokens
+    head_s = h.median(times["~lm_head-matmuls"])
     out = {"peak_gflops_per_s": peak / 1e9, "model_gflop_per_step": flops_per_step / 1e9,
-           "lm_head_matmuls_ms": 1e3 * h.median(times["~lm_head-matmuls"]),
+           "lm_head_matmuls_ms": 1e3 * head_s,
            "lm_head_share_of_flops": 3 * 2 * tokens * cfg.hidden_size * cfg.vocab_size / flops_per_step,
            "achieved": {}}
     for name, ts in times.items():
@@ -206,7 +208,7 @@ def roofline(times: dict[str, list[float]], cfg: DeepSeekV3Config, tokens: int, 
         out["target_2x"] = {"tokens_per_s": tokens / budget, "step_ms": 1e3 * budget,
                             "gflops_per_s_needed": flops_per_step / budget / 1e9,
                             "fraction_of_peak_needed": flops_per_step / budget / peak,
-                            "lm_head_matmuls_fraction_of_step": h.median(times["~lm_head-matmuls"]) / budget}
+                            "lm_head_matmuls_fraction_of_step": head_s / budget}
     return out
 
 

@@ -151,8 +151,8 @@ def _einsum_regathering_bwd(equation, x_spec, weight_spec, out_spec, residuals, 
 _einsum_regathering.defvjp(_einsum_regathering_fwd, _einsum_regathering_bwd)
 
 
-def _matmul_shape(equation: str) -> tuple[int, int] | None:
-    """``(leading dims of x, contracted dims)`` when ``equation`` is a plain matmul over flattened dims,
+def _matmul_shape(equation: str) -> int | None:
+    """The number of leading (row) dims of x when ``equation`` is a plain matmul over flattened dims,
     ``{lead}{contract},{contract}{out}->{lead}{out}`` (every Linear, the fused expert projections), else None."""
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
@@ -162,7 +162,7 @@ def _matmul_shape(equation: str) -> tuple[int, int] | None:
         return None
     if out_letters != lead + w_letters[len(contract):]:
         return None
-    return len(lead), len(contract)
+    return len(lead)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -181,7 +181,7 @@ def _einsum_row_major_grads_fwd(equation, x, weight):
 
 def _einsum_row_major_grads_bwd(equation, residuals, grad):
     x, weight = residuals
-    n_lead, _ = _matmul_shape(equation)
+    n_lead = _matmul_shape(equation)
     x2 = x.reshape(math.prod(x.shape[:n_lead]), -1)  # [rows, contracted]
     w2 = weight.reshape(x2.shape[1], -1)  # [contracted, out]
     g2 = grad.reshape(x2.shape[0], -1)  # [rows, out]

@@ -71,11 +71,11 @@ def test_explicit_weight_einsum_moves_the_narrow_side_only(d_in, d_out, out_name
 # ---- single device: the row-major backward (_einsum_row_major_grads) ----
 
 @pytest.mark.parametrize(("equation", "expected"), [
-    ("cda,ab->cdb", (2, 1)),  # Linear on [batch, seq, in]: the lm_head
-    ("th,hx->tx", (1, 1)),  # fused expert gate/up projection
-    ("tei,eih->th", (1, 2)),  # expert down-projection, contracting (expert, width)
-    ("dea,abc->debc", (2, 1)),  # Linear into (heads, head_dim)
-    ("deab,abc->dec", (2, 2)),  # Linear out of (heads, head_dim)
+    ("cda,ab->cdb", 2),  # Linear on [batch, seq, in]: the lm_head
+    ("th,hx->tx", 1),  # fused expert gate/up projection
+    ("tei,eih->th", 1),  # expert down-projection, contracting (expert, width)
+    ("dea,abc->debc", 2),  # Linear into (heads, head_dim)
+    ("deab,abc->dec", 2),  # Linear out of (heads, head_dim)
     ("bthn,chn->bthc", None),  # weight's contracted dims are not leading
     ("bse,ve->bsv", None),  # tied embedding: table is [vocab, embed]
     ("th,he->et", None),  # output dims reordered
