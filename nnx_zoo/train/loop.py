@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -48,6 +49,7 @@ class TrainConfig:
     tensorboard: bool = False
     profile_steps: tuple[int, int] | None = None  # (first, last) step, 1-based, inclusive: JAX trace in run_dir/profile
     progress: bool = True
+    peak_flops_per_device: float | None = None  # for MFU; None: data sheet, or on CPU a matmul peak cached per host
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
@@ -71,6 +73,8 @@ class TrainConfig:
             problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
+        if self.peak_flops_per_device is not None and not self.peak_flops_per_device > 0:
+            problems.append(f"peak_flops_per_device must be > 0 (FLOP/s per device), got {self.peak_flops_per_device}")
         if problems:
             raise ValueError("invalid training settings: " + "; ".join(problems))
 
@@ -178,7 +182,7 @@ def train(
     step_fn = _pinned_step(state, accum_steps=config.accum_steps, mtp_weight=config.mtp_weight,
                            model_kwargs=config.model_kwargs, routing_bias_rate=config.routing_bias_rate)
     schedule = learning_rate_schedule(config.optimizer, config.steps)
-    peak, peak_source = peak_flops_per_device()
+    peak, peak_source = peak_flops_per_device(config.peak_flops_per_device)
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
     profiler = _Profiler(config.profile_steps, run_dir / "profile")
@@ -199,8 +203,15 @@ def train(
                 profiler.before(step + 1)
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
+                first = step == start_step
+                if first and primary:  # the first call compiles, silently, for up to minutes
+                    print("compiling the train step ...", file=sys.stderr, flush=True)
+                    compile_start = time.perf_counter()
                 metrics = step_fn(state, batch)
                 loss = float(metrics["loss"])
+                if first and primary:
+                    print(f"compiled and ran step {step + 1} in {time.perf_counter() - compile_start:.1f} s",
+                          file=sys.stderr, flush=True)
                 if not math.isfinite(loss):
                     raise NonFiniteLossError(
                         f"loss is {loss} at step {step + 1}; stopping without saving. The last good checkpoint "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -26,12 +29,20 @@ PEAK_FLOPS_PER_DEVICE: dict[str, float] = {
 }
 
 
-def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
-    """Measured float32 matmul FLOP/s of one host (best of ``repeats``); the CPU has no data-sheet peak."""
-    cpu = jax.devices("cpu")[0]
+def measure_cpu_peak_flops(size: int = 1024, warmups: int = 3, repeats: int = 30) -> float:
+    """Measured float32 matmul FLOP/s of this host: the best of ``repeats`` timed ``size``^3 matmuls after
+    ``warmups`` untimed ones (the CPU has no data-sheet peak).
+
+    The matmul runs on a *local* device: in a multi-process run ``jax.devices()[0]`` belongs to process 0, and
+    timing a computation on another process's device measures only the dispatch (it once gave 499,880 GFLOP/s).
+    """
+    if warmups < 0 or repeats < 1:
+        raise ValueError(f"need warmups >= 0 and repeats >= 1, got warmups={warmups}, repeats={repeats}")
+    cpu = jax.local_devices(backend="cpu")[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), cpu)
     matmul = jax.jit(lambda x: x @ x)
-    matmul(a).block_until_ready()
+    for _ in range(max(warmups, 1)):  # the first call compiles
+        matmul(a).block_until_ready()
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
@@ -40,18 +51,90 @@ def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / best
 
 
-def peak_flops_per_device() -> tuple[float, str]:
-    """(peak FLOP/s per device, how it was obtained)."""
-    device = jax.devices()[0]
+def peak_cache_path() -> Path:
+    """The per-user JSON file of measured host peaks: ``$XDG_CACHE_HOME/nnx_zoo/peak_flops.json`` (by default
+    ``~/.cache/nnx_zoo/peak_flops.json``). Delete it to measure again."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "nnx_zoo" / "peak_flops.json"
+
+
+def machine_key() -> str:
+    """What a measured peak belongs to: host name, CPU model, usable cores and jax version (a change in any of
+    them can change the peak, so it gets its own measurement)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:  # not Linux
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{platform.node()} | {model} | {cores} cores | jax {jax.__version__}"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, unreadable or corrupt: measure again and rewrite it
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _lock(f: Any) -> None:
+    """Exclusive lock on an open file until it is closed (POSIX): processes of one run on one host then measure one
+    at a time, and the later ones reuse the first one's result instead of measuring while it loads the cores."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock, each process may measure
+        return
+    fcntl.flock(f, fcntl.LOCK_EX)
+
+
+def cpu_peak_flops() -> tuple[float, str]:
+    """(this host's float32 matmul FLOP/s, where it came from): measured once per machine (``machine_key``) and
+    cached in ``peak_cache_path()``, so that runs on one machine divide by the same peak. Without a writable
+    cache it is measured on every call."""
+    path, key = peak_cache_path(), machine_key()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.with_suffix(".lock").open("a")
+    except OSError as err:
+        return measure_cpu_peak_flops(), f"measured now (not cached: {err})"
+    with lock:
+        _lock(lock)
+        entry = _read_cache(path).get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+            return float(entry["flops"]), f"cached on {entry.get('measured_on', '?')} in {path}"
+        flops = measure_cpu_peak_flops()
+        cache = _read_cache(path)
+        cache[key] = {"flops": flops, "measured_on": datetime.date.today().isoformat(),
+                      "method": "best of 30 float32 1024^3 matmuls after 3 warmups"}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(cache, indent=1) + "\n")
+            os.replace(tmp, path)  # atomic: a reader never sees half a file
+        except OSError as err:
+            return flops, f"measured now (not cached: {err})"
+        return flops, f"measured now, cached in {path}"
+
+
+def peak_flops_per_device(given: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s per device, where it came from): ``given`` when set (``--peak-flops``), else the data-sheet
+    dense bf16 peak of a known accelerator, else on CPU the cached host matmul peak split over the local devices.
+    Only this process's (local) devices count: every process of a multi-process run measures its own host."""
+    if given is not None:
+        if not (isinstance(given, (int, float)) and math.isfinite(given) and given > 0):
+            raise ValueError(f"the peak FLOP/s per device must be a positive number, got {given!r}")
+        return float(given), "given by --peak-flops"
+    device = jax.local_devices()[0]
     if device.platform == "cpu":
-        # Fake CPU devices share the host's cores, so each gets an equal part of the measured host peak.
-        host = measure_cpu_peak_flops()
-        per = host / jax.local_device_count()
-        return per, f"measured f32 1024^3 matmul on this host ({host / 1e9:.0f} GFLOP/s) / {jax.local_device_count()}"
+        # Fake CPU devices share the host's cores, so each gets an equal part of the host peak.
+        host, origin = cpu_peak_flops()
+        n = jax.local_device_count()
+        return host / n, f"f32 1024^3 matmul peak of this host, {host / 1e9:.0f} GFLOP/s / {n} devices, {origin}"
     for name, flops in PEAK_FLOPS_PER_DEVICE.items():
         if device.device_kind.startswith(name):
-            return flops, f"data-sheet dense bf16 peak of {device.device_kind}"
-    return math.nan, f"unknown device kind {device.device_kind!r}: MFU not reported"
+            return flops, f"data sheet: dense bf16 peak of {device.device_kind}"
+    return math.nan, f"unknown device kind {device.device_kind!r}: MFU not reported (give one with --peak-flops)"
 
 
 class MetricsWriter:
