@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'fsdp=4,expert=2' -> {'fsdp': 4, 'expert': 2}."""
-    sizes = {}
-    for part in filter(None, text.split(",")):
-        name, sep, value = part.partition("=")
-        try:
-            sizes[name.strip()] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"mesh entry {part!r} must look like axis=size, e.g. fsdp=4") from None
-        if not sep:
-            raise argparse.ArgumentTypeError(f"mesh entry {part!r} must look like axis=size, e.g. fsdp=4")
-    return sizes
+    """'fsdp=4,expert=2' -> {'fsdp': 4, 'expert': 2}; malformed entries and repeated axes are refused."""
+    from nnx_zoo.sharding.mesh import parse_mesh as parse
+
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -80,12 +77,16 @@ def _field_parser(annotation: Any):
     return parse
 
 
-def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
+def build_parser(model_config_cls: type, presets: Iterable[str] = ()) -> argparse.ArgumentParser:
+    """The recipe's command line; ``--help`` lists ``presets`` and the registered rule sets by name."""
+    from nnx_zoo.sharding import RULE_SETS
+
     p = argparse.ArgumentParser(
         prog="deepseek_pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="deepseek3-tiny", help="preset name (default: %(default)s)")
+    g.add_argument("--model", default="deepseek3-tiny",
+                   help=f"preset name: {', '.join(presets)} (default: %(default)s)")
     g.add_argument("--moe-impl", choices=("auto", "dense", "gmm", "ep"),
                    help="MoE compute path (shortcut for --model.moe_impl)")
     g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
@@ -108,6 +109,10 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
                    help="write a JAX profiler trace of these steps (1-based, inclusive) to <run dir>/profile, "
                    "e.g. 5:7 (view with TensorBoard's profile plugin or Perfetto)")
     g.add_argument("--no-progress", action="store_true", help="no live progress line")
+    g.add_argument("--peak-flops", type=float, metavar="FLOP/S",
+                   help="peak FLOP/s per device that MFU divides by, e.g. 989e12 (default: the data sheet on "
+                   "GPU/TPU; on CPU a float32 matmul peak measured once per machine and cached under "
+                   "$XDG_CACHE_HOME/nnx_zoo, by default ~/.cache/nnx_zoo)")
     g.add_argument("--plan", action="store_true",
                    help="print the sharding report and per-device memory for the mesh, allocate nothing, exit")
 
@@ -115,7 +120,8 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
     g.add_argument("--mesh", type=parse_mesh, default={"fsdp": -1},
                    help="mesh axis sizes, e.g. fsdp=4,expert=2; one may be -1 (default: all devices on fsdp)")
     g.add_argument("--shard-mode", choices=("auto", "explicit"), default="auto")
-    g.add_argument("--rules", default="default", help="rule set name (default, pure-fsdp, ep-as-cp, ...)")
+    g.add_argument("--rules", default="default",
+                   help=f"rule set name: {', '.join(RULE_SETS)} (default: %(default)s)")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)))
@@ -148,8 +154,9 @@ def build_parser(model_config_cls: type) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from nnx_zoo import DeepSeekV3Config
+    from nnx_zoo.models.deepseek import PRESETS
 
-    args = build_parser(DeepSeekV3Config).parse_args(argv)
+    args = build_parser(DeepSeekV3Config, presets=PRESETS).parse_args(argv)
     try:
         return run(args)
     except (ValueError, RuntimeError, OSError) as err:
@@ -178,6 +185,12 @@ def run(args: argparse.Namespace) -> int:
     if args.remat:
         overrides["remat_policy"] = args.remat
     config = DeepSeekV3Config.preset(args.model, **overrides)
+    if args.seq_len > config.max_position_embeddings:  # RoPE past it was never trained (or YaRN-scaled) for
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({config.max_position_embeddings}"
+            f" for {args.model}); use --seq-len {config.max_position_embeddings} or less, or raise "
+            "--model.max_position_embeddings"
+        )
 
     if args.plan:
         sizes = {k: v for k, v in args.mesh.items()}
@@ -185,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
         report = sharding_report(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), make_abstract_mesh(sizes),
                                  args.rules)
-        print(report.table().split("\n\n", 1)[-1])
+        print(report.table())
         return 0
 
     with_mtp = config.num_nextn_predict_layers > 0 and args.mtp_weight > 0
@@ -213,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
         profile_steps=args.profile_steps,
         progress=not args.no_progress,
+        peak_flops_per_device=args.peak_flops,
         optimizer=OptimizerConfig(
             name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
             schedule=args.schedule,

@@ -15,17 +15,15 @@ from flax import nnx
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.sharding import RULE_SETS, ShardingError, make_abstract_mesh, sharding_report
+from nnx_zoo.sharding import parse_mesh as parse_mesh_sizes
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """'fsdp=64,expert=8' -> {'fsdp': 64, 'expert': 8}."""
-    sizes = {}
-    for part in filter(None, text.split(",")):
-        name, sep, value = part.partition("=")
-        if not sep or not value.strip().lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"mesh entry {part!r} must look like axis=size, e.g. fsdp=64")
-        sizes[name.strip()] = int(value)
-    return sizes
+    """'fsdp=64,expert=8' -> {'fsdp': 64, 'expert': 8}; malformed entries and repeated axes are refused."""
+    try:
+        return parse_mesh_sizes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from nnx_zoo.sharding.create import (
     state_shardings,
     variable_spec,
 )
-from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, shard_mode_of
+from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
 from nnx_zoo.sharding.report import ShardingReport, sharding_report
 from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, named_sharding
 from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, get_rules, validate_rules
@@ -38,6 +38,7 @@ __all__ = [
     "make_abstract_mesh",
     "make_mesh",
     "named_sharding",
+    "parse_mesh",
     "record_shardings",
     "restore_sharding",
     "shard",

@@ -89,3 +89,27 @@ def shard_mode_of(mesh: Mesh | AbstractMesh) -> ShardMode:
         f"mesh axis types {kinds} mix kinds; nnx_zoo needs all axes Auto or all Explicit (build the mesh with "
         "nnx_zoo.sharding.make_mesh)"
     )
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """The recipes' ``--mesh`` syntax: ``'fsdp=4,expert=2'`` -> ``{'fsdp': 4, 'expert': 2}``.
+
+    An axis given twice is an error: silently keeping one of the sizes would train on a mesh the user did not ask
+    for. Axis names and sizes are checked later, by ``make_mesh``.
+    """
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        try:
+            size = int(value)
+        except ValueError:
+            size = None
+        if not sep or not name or size is None:
+            raise ValueError(f"mesh entry {part!r} must look like axis=size, e.g. fsdp=4")
+        if name in sizes:
+            raise ValueError(
+                f"mesh axis {name!r} is given twice in {text!r} ({name}={sizes[name]} and {name}={size}); give each "
+                "axis once, e.g. fsdp=8"
+            )
+        sizes[name] = size
+    return sizes
