@@ -89,11 +89,18 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
 
 def decay_mask(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
     """True for parameters (those ``wrt`` selects) that get weight decay: all but norm scales and biases (by their
-    logical names)."""
+    logical names).
+
+    The names alone decide, never the rank: a stacked norm scale ``[layers, width]`` skips decay like an unstacked
+    one, and a vector named neither norm nor bias decays stacked or not, so scanning layers changes nothing. Only a
+    parameter without logical names falls back to its rank (vectors skip decay).
+    """
 
     def decays(variable: nnx.Variable) -> bool:
-        names = variable.get_metadata().get("out_sharding") or ()
-        return not NO_DECAY_NAMES.intersection(n for n in names if n is not None) and variable.ndim > 1
+        names = [n for n in logical_names(variable) or () if n is not None]
+        if not names:
+            return variable.ndim > 1
+        return not NO_DECAY_NAMES.intersection(names)
 
     return jax.tree.map(decays, nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
