@@ -8,6 +8,7 @@ that drops fallback rules) is switched off while the module is built, so it neve
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
+from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, unplaced_mesh_message
 from nnx_zoo.sharding.rules import Rules, get_rules
 
 M = TypeVar("M", bound=nnx.Module)
@@ -106,7 +107,12 @@ def create_sharded(
 
     >>> mesh = make_mesh({"fsdp": 8})
     >>> model = create_sharded(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, "default")
+
+    Warns when ``rules`` can place nothing on a mesh of more than one device (``unplaced_mesh_message``).
     """
+    problem = unplaced_mesh_message(rules, mesh)
+    if problem is not None:
+        warnings.warn(problem, stacklevel=2)
     graphdef, abstract_state = nnx.split(abstract_module(make))
     shardings = state_shardings(abstract_state, mesh, rules, strict=strict)
     treedef = jax.tree.structure(abstract_state)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.axes import LOGICAL_AXES
+from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES
 from nnx_zoo.sharding.rules import MeshAxes, Rules, get_rules
 
 
@@ -86,6 +86,26 @@ def _mesh_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
         name: 1 if kind == AxisType.Manual else size
         for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types, strict=True)
     }
+
+
+def unplaced_mesh_message(rules: Rules | str, mesh: Mesh | AbstractMesh) -> str | None:
+    """Why ``rules`` can place nothing on ``mesh`` (None when it can, or the mesh has one device).
+
+    A rule set shards only over the mesh axes it names; on a mesh where none of them has size > 1 (e.g. a user's
+    own mesh with other axis names) every tensor resolves to replicated, which no error would otherwise reveal.
+    """
+    sizes = _mesh_sizes(mesh)
+    devices = math.prod(sizes.values())
+    named = sorted({axis for _, axes in get_rules(rules) for axis in _axes_tuple(axes)})
+    if devices <= 1 or any(sizes.get(axis, 1) > 1 for axis in named):
+        return None
+    which = f"rule set {rules!r}" if isinstance(rules, str) else "the given rule set"
+    mesh_axes = {name: size for name, size in sizes.items() if size > 1}
+    return (
+        f"{which} places nothing on this mesh: its rules name the mesh axes {named}, and none of them has size > 1 "
+        f"in the mesh {mesh_axes}, so every tensor is replicated on all {devices} devices. Rules can only name "
+        f"the axes {MESH_AXES}: build the mesh with nnx_zoo.sharding.make_mesh, or give your mesh's axes those names."
+    )
 
 
 def logical_to_mesh_axes(

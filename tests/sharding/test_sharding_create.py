@@ -179,3 +179,26 @@ def test_unannotated_variables_are_replicated():
     assert model.w.get_value().sharding.spec == jax.sharding.PartitionSpec()
     assert model.w.get_value().sharding.is_fully_replicated
     assert model.count.get_value().sharding.is_fully_replicated
+
+
+def test_rules_that_place_nothing_on_a_users_mesh_warn():
+    # A user's own mesh whose axis names no rule of "default" mentions: everything would silently be replicated.
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    with pytest.warns(UserWarning, match=r"rule set 'default' places nothing on this mesh.*\{'x': 2, 'y': 4\}.*"
+                      r"replicated on all 8 devices.*make_mesh"):
+        model = create_sharded(lambda: ToyModel(seed=0), mesh, "default")
+    assert all(v.get_value().sharding.is_fully_replicated for _, v in iter_variables(model))
+
+
+def test_rules_that_place_something_do_not_warn():
+    import warnings
+
+    own = jax.make_mesh((2, 4), ("x", "fsdp"), axis_types=(AxisType.Auto,) * 2)  # not make_mesh's, but with `fsdp`
+    one = make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    pure_dp = make_mesh({"data": 8})  # parameters replicated on purpose; the batch is split over `data`
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = create_sharded(lambda: ToyModel(seed=0), own, "pure-fsdp")
+        create_sharded(lambda: ToyModel(seed=0), one, "default")
+        create_sharded(lambda: ToyModel(seed=0), pure_dp, "default")
+    assert not model.embedding.get_value().sharding.is_fully_replicated

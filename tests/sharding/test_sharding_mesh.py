@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from nnx_zoo.sharding import MESH_AXES, make_abstract_mesh, make_mesh, shard_mode_of
+from nnx_zoo.sharding import MESH_AXES, make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
 
 ORDER = ("data", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_transpose", "expert")
 
@@ -126,3 +126,13 @@ def test_abstract_mesh_for_512_devices():
 def test_abstract_mesh_cannot_fill_minus_one():
     with pytest.raises(ValueError, match="device count is unknown"):
         make_abstract_mesh({"fsdp": -1})
+
+
+def test_parse_mesh():
+    assert parse_mesh("fsdp=4, expert=2") == {"fsdp": 4, "expert": 2}
+    assert parse_mesh("fsdp=-1") == {"fsdp": -1}
+    with pytest.raises(ValueError, match=r"mesh axis 'fsdp' is given twice in 'fsdp=2,fsdp=8' \(fsdp=2 and fsdp=8\)"):
+        parse_mesh("fsdp=2,fsdp=8")
+    for bad in ("fsdp", "fsdp=four", "=4"):
+        with pytest.raises(ValueError, match=r"must look like axis=size"):
+            parse_mesh(bad)

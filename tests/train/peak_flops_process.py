@@ -1,0 +1,23 @@
+"""One process of a two-process run on loopback that prints its MFU peak (for tests/train/test_peak_flops.py).
+
+python tests/train/peak_flops_process.py COORDINATOR PROCESS_ID   (4 CPU devices per process)
+Prints one JSON line {"peak": FLOP/s per device, "source": "..."}.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+
+from nnx_zoo.train.metrics import peak_flops_per_device  # noqa: E402
+
+peak, source = peak_flops_per_device()
+print(json.dumps({"peak": peak, "source": source}), flush=True)
