@@ -73,8 +73,9 @@ class TrainConfig:
             problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
-        if self.peak_flops_per_device is not None and not self.peak_flops_per_device > 0:
-            problems.append(f"peak_flops_per_device must be > 0 (FLOP/s per device), got {self.peak_flops_per_device}")
+        if self.peak_flops_per_device is not None and not 0 < self.peak_flops_per_device < math.inf:
+            problems.append(f"peak_flops_per_device must be a positive number (FLOP/s per device), got "
+                            f"{self.peak_flops_per_device}")
         if problems:
             raise ValueError("invalid training settings: " + "; ".join(problems))
 
