@@ -4,10 +4,10 @@ With no arguments: the ``deepseek3-tiny`` preset, synthetic data, a short run on
 progress line, metrics in ``runs/deepseek3-tiny/metrics.jsonl`` and a checkpoint at the end. Run it again with the
 same ``--run-dir`` and it resumes from the latest complete checkpoint.
 
-Examples:
+Examples (the second needs 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 makes them):
     python recipes/deepseek_pretrain.py
     python recipes/deepseek_pretrain.py --model deepseek3-small --steps 200 --mesh fsdp=4,expert=2 --rules ep-as-dp
-    python recipes/deepseek_pretrain.py --model.num_hidden_layers 4 --model.moe_impl dense --shard-mode explicit
+    python recipes/deepseek_pretrain.py --model.num_hidden_layers 4 --shard-mode explicit --run-dir runs/tiny-4-layers
     python recipes/deepseek_pretrain.py --model deepseek3-671b --mesh fsdp=64,expert=8 --plan
 
 Every ``DeepSeekV3Config`` field can be set with ``--model.<field> VALUE`` (``none`` for None).

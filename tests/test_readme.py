@@ -1,6 +1,8 @@
 """The README is part of the product: its commands must be the ones CI runs, and its code must run."""
 
+import importlib.util
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -23,3 +25,66 @@ def test_readme_python_examples_run():
     assert blocks, "the README should show code"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("deepseek_pretrain", ROOT / "recipes" / "deepseek_pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recipe_commands() -> list[tuple[str, list[str]]]:
+    """(XLA_FLAGS or '', arguments) of every recipe command in the README's bash blocks."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(command, comments=True)
+            if "recipes/deepseek_pretrain.py" in words:
+                flags = next((w.split("=", 1)[1] for w in words if w.startswith("XLA_FLAGS=")), "")
+                commands.append((flags, words[words.index("recipes/deepseek_pretrain.py") + 1:]))
+    return commands
+
+
+def test_readme_plan_excerpt_is_what_plan_prints(capsys):
+    # Each run of lines between "..." appears, in that order and contiguously, in the real --plan output.
+    section = README[README.index("What `--plan` prints"):]
+    excerpt = re.search(r"```\n(.*?)```", section, flags=re.S).group(1)
+    assert _recipe().main(["--model", "deepseek3-671b", "--mesh", "fsdp=64,expert=8", "--plan"]) == 0
+    printed = "\n" + capsys.readouterr().out
+    position = 0
+    for chunk in excerpt.split("...\n"):
+        assert chunk.strip(), "an excerpt chunk is empty"
+        found = printed.find(chunk if chunk.startswith("\n") else "\n" + chunk, position)
+        assert found >= 0, f"the README's --plan excerpt shows lines --plan does not print (in this order):\n{chunk}"
+        position = found + len(chunk)
+
+
+def test_readme_recipe_commands_get_their_own_run_dirs_and_devices():
+    import math
+
+    from nnx_zoo import DeepSeekV3Config
+    from nnx_zoo.models.deepseek import PRESETS
+    from nnx_zoo.sharding import RULE_SETS
+
+    parser = _recipe().build_parser(DeepSeekV3Config, presets=PRESETS)
+    commands = _recipe_commands()
+    assert len(commands) >= 4
+    run_dirs = []
+    for flags, argv in commands:
+        args = parser.parse_args(argv)
+        assert args.model in PRESETS and args.rules in RULE_SETS, argv
+        if args.plan:
+            continue
+        run_dirs.append(args.run_dir or f"runs/{args.model}")
+        devices = math.prod(args.mesh.values())
+        if devices > 1:  # a fixed mesh: the command makes that many CPU devices itself
+            assert f"--xla_force_host_platform_device_count={devices}" in flags, argv
+    # "runs/deepseek3-tiny" is the main job's (command 1): another model there would fail to resume from it
+    assert "runs/deepseek3-tiny" not in run_dirs and len(set(run_dirs)) == len(run_dirs), run_dirs
+
+
+def test_readme_python_blocks_with_meshes_say_how_many_devices():
+    for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
+        if "make_mesh(" in block:
+            assert "xla_force_host_platform_device_count" in block, block[:200]
