@@ -8,6 +8,9 @@ different mesh or rule set.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,26 @@ ITEMS = ("state", "data", "meta")
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be used; the message says which and what to do."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous complete one is intact."""
+
+
+def _os_error(err: BaseException) -> OSError | None:
+    """The OSError that caused ``err`` (orbax wraps the writers' errors), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _short(err: BaseException, limit: int = 300) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def abstract_with_shardings(module: nnx.Module) -> dict[str, Any]:
@@ -46,6 +69,7 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._pending: int | None = None
 
     def latest_step(self) -> int | None:
         self.manager.reload()
@@ -56,13 +80,59 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, module: nnx.Module, *, data_state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Start saving (returns at once when async); the previous complete checkpoint stays valid meanwhile."""
+        """Start saving (returns at once when async); the previous complete checkpoint stays valid meanwhile.
+
+        A failed write (of this save, or of an earlier async one that it waits for) raises
+        ``CheckpointWriteError`` naming the step, the directory and the cause.
+        """
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(module))),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta),
         )
-        self.manager.save(step, args=args, force=True)
+        self._pending = step
+        with self._write_errors():
+            self.manager.save(step, args=args, force=True)
+
+    @contextlib.contextmanager
+    def _write_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as err:  # orbax raises its writers' errors wrapped, from whichever save failed
+            raise self.write_error(err) from err
+
+    def write_error(self, err: BaseException) -> CheckpointWriteError:
+        """The one-line error for a failed save: what failed, why, and which checkpoint is still there."""
+        cause = _os_error(err)
+        if cause is not None and cause.errno == errno.ENOSPC:
+            why = "no space left on the device"
+        elif cause is not None:
+            why = cause.strerror or _short(cause)
+        else:
+            why = _short(err)
+        try:
+            previous = [s for s in self.all_steps() if s != self._pending]
+        except Exception:  # the directory itself may be unreadable now
+            previous = []
+        kept = (f"the previous checkpoint (step {max(previous)}) is intact" if previous
+                else "no earlier checkpoint exists")
+        return CheckpointWriteError(
+            f"could not write checkpoint step {self._pending} to {self.directory}: {why}; {kept}. Free space or "
+            "fix the directory (or use another run directory), then rerun to resume."
+        )
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The ``meta`` item of ``step`` alone (read before building the state, e.g. to check the run's settings)."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as err:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} has no readable metadata ({_short(err)}); delete that "
+                "step's directory to resume from an earlier one, or start a new run directory."
+            ) from err
+        return dict(restored.meta)
 
     def restore_into(self, module: nnx.Module, step: int | None = None) -> tuple[int, dict[str, Any], dict[str, Any]]:
         """Load ``step`` (default: the latest complete one) into ``module`` in place, on its current shardings.
@@ -82,7 +152,7 @@ class Checkpointer:
             )
         except Exception as err:  # orbax raises many types for unreadable files; name the checkpoint and the fix
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} cannot be restored ({type(err).__name__}: {err}). "
+                f"checkpoint step {step} in {self.directory} cannot be restored ({_short(err)}). "
                 "It may be corrupt or from a different model; delete that step's directory to resume from an "
                 "earlier one, or start a new run directory."
             ) from err
@@ -92,9 +162,12 @@ class Checkpointer:
         return step, dict(restored.data), dict(restored.meta)
 
     def wait(self) -> None:
-        """Block until the last async save is complete on disk."""
-        self.manager.wait_until_finished()
+        """Block until the last async save is complete on disk (``CheckpointWriteError`` if it failed)."""
+        with self._write_errors():
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -15,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from nnx_zoo.sharding import create_sharded, get_rules, logical_to_mesh_axes, make_mesh
@@ -23,6 +27,7 @@ from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, peak_flops_per_device
 from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from nnx_zoo.train.run_spec import reconcile, run_definition
 from nnx_zoo.train.step import train_step
 
 BATCH_NAMES = ("activation_batch", "activation_length")
@@ -49,6 +54,8 @@ class TrainConfig:
     tensorboard: bool = False
     profile_steps: tuple[int, int] | None = None  # (first, last) step, 1-based, inclusive: JAX trace in run_dir/profile
     progress: bool = True
+    extend: bool = False  # resume: train past the planned steps on the same schedule (the rest at its final lr)
+    override_settings: bool = False  # resume: accept changed seed/data/optimizer settings (and a re-planned schedule)
     peak_flops_per_device: float | None = None  # for MFU; None: data sheet, or on CPU a matmul peak cached per host
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -106,10 +113,17 @@ class TrainState(nnx.Module):
 
 
 class _StopSignal:
-    """Turns SIGTERM/SIGINT into a flag checked between steps, so the loop can checkpoint and exit cleanly."""
+    """SIGTERM/SIGINT -> a flag checked between steps, so the loop can checkpoint and exit cleanly.
 
-    def __init__(self) -> None:
+    In a multi-process run the processes agree after every step (one tiny all-gather), so a signal that reaches
+    any one of them stops all of them after the same step, and all take part in the checkpoint's collective save.
+    A second signal exits at once (exit code 128 + signal number) without waiting for a save in flight: orbax
+    renames a checkpoint into place only when it is complete, so a resume still picks the last complete one.
+    """
+
+    def __init__(self, checkpoint_dir: Path) -> None:
         self.received: int | None = None
+        self.checkpoint_dir = checkpoint_dir
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignal:
@@ -118,9 +132,25 @@ class _StopSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            sys.stdout.flush()
+            sys.stderr.write(f"\nsecond {name}: exiting now, without waiting for a checkpoint in progress; the last "
+                             f"complete checkpoint in {self.checkpoint_dir} is kept and a rerun resumes from it\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
         self.received = signum
+        sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint (send it again to exit at "
+                         "once)\n")
+        sys.stderr.flush()
+
+    def agreed(self) -> int | None:
+        """The signal any process received (every process gets the same answer), or None."""
+        if jax.process_count() > 1:
+            flags = multihost_utils.process_allgather(np.int32(self.received or 0))
+            if self.received is None and int(np.max(flags)):
+                self.received = int(np.max(flags))
+        return self.received
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -149,7 +179,8 @@ class _Profiler:
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """A step's loss, gradient norm or updated state was not finite. That update was not applied, and the last
+    finite state is the newest checkpoint; the message names it and how to resume."""
 
 
 def train(
@@ -159,49 +190,81 @@ def train(
     vocab_size: int,
     flops_per_token: float,
     after_step: Callable[[TrainState, dict[str, Any]], None] | None = None,
+    model_structure: Mapping[str, Any] | None = None,
+    model_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train (or resume) a model; returns a summary. Metrics go to ``<run_dir>/metrics.jsonl``."""
+    """Train (or resume) a model; returns a summary. Metrics go to ``<run_dir>/metrics.jsonl``.
+
+    ``model_structure`` (e.g. the model config's architecture fields) and ``model_settings`` (fields that change
+    the numbers but not the parameters, such as a loss weight) join the run's definition, which every checkpoint
+    stores and a resume checks (``nnx_zoo.train.run_spec``).
+    """
     run_dir = Path(config.run_dir)
     mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
     rules = get_rules(config.rules)
     primary = jax.process_index() == 0
     batch_sharding = NamedSharding(mesh, _batch_spec(config, rules, mesh))  # fail fast on a bad batch size
+    checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
+                               async_save=config.async_checkpoints)
+    resume_step = checkpoints.latest_step()
+    definition, notes = _run_definition(config, checkpoints, resume_step, model_structure, model_settings)
+    schedule_steps = definition["schedule_steps"]
 
     def make_state() -> TrainState:
         model = make_model()
-        return TrainState(model, make_optimizer(config.optimizer, model, config.steps))
+        return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps))
 
     state = create_sharded(make_state, mesh, rules)
-    checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
-                               async_save=config.async_checkpoints)
     data = make_iterator(config.data, vocab_size)
     start_step = 0
-    if checkpoints.latest_step() is not None:
-        start_step, data_state, _ = checkpoints.restore_into(state)
+    if resume_step is not None:
+        start_step, data_state, _ = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
+    for note in notes if primary else ():
+        print(f"nnx_zoo: {note}", file=sys.stderr)
+
+    schedule = learning_rate_schedule(config.optimizer, schedule_steps)
+    summary: dict[str, Any] = {"start_step": start_step, "end_step": start_step, "losses": [], "last": None,
+                               "stopped_by_signal": None, "schedule_steps": schedule_steps}
+    writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
+    writer.drop_after(start_step)  # rows a crashed run logged after its last checkpoint are trained again
+    if start_step >= config.steps:
+        writer.close()
+        checkpoints.close()
+        summary.update(already_finished=True, peak_flops_per_device=math.nan, peak_source="not measured")
+        return summary
 
     step_fn = _pinned_step(state, accum_steps=config.accum_steps, mtp_weight=config.mtp_weight,
                            model_kwargs=config.model_kwargs, routing_bias_rate=config.routing_bias_rate)
-    schedule = learning_rate_schedule(config.optimizer, config.steps)
     peak, peak_source = peak_flops_per_device(config.peak_flops_per_device)
-    writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
+    summary.update(peak_flops_per_device=peak, peak_source=peak_source)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
     profiler = _Profiler(config.profile_steps, run_dir / "profile")
-
+    state_is_finite = jax.jit(_all_finite)
     saved = [start_step]
 
-    def save(step: int) -> None:
-        if saved[-1] != step:
-            checkpoints.save(step, state, data_state=data.get_state(), meta={"step": step, "seed": config.seed})
-            saved.append(step)
+    def save(step: int, data_state: dict[str, Any], *, if_finite: bool = False) -> None:
+        if saved[-1] == step:
+            return
+        if not bool(state_is_finite(nnx.state(state))):  # e.g. changed by an after_step hook
+            if if_finite:
+                return
+            checkpoints.wait()
+            raise NonFiniteLossError(
+                f"the state after step {step} is not finite; not saving it. The last finite checkpoint is "
+                f"{_latest(checkpoints)} in {checkpoints.directory}."
+            )
+        meta = {"step": step, "seed": config.seed, "run": definition}
+        checkpoints.save(step, state, data_state=data_state, meta=meta)
+        saved.append(step)
 
-    summary: dict[str, Any] = {"start_step": start_step, "peak_flops_per_device": peak, "peak_source": peak_source}
-    step, last_logged, losses = start_step, None, []
+    step, losses = start_step, summary["losses"]
     window_start, window_tokens = time.perf_counter(), 0.0
     try:
-        with _StopSignal() as stop, jax.set_mesh(mesh):
+        with _StopSignal(checkpoints.directory) as stop, jax.set_mesh(mesh):
             while step < config.steps and stop.received is None:
                 profiler.before(step + 1)
+                data_before = data.get_state()  # the position to resume from if this step must be undone
                 local = next(data)
                 batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local.items()}
                 first = step == start_step
@@ -213,12 +276,13 @@ def train(
                 if first and primary:
                     print(f"compiled and ran step {step + 1} in {time.perf_counter() - compile_start:.1f} s",
                           file=sys.stderr, flush=True)
-                if not math.isfinite(loss):
-                    raise NonFiniteLossError(
-                        f"loss is {loss} at step {step + 1}; stopping without saving. The last good checkpoint "
-                        f"(step {checkpoints.latest_step()}) in {checkpoints.directory} is kept: lower the learning "
-                        "rate or check the data, then rerun to resume from it."
-                    )
+                if not bool(metrics["finite"]):
+                    # The step kept the previous state: checkpoint it (it is finite) and stop.
+                    if step > start_step:
+                        save(step, data_before, if_finite=True)
+                    checkpoints.wait()
+                    raise NonFiniteLossError(_diverged_message(step + 1, loss, float(metrics["grad_norm"]),
+                                                               checkpoints))
                 step += 1
                 profiler.after(step)  # float(loss) above waited for the step, so the trace holds all of it
                 losses.append(loss)
@@ -241,21 +305,76 @@ def train(
                     }
                     writer.write(record)
                     progress.update(step, {"loss": loss, "tok/s": tokens_per_s})
-                    last_logged = record
+                    summary["last"] = record
                     window_start, window_tokens = time.perf_counter(), 0.0
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
-                    save(step)
+                    save(step, data.get_state())
+                stop.agreed()
             if step > start_step and (stop.received is not None or step == config.steps):
-                save(step)
+                save(step, data.get_state())
             summary["stopped_by_signal"] = stop.received
+            checkpoints.wait()  # inside the handler's scope: a second signal here exits at once
     finally:
+        summary["end_step"] = step
         profiler.stop()
         progress.close()
-        checkpoints.close()
         writer.close()
-    summary.update(end_step=step, losses=losses, last=last_logged)
+        checkpoints.close()
     return summary
 
+
+def _latest(checkpoints: Checkpointer) -> str:
+    latest = checkpoints.latest_step()
+    return "none (no checkpoint was written)" if latest is None else f"step {latest}"
+
+
+def _diverged_message(step: int, loss: float, grad_norm: float, checkpoints: Checkpointer) -> str:
+    what = ("the loss" if not math.isfinite(loss) else "the gradient norm" if not math.isfinite(grad_norm)
+            else "the updated parameters or optimizer state")
+    latest = checkpoints.latest_step()
+    if latest is None:
+        kept = ("Nothing was saved: no step before it was finite or saved, so this run directory has no checkpoint "
+                "and a rerun starts afresh.")
+        fix = "Lower the learning rate (or check the data and the model settings), then rerun."
+    else:
+        kept = (f"The last finite state is checkpoint step {latest} in {checkpoints.directory}; it is what a rerun "
+                "resumes from.")
+        fix = ("Lower the learning rate (or check the data), then rerun with --override-settings "
+               "(override_settings=True) to resume from it with the new settings.")
+    return (f"step {step}: {what} is not finite (loss {loss:.6g}, gradient norm {grad_norm:.6g}); that update was "
+            f"not applied and the run stopped. {kept} {fix}")
+
+
+def _run_definition(
+    config: TrainConfig,
+    checkpoints: Checkpointer,
+    resume_step: int | None,
+    model_structure: Mapping[str, Any] | None,
+    model_settings: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], list[str]]:
+    """This run's definition, reconciled with the checkpoint's when resuming (see ``run_spec``)."""
+    current = run_definition(
+        model_structure=model_structure or {}, model_settings=model_settings or {}, optimizer=config.optimizer,
+        data=config.data, seed=config.seed, steps=config.steps,
+        loss_settings={"mtp_weight": config.mtp_weight, "routing_bias_rate": config.routing_bias_rate},
+    )
+    if resume_step is None:
+        return current, []
+    stored = checkpoints.read_meta(resume_step).get("run")
+    if stored is None:  # written before runs stored their definition: nothing to compare with
+        return current, [f"checkpoint step {resume_step} does not record its run's settings; they are not checked"]
+
+    def lr_at(step: int, total: int) -> float:
+        return float(learning_rate_schedule(config.optimizer, total)(step))
+
+    return reconcile(stored, current, resume_step=resume_step, steps=config.steps, extend=config.extend,
+                     override_settings=config.override_settings, lr_at=lr_at)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every floating-point number in ``tree`` is finite (one fused reduction per array)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else jnp.bool_(True)
 
 
 def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
@@ -272,7 +391,13 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
     def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
         live = nnx.merge(graphdef, values)
         metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
-        return nnx.state(live), metrics
+        updated = nnx.state(live)
+        # A step whose loss, gradient norm or update is not finite is not applied: the state stays the last
+        # finite one, so it can still be checkpointed (a finite loss can come with an overflowing update).
+        finite = _all_finite((metrics["loss"], metrics["grad_norm"], updated))
+        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old) if _selectable(new) else new,
+                            updated, values)
+        return kept, {**metrics, "finite": finite}
 
     compiled = jax.jit(step, out_shardings=(shardings, None))
 
@@ -282,3 +407,7 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
         return metrics
 
     return run
+
+
+def _selectable(x: jax.Array) -> bool:
+    return not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)

@@ -161,6 +161,30 @@ class MetricsWriter:
                     ) from err
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
+    def drop_after(self, step: int) -> int:
+        """Remove the rows of steps after ``step`` (and a torn last line), returning how many went.
+
+        A run that crashed after its last checkpoint logged steps that the resumed run trains again; without this
+        the file would hold two rows for each of them. The file is replaced atomically.
+        """
+        if not self.enabled or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                keep = json.loads(line)["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        return dropped
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
