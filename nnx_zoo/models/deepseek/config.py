@@ -7,13 +7,13 @@ own (compute/parameter dtype, MoE compute path, layer scanning, rematerializatio
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from nnx_zoo.hf.errors import CheckpointFormatError, config_json_path, read_json_object
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 
@@ -115,14 +115,17 @@ class DeepSeekV3Config:
         for name in ("n_shared_experts", "num_nextn_predict_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 p.append(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
-        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+        if not isinstance(self.first_k_dense_replace, int):
+            p.append(f"first_k_dense_replace must be an integer, got {self.first_k_dense_replace!r}")
+        elif isinstance(self.num_hidden_layers, int) and not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             p.append(f"first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers="
                      f"{self.num_hidden_layers}]")
-        if self.has_moe:
+        counts = ("num_hidden_layers", "first_k_dense_replace", "num_nextn_predict_layers")
+        if all(isinstance(getattr(self, n), int) for n in counts) and self.has_moe:  # else reported above
             p += self._moe_problems()
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            if not getattr(self, name) > 0:
-                p.append(f"{name} must be positive, got {getattr(self, name)!r}")
+            if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
+                p.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             p.append(f"rope_scaling must be None, a YarnScaling or an HF rope dict, got {self.rope_scaling!r}")
         if self.moe_impl not in MOE_IMPLS:
@@ -164,8 +167,8 @@ class DeepSeekV3Config:
             if self.num_experts_per_tok > available:
                 p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {available} experts in the "
                          f"topk_group={self.topk_group} selected groups of {self.n_routed_experts // self.n_group}")
-        if not self.routed_scaling_factor > 0:
-            p.append(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+        if not _is_number(self.routed_scaling_factor) or not self.routed_scaling_factor > 0:
+            p.append(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor!r}")
         return p
 
     # ---- derived sizes ----
@@ -208,9 +211,22 @@ class DeepSeekV3Config:
 
         Both rope formats are read: the hub's legacy ``rope_scaling`` + top-level ``rope_theta``, and
         transformers-5 ``rope_parameters`` (which may hold ``rope_theta`` itself). ``overrides`` set any field,
-        e.g. ``dtype="bfloat16"``.
+        e.g. ``dtype="bfloat16"``. A file that is missing, not a JSON object, or holds unusable values raises
+        ``nnx_zoo.hf.CheckpointFormatError`` naming the file.
         """
-        d = _load_json(dir_or_dict)
+        if isinstance(dir_or_dict, Mapping):
+            return cls._from_hf_dict(dict(dir_or_dict), overrides)
+        path = config_json_path(dir_or_dict)
+        source = str(path) + (f" (with overrides {overrides})" if overrides else "")
+        try:
+            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
+        except CheckpointFormatError:
+            raise
+        except ValueError as err:
+            raise CheckpointFormatError(f"{source}: {err}") from err
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
         problems = []
         if d.get("model_type", "deepseek_v3") not in ("deepseek_v3", "deepseek_v2"):
             problems.append(f"model_type {d.get('model_type')!r} is not a DeepSeek V2/V3 model")
@@ -222,18 +238,28 @@ class DeepSeekV3Config:
         if problems:
             raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
         names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:  # the caller's mistake, not the file's: not turned into a config error below
+            raise TypeError(f"unknown DeepSeekV3Config fields {unknown}")
         kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_scaling", "dtype")}
         if "num_nextn_predict_layers" not in d and "num_mtp_layers" in d:
             kwargs["num_nextn_predict_layers"] = d["num_mtp_layers"]
         rope = d.get("rope_parameters") or d.get("rope_scaling")
+        if rope and not isinstance(rope, Mapping):
+            raise ValueError(f"rope_scaling / rope_parameters must be a JSON object or null, got {rope!r}")
         rope = dict(rope) if rope else {}
         theta = rope.pop("rope_theta", None)
         if theta is None:
             theta = d.get("rope_theta", cls.rope_theta)
+        if not _is_number(theta):
+            raise ValueError(f"rope_theta must be a number, got {theta!r}")
         kwargs["rope_theta"] = float(theta)
         kind = rope.get("rope_type", rope.get("type", "default"))
         kwargs["rope_scaling"] = None if kind == "default" else rope
-        return cls(**{**kwargs, **overrides})
+        try:
+            return cls(**{**kwargs, **overrides})
+        except TypeError as err:  # a value of the wrong JSON type deep in the rope dict (float(None), ...)
+            raise ValueError(f"a config value has the wrong type: {err}") from err
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (hub layout: legacy ``rope_scaling`` and top-level ``rope_theta``)."""
@@ -298,13 +324,8 @@ class DeepSeekV3Config:
         return float(6 * matmul + attention)
 
 
-def _load_json(dir_or_dict: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(dir_or_dict, Mapping):
-        return dict(dir_or_dict)
-    path = Path(dir_or_dict)
-    if path.is_dir():
-        path = path / "config.json"
-    return json.loads(path.read_text())
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _SMALL_DEFAULTS: dict[str, Any] = dict(rope_scaling=None, max_position_embeddings=4096)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors.numpy import save_file
 
+from nnx_zoo.hf.errors import CheckpointFormatError, CheckpointMismatchError, json_kind, read_json_object
 from nnx_zoo.layers.lora import LoRAParam
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import abstract_module, get_rules, iter_variables, variable_spec
@@ -156,18 +158,6 @@ class Slot:
     transform: Any
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint that does not fit the model; lists every missing, unexpected and wrongly shaped key."""
-
-    def __init__(self, missing: list[str], unexpected: list[str], wrong: list[str], source: str):
-        self.missing, self.unexpected, self.wrong = missing, unexpected, wrong
-        parts = [f"checkpoint {source} does not match the model:"]
-        for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong)):
-            if items:
-                parts.append(f"{len(items)} {title}:\n    " + "\n    ".join(items))
-        super().__init__("\n  ".join(parts))
-
-
 def _stacks(config: DeepSeekV3Config) -> list[tuple[str, int, int, tuple]]:
     """(stack name, first HF layer index, count, table) of each stack."""
     c = config
@@ -213,62 +203,174 @@ def _fused_slots(config: DeepSeekV3Config, key: str, shapes: dict[str, Shape]) -
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+_INDEX = "model.safetensors.index.json"
+_LISTED = 8  # problems of one file listed in full; the rest are counted
+
+
+def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files of a checkpoint directory (those its index names, else every ``*.safetensors``)
+    and the index's key -> file name map (empty without an index)."""
+    if not directory.exists():
+        raise CheckpointFormatError(f"{directory}: no such directory; pass the checkpoint directory (the one "
+                                    "holding config.json and *.safetensors)")
+    if not directory.is_dir():
+        raise CheckpointFormatError(f"{directory}: is a file, not a checkpoint directory; pass the directory "
+                                    f"holding config.json and *.safetensors (perhaps {directory.parent})")
+    index_path = directory / _INDEX
+    weight_map: dict[str, str] = {}
+    if index_path.exists():  # the index names the checkpoint's files; other *.safetensors there are not part of it
+        weight_map = read_json_object(index_path, "safetensors index").get("weight_map")  # type: ignore[assignment]
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointFormatError(f"{index_path}: 'weight_map' must be an object mapping each tensor key to "
+                                        f"the name of its safetensors file, got {json_kind(weight_map)}")
+        names = sorted(set(weight_map.values()))
+        absent = [n for n in names if not (directory / n).is_file()]
+        if absent:
+            raise CheckpointFormatError(f"{index_path}: names {len(absent)} safetensors file(s) that are not in "
+                                        f"{directory}: {absent}; the download is incomplete or the index is stale")
+        files = [directory / n for n in names]
+        if not files:
+            raise CheckpointFormatError(f"{index_path}: 'weight_map' is empty; it names no safetensors files")
+    else:
+        files = sorted(f for f in directory.glob("*.safetensors") if f.is_file())
+    if not files:
+        pickles = sorted(f.name for f in directory.glob("*.bin"))
+        hint = f"; {pickles} are PyTorch pickles, which are not read: convert them to safetensors" if pickles else ""
+        raise CheckpointFormatError(f"{directory}: holds no *.safetensors files{hint}")
+    return files, weight_map
+
+
+def _read_exact(handle: Any, view: memoryview, file: Path, what: str) -> None:
+    done = 0
+    while done < len(view):  # one read() returns at most ~2 GiB
+        n = handle.readinto(view[done:])
+        if not n:
+            raise CheckpointFormatError(f"{file}: the file ended while reading {what}; it is truncated (or changed "
+                                        "while being read)")
+        done += n
+
+
+def _read_header(file: Path, handle: Any) -> tuple[int, dict[str, Any]]:
+    """(header length, header object) of one safetensors file, or ``CheckpointFormatError`` saying why not."""
+    size = os.fstat(handle.fileno()).st_size
+    if size < 8:
+        raise CheckpointFormatError(f"{file}: {size} bytes, too short for a safetensors file (which starts with "
+                                    "an 8-byte header length); the file is empty or truncated")
+    length = bytearray(8)
+    _read_exact(handle, memoryview(length), file, "the header length")
+    header_len = int.from_bytes(length, "little")
+    if header_len > size - 8:
+        raise CheckpointFormatError(f"{file}: its header length field says {header_len} bytes but the file has "
+                                    f"{size}; it is not a safetensors file, or is truncated or corrupt")
+    raw = bytearray(header_len)
+    _read_exact(handle, memoryview(raw), file, "the header")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointFormatError(f"{file}: the safetensors header is not valid JSON ({err}); the file is "
+                                    "corrupt or not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{file}: the safetensors header holds {json_kind(header)}, not a JSON object")
+    return header_len, header
+
+
+def _entry_problem(key: str, info: Any, data_size: int) -> tuple[bool, str] | None:
+    """(whether its data runs past the end, what is wrong) of one header entry, or None; ``data_size``: the
+    bytes after the header."""
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return False, f"{key}: malformed entry {info!r} (needs dtype, shape and data_offsets)"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        return False, f"{key}: shape {shape!r} is not a list of non-negative integers"
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        return False, f"{key}: data_offsets {offsets!r} are not [start, end] with 0 <= start <= end"
+    if offsets[1] > data_size:
+        return True, f"{key}: data at bytes {offsets[0]}..{offsets[1]} of the data section, which has {data_size}"
+    if info["dtype"] in _DTYPES:
+        need = math.prod(shape) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+        if need != offsets[1] - offsets[0]:
+            return False, (f"{key}: shape {shape} of {info['dtype']} needs {need} bytes, its data_offsets span "
+                           f"{offsets[1] - offsets[0]}")
+    return None
 
 
 class _Checkpoint:
     """The safetensors files of a directory: key -> (file, shape, dtype) from headers; tensors read on demand.
 
-    Tensors are read with plain ``readinto`` into a fresh array, not through a memory map: mapped pages of the
-    files would stay resident in the process (and count in its RSS) until the map is closed, adding a second copy
-    of the checkpoint to peak host memory. Each array read here is freed as soon as its Variable is filled.
+    Every header is validated on opening (a truncated, empty or corrupt file is reported before any tensor is
+    read). Tensors are read with plain ``readinto`` into a fresh array, not through a memory map: mapped pages of
+    the files would stay resident in the process (and count in its RSS) until the map is closed, adding a second
+    copy of the checkpoint to peak host memory. Each array read here is freed as soon as its Variable is filled.
     """
 
     def __init__(self, directory: Path, stack: contextlib.ExitStack):
         self.directory = directory
-        index = directory / "model.safetensors.index.json"
-        if index.exists():  # the index names the checkpoint's files; other *.safetensors there are not part of it
-            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-        else:
-            files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+        files, weight_map = checkpoint_files(directory)
         self.handles: dict[Path, Any] = {}
         self.entries: dict[str, tuple[Path, Shape, str]] = {}
         self._extents: dict[str, tuple[int, int]] = {}  # key -> (byte offset in its file, byte length)
         for file in files:
-            handle = stack.enter_context(open(file, "rb", buffering=0))  # noqa: SIM115 (closed by the stack)
+            try:
+                handle = stack.enter_context(open(file, "rb", buffering=0))  # noqa: SIM115 (closed by the stack)
+            except OSError as err:
+                raise CheckpointFormatError(f"{file}: cannot be opened ({err.strerror})") from None
             self.handles[file] = handle
-            header_len = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_len))
-            header.pop("__metadata__", None)
-            for key, info in header.items():
-                start, end = info["data_offsets"]
-                self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
-                self._extents[key] = (8 + header_len + start, end - start)
+            self._add_file(file, handle)
+        misplaced = [f"{k} (in {f}, absent there)" for k, f in weight_map.items()
+                     if k not in self.entries or self.entries[k][0].name != f]
+        if misplaced:
+            raise CheckpointFormatError(f"{directory / _INDEX}: {len(misplaced)} keys are not in the file the index "
+                                        "names for them: " + ", ".join(misplaced[:_LISTED]) + _more(misplaced))
+
+    def _add_file(self, file: Path, handle: Any) -> None:
+        header_len, header = _read_header(file, handle)
+        header.pop("__metadata__", None)
+        size = os.fstat(handle.fileno()).st_size
+        problems = [p for p in (_entry_problem(k, v, size - 8 - header_len) for k, v in header.items()) if p]
+        if problems:
+            why = ("the file is truncated (an incomplete download?) or its header is corrupt: its header places "
+                   f"tensor data past the end of the file ({size} bytes)" if any(past for past, _ in problems)
+                   else "its safetensors header is corrupt")
+            lines = [line for _, line in problems]
+            raise CheckpointFormatError(f"{file}: {why}; {len(lines)} tensor(s) affected:\n    "
+                                        + "\n    ".join(lines[:_LISTED]) + _more(lines))
+        for key, info in header.items():
+            if key in self.entries:
+                raise CheckpointFormatError(f"{key} is in both {self.entries[key][0]} and {file}; a checkpoint holds "
+                                            "each tensor once")
+            start, end = info["data_offsets"]
+            self.entries[key] = (file, tuple(info["shape"]), info["dtype"])
+            self._extents[key] = (8 + header_len + start, end - start)
 
     def read(self, key: str) -> np.ndarray:
         file, shape, dtype = self.entries[key]
         offset, length = self._extents[key]
         if dtype not in _DTYPES:
-            raise ValueError(f"{key}: safetensors dtype {dtype} is not supported")
+            raise CheckpointFormatError(f"{file}: {key} has safetensors dtype {dtype}, which is not supported")
         out = np.empty(shape, _DTYPES[dtype])
-        if out.nbytes != length:
-            raise ValueError(f"{key}: {length} bytes in {file.name} for shape {list(shape)} of {dtype}")
-        view, handle, done = memoryview(out.reshape(-1).view(np.uint8)), self.handles[file], 0
-        handle.seek(offset)
-        while done < length:  # one read() returns at most ~2 GiB
-            n = handle.readinto(view[done:])
-            if not n:
-                raise OSError(f"{file}: unexpected end of file reading {key}")
-            done += n
+        self.handles[file].seek(offset)
+        _read_exact(self.handles[file], memoryview(out.reshape(-1).view(np.uint8)), file, key)
         return out
+
+
+def _more(items: list[str]) -> str:
+    return f"\n    ... and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+
+
+def nonfinite_count(a: np.ndarray, chunk: int = 1 << 20) -> int:
+    """How many NaN / infinite values ``a`` (a floating array) holds; checked in chunks, so no full-size mask."""
+    flat = a.reshape(-1)
+    return sum(int(np.count_nonzero(~np.isfinite(flat[i : i + chunk]))) for i in range(0, flat.size, chunk))
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
     """``weight [out, in]`` (float8) times its per-block ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> float32."""
     rows, cols = weight.shape
     scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
-    return weight.astype(np.float32) * scale[:rows, :cols]
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are reported by the loader
+        return weight.astype(np.float32) * scale[:rows, :cols]
 
 
 # ---------------------------------------------------------------- planning
@@ -278,7 +380,8 @@ def plan_load(ckpt: _Checkpoint, config: DeepSeekV3Config, shapes: dict[str, Sha
     expected = {s.key: s for s in canonical_slots(config, shapes)}
     found: dict[str, list[Slot]] = {}
     covered: dict[tuple[str, tuple[int, ...]], str] = {}
-    unexpected, wrong = [], []
+    unexpected: list[str] = []
+    problems: dict[str, dict[str, None]] = {"shape": {}, "dtype": {}}  # ordered sets: a fused key fills two slots
     mtp_prefixes = tuple(f"model.layers.{config.num_hidden_layers + d}." for d in range(
         config.num_nextn_predict_layers))
     for key in sorted(ckpt.entries):
@@ -302,12 +405,13 @@ def plan_load(ckpt: _Checkpoint, config: DeepSeekV3Config, shapes: dict[str, Sha
             covered.update(dict.fromkeys(cells, key))  # present, even if unusable: not reported as missing
             problem = _slot_problem(ckpt, slot, shapes, block)
             if problem:
-                wrong.append(problem)
+                problems[problem[0]][problem[1]] = None
             else:
                 found.setdefault(slot.path, []).append(slot)
     missing = [s.key for s in expected.values() if (s.path, s.index) not in covered]
-    if missing or unexpected or wrong:
-        raise CheckpointMismatchError(missing, unexpected, wrong, str(ckpt.directory))
+    wrong, wrong_dtypes = list(problems["shape"]), list(problems["dtype"])
+    if missing or unexpected or wrong or wrong_dtypes:
+        raise CheckpointMismatchError(missing, unexpected, wrong, str(ckpt.directory), wrong_dtypes)
     return found
 
 
@@ -318,20 +422,27 @@ def _cells(slot: Slot, shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return [(slot.path, slot.index)]
 
 
-def _slot_problem(ckpt: _Checkpoint, slot: Slot, shapes: dict[str, Shape], block: tuple[int, int]) -> str | None:
-    """Why ``slot``'s tensor cannot fill its Variable (wrong shape, unusable float8 scale), or None."""
-    _, hf_shape, dtype = ckpt.entries[slot.key]
+def _slot_problem(ckpt: _Checkpoint, slot: Slot, shapes: dict[str, Shape],
+                  block: tuple[int, int]) -> tuple[str, str] | None:
+    """Why ``slot``'s tensor cannot fill its Variable, as ("shape" | "dtype", message), or None."""
+    file, hf_shape, dtype = ckpt.entries[slot.key]
+    if dtype not in _FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
+        return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs"
     want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
     if tuple(hf_shape) != want:
-        return f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
+        return "shape", f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
     if dtype.startswith("F8"):
         scale_key = slot.key + _FP8_SCALE_SUFFIX
+        if len(want) != 2:
+            return "dtype", f"{slot.key}: {dtype} {len(want)}-D tensor; only 2-D float8 matrices are dequantized"
         blocks = tuple(-(-n // b) for n, b in zip(want, block))
         if scale_key not in ckpt.entries:
-            return f"{slot.key}: float8 weight without {scale_key}"
+            return "shape", f"{slot.key}: float8 weight without {scale_key}"
+        if ckpt.entries[scale_key][2] not in _FLOAT_DTYPES:
+            return "dtype", f"{scale_key}: {ckpt.entries[scale_key][2]}, where a floating-point scale belongs"
         if tuple(ckpt.entries[scale_key][1]) != blocks:
-            return (f"{scale_key}: checkpoint has {list(ckpt.entries[scale_key][1])}, {block} blocks of "
-                    f"{list(want)} need {list(blocks)}")
+            return "shape", (f"{scale_key}: checkpoint has {list(ckpt.entries[scale_key][1])}, {block} blocks of "
+                             f"{list(want)} need {list(blocks)}")
     return None
 
 
@@ -373,6 +484,19 @@ def _assemble(shape: Shape, dtype: Any, sharding: Any, slots: list[Slot],
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _fp8_block(config_file: Path) -> tuple[int, int]:
+    """The float8 ``weight_block_size`` of ``config.json`` ([128, 128] when it names none)."""
+    quantization = read_json_object(config_file, "model config").get("quantization_config") or {}
+    if not isinstance(quantization, dict):
+        raise CheckpointFormatError(f"{config_file}: quantization_config must be a JSON object, got "
+                                    f"{json_kind(quantization)}")
+    block = quantization.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise CheckpointFormatError(f"{config_file}: quantization_config.weight_block_size must be two positive "
+                                    f"integers, got {block!r}")
+    return block[0], block[1]
+
+
 def _mtp_depth_present(ckpt: _Checkpoint, config: DeepSeekV3Config) -> int:
     layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, ckpt.entries) if m}
     depth = 0
@@ -388,10 +512,13 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     ``dtype`` sets both the parameter and compute dtype (default: the config's, float32); ``config_overrides``
     set any config field (``moe_impl="dense"``, ...). MTP heads are built only for the MTP layers the files
     hold. Float8 weights are dequantized with their ``weight_scale_inv`` blocks.
+
+    Unreadable files raise ``CheckpointFormatError`` naming the file (weights holding NaN or infinities: every
+    such key, after all were read); files that do not fit the model raise ``CheckpointMismatchError``.
     """
     directory = Path(path)
-    raw_config = json.loads((directory / "config.json").read_text())
-    block = tuple((raw_config.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    checkpoint_files(directory)  # a missing / non-directory path is reported before config.json is looked for
+    block = _fp8_block(directory / "config.json")
     overrides = dict(config_overrides)
     if dtype is not None:
         overrides.setdefault("dtype", dtype)
@@ -399,7 +526,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     rules = get_rules(rules if rules is not None else "default")
     with contextlib.ExitStack() as stack:
         ckpt = _Checkpoint(directory, stack)
-        config = DeepSeekV3Config.from_hf(raw_config, **overrides)
+        config = DeepSeekV3Config.from_hf(directory, **overrides)
         if "num_nextn_predict_layers" not in config_overrides:
             depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
             config = config.with_overrides(num_nextn_predict_layers=depth)
@@ -409,10 +536,18 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
         shapes = {p: tuple(v.shape) for p, v in variables.items()}
         plan = plan_load(ckpt, config, shapes, block)
 
+        checked: set[str] = set()
+        nonfinite: list[str] = []
+
         def read(key: str) -> np.ndarray:
             tensor = ckpt.read(key)
             if tensor.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
                 tensor = dequantize_fp8(tensor, ckpt.read(key + _FP8_SCALE_SUFFIX), block)
+            if key not in checked:  # a fused key is read once per Variable it fills
+                checked.add(key)
+                bad = nonfinite_count(tensor)
+                if bad:
+                    nonfinite.append(f"{key} in {ckpt.entries[key][0].name}: {bad} of {tensor.size} values")
             return tensor
 
         leaves = []
@@ -420,6 +555,9 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
             sharding = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
                         else NamedSharding(mesh, variable_spec(p, var, rules, mesh)))
             leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], read))
+    if nonfinite:
+        raise CheckpointFormatError(f"{directory}: {len(nonfinite)} weights hold NaN or infinite values (a corrupt "
+                                    "or diverged checkpoint):\n    " + "\n    ".join(nonfinite))
     state = jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
     return nnx.merge(graphdef, state)
 
