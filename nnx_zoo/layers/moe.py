@@ -161,7 +161,10 @@ class RoutedExperts(nnx.Module):
             return out, dropped
         tokens = resolve_activation(_TOKENS[:1] + (None,), x.shape)
         token_axes = _axes(tokens[0])
-        gather_axes = tuple(a for a in ep_axes if a in token_axes)  # EP axes that split the tokens
+        # EP axes that split the tokens, in the tokens' layout order: gathered over them, the group's tokens come
+        # in token order (first come first served under a capacity), e.g. exp -> (expert, fsdp) with tokens
+        # split (fsdp, expert) gathers over (fsdp, expert).
+        gather_axes = tuple(a for a in token_axes if a in ep_axes)
         sum_axes = tuple(a for a in ep_axes if a not in token_axes)  # EP axes the tokens are replicated over
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, gather_axes, sum_axes,
                           count_axes=tuple(dict.fromkeys(token_axes + ep_axes)))
