@@ -45,6 +45,7 @@ def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
         (["--model.num_attention_heads", "0"], "num_attention_heads must be a positive integer"),
         (["--lr", "-1"], "lr must be positive"),
         (["--rules", "nope"], "unknown rule set 'nope'"),
+        (["--seq-len", "200000"], "--seq-len 200000 exceeds the model's max_position_embeddings (163840"),
     ],
 )
 def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
@@ -62,3 +63,31 @@ def test_trains_on_local_jsonl_with_packing_and_muon(tmp_path):
     assert recipe.main([*SMALL, *args]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)
+
+
+def test_mesh_axis_given_twice_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main([*SMALL, "--mesh", "fsdp=2,fsdp=8"])
+    assert exit_info.value.code == 2
+    assert "mesh axis 'fsdp' is given twice in 'fsdp=2,fsdp=8'" in capsys.readouterr().err
+
+
+def test_help_lists_every_preset_and_rule_set(capsys):
+    from nnx_zoo.models.deepseek import PRESETS
+    from nnx_zoo.sharding import RULE_SETS
+
+    with pytest.raises(SystemExit):
+        recipe.main(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse may wrap a name at a hyphen
+    for name in [*PRESETS, *RULE_SETS]:
+        assert name in text, name
+
+
+def test_given_peak_is_used_and_named_and_compiling_is_announced(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert recipe.main([*SMALL, "--steps", "1", "--run-dir", str(run_dir), "--peak-flops", "2e9"]) == 0
+    captured = capsys.readouterr()
+    assert "peak per device: 2.0 GFLOP/s (given by --peak-flops)" in captured.out
+    assert "compiling the train step ..." in captured.err and "compiled and ran step 1 in" in captured.err
+    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / 2e9)
