@@ -9,9 +9,10 @@ the median over the remaining steps of the recipe's own per-step figures:
     TFLOP/s per device  tokens/s * the model's training FLOPs per token / devices, where FLOPs per token =
                         ``DeepSeekV3Config.train_flops_per_token(seq_len, include_mtp=...)``: 6 x active matmul
                         parameters (embedding lookup excluded, MTP heads included when trained) + causal attention
-    MFU                 TFLOP/s per device / peak per device. On CPU the peak is MEASURED by the recipe at start-up
-                        (``nnx_zoo.train.metrics.peak_flops_per_device``): the best of 5 float32 1024^3 matmuls
-                        on this host, divided by the number of local devices; on GPU/TPU it is the data-sheet
+    MFU                 TFLOP/s per device / peak per device. On CPU the peak is MEASURED once per machine
+                        (``nnx_zoo.train.metrics.peak_flops_per_device``): the best of 30 float32 1024^3 matmuls
+                        after 3 warm-ups, divided by the number of local devices, cached in
+                        ~/.cache/nnx_zoo/peak_flops.json and reused by later runs; on GPU/TPU it is the data-sheet
                         dense bf16 peak. The peak printed here is the one the recipe divided by.
 
     python benchmarks/recipe_throughput.py                # deepseek3-tiny and deepseek3-mini, 1 CPU device
