@@ -28,6 +28,7 @@ LOGICAL_AXES: dict[str, str] = {
     "exp": "routed-expert index of the stacked expert weights",
     "exp_router": "expert dim of the router weight and its correction bias (replicated: top-k needs all scores)",
     "heads": "attention heads",
+    "kv_heads": "key/value heads of grouped-query attention weights (num_key_value_heads; heads when MHA)",
     "kv": "per-head feature width (query/key width or value width)",
     "q_lora": "MLA query low-rank latent width",
     "kv_lora": "MLA key/value low-rank latent width (plus the shared rope key in the down-projection)",
@@ -44,6 +45,7 @@ LOGICAL_AXES: dict[str, str] = {
     "activation_kv_length": "key/value sequence dim inside attention",
     "activation_embed": "model-width dim of activations",
     "activation_heads": "attention-head dim of activations",
+    "activation_kv_heads": "key/value-head dim of grouped-query attention's keys, values and scores",
     "activation_kv": "per-head feature dim of activations",
     "activation_q_lora": "query latent dim of activations",
     "activation_kv_lora": "key/value latent dim of activations",
@@ -58,6 +60,7 @@ LOGICAL_AXES: dict[str, str] = {
     "cache_batch": "batch dim of a decoding cache",
     "cache_length": "sequence dim of a decoding cache",
     "cache_kv": "feature dim of a decoding cache",
+    "cache_kv_heads": "key/value-head dim of a grouped-query attention decoding cache",
 }
 
 

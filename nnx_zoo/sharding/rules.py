@@ -46,6 +46,8 @@ _TENSOR_PARAMS = (
     ("moe_mlp", ("fsdp_transpose", "tensor")),
     ("heads", ("tensor", "tensor_transpose")),
     ("heads", "tensor"),
+    ("kv_heads", ("tensor", "tensor_transpose")),
+    ("kv_heads", "tensor"),
 )
 _REPLICATED = (
     ("kv", None),
@@ -61,6 +63,10 @@ _ACT_COMMON = (
     ("activation_embed", "tensor_transpose"),
     ("activation_heads", ("tensor", "tensor_transpose")),
     ("activation_heads", "tensor"),
+    ("activation_kv_heads", ("tensor", "tensor_transpose")),
+    ("activation_kv_heads", "tensor"),
+    ("cache_kv_heads", ("tensor", "tensor_transpose")),
+    ("cache_kv_heads", "tensor"),
     ("activation_mlp", ("tensor", "tensor_transpose")),
     ("activation_moe_mlp", ("tensor", "tensor_transpose")),
     ("activation_vocab", ("tensor", "tensor_transpose")),
@@ -107,6 +113,7 @@ PURE_FSDP: Rules = (
     ("mlp", "fsdp"),
     ("moe_mlp", "fsdp"),
     ("heads", "fsdp"),
+    ("kv_heads", "fsdp"),
     ("exp", None),
     *_REPLICATED,
 )

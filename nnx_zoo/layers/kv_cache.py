@@ -1,0 +1,105 @@
+"""A fixed-size key/value decoding cache for grouped-query attention (``Attention.decode``).
+
+It keeps the protocol of the MLA latent cache (``nnx_zoo.models.deepseek.cache``) that ``nnx_zoo.generate``
+drives through a model's ``init_cache`` / ``prefill`` / ``decode_step``: a fixed number of slots (``max_len``),
+so one compiled decode step serves every token; slots written left to right, the same slot for every row; a
+left-padded prompt leaves its padding slots marked invalid, so they are never attended to, and each row's rope
+positions count only its real tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nnx_zoo.sharding import shard
+
+# Logical names: the cache is laid out like the keys and values it holds (batch split like activation_batch,
+# key/value heads like the k/v projections' outputs).
+LAYER_KV_CACHE_NAMES = ("cache_batch", "cache_length", "cache_kv_heads", "cache_kv")
+KV_CACHE_NAMES = ("activation_stack", *LAYER_KV_CACHE_NAMES)
+_SLOT_NAMES = ("cache_batch", "cache_length")
+
+
+class KVCache(NamedTuple):
+    """A fixed-size key/value cache for every layer (a pytree of arrays; pass it through ``jax.jit`` and loops).
+
+    ``k``, ``v [layers, batch, max_len, kv_heads, head_dim]``: each token's key (rope applied) and value.
+    ``valid [batch, max_len]``: the slot holds a real token (written, not padding). ``next_position [batch]``:
+    the rope position of the row's next token (its number of real tokens so far). ``length`` (scalar): slots
+    written so far. A model's ``_extend`` calls ``advance`` once, then each layer's ``Attention.decode`` on its
+    slice ``k[i], v[i]`` with ``start = length`` before the advance:
+
+    >>> cache = KVCache.zeros(num_layers=2, batch=2, max_len=64, num_kv_heads=2, head_dim=16, dtype=jnp.float32)
+    >>> start = cache.length
+    >>> positions, mask, cache = cache.advance(attention_mask)  # then cos/sin from positions
+    >>> out, k0, v0 = attn.decode(x, cos, sin, cache.k[0], cache.v[0], start, mask)
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    next_position: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def zeros(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+              dtype: jnp.dtype) -> KVCache:
+        """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names."""
+        for name, value in (("batch", batch), ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"a cache needs a positive integer {name}, got {value!r}")
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(
+            k=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES),
+            v=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES),
+            valid=shard(jnp.zeros((batch, max_len), bool), _SLOT_NAMES),
+            next_position=shard(jnp.zeros((batch,), jnp.int32), _SLOT_NAMES[:1]),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes the key and value arrays hold per cached token per layer (``valid`` not counted)."""
+        layers, batch, max_len = self.k.shape[:3]
+        return (self.k.nbytes + self.v.nbytes) // (layers * batch * max_len)
+
+    def advance(self, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next
+        ``t`` slots: ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)`` (see
+        ``advance_slots``). The keys and values are written per layer by ``Attention.decode``."""
+        positions, mask, valid, next_position, length = advance_slots(
+            self.valid, self.next_position, self.length, token_mask)
+        return positions, mask, self._replace(valid=valid, next_position=next_position, length=length)
+
+
+def advance_slots(valid: jax.Array, next_position: jax.Array, length: jax.Array, token_mask: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The slot bookkeeping of a fixed-size cache for ``t`` new tokens per row (``token_mask [batch, t]``).
+
+    Returns ``(positions, mask, valid, next_position, length)``: the rope position of each new token (padding
+    gets 0; it is never attended to), which slots each new token may attend to (``[batch, 1, t, max_len]``: real
+    tokens in earlier slots or its own), and the bookkeeping moved on by ``t`` slots.
+    """
+    token_mask = shard(token_mask.astype(bool), _SLOT_NAMES)
+    t, max_len = token_mask.shape[1], valid.shape[1]
+    positions = next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
+    positions = jnp.where(token_mask, positions, 0)
+    valid = jax.lax.dynamic_update_slice(valid, token_mask, (0, length))
+    query_slot = length + jnp.arange(t)
+    causal = jnp.arange(max_len)[None, :] <= query_slot[:, None]  # [t, max_len]
+    mask = causal[None, None] & valid[:, None, None, :]
+    next_position = next_position + jnp.sum(token_mask, axis=1, dtype=jnp.int32)
+    return positions, mask, valid, next_position, length + t
+
+
+def write_slots(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``layer_cache [batch, max_len, kv_heads, head_dim]`` with ``new [batch, t, kv_heads, head_dim]`` written
+    at slots ``start .. start + t``."""
+    new = shard(new.astype(layer_cache.dtype), LAYER_KV_CACHE_NAMES)
+    return jax.lax.dynamic_update_slice(layer_cache, new, (0, start, 0, 0))
