@@ -82,7 +82,8 @@ def build_parser(model_config_cls: type, presets: Iterable[str] = ()) -> argpars
     from nnx_zoo.sharding import RULE_SETS
 
     p = argparse.ArgumentParser(
-        prog="deepseek_pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="deepseek_pretrain.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES,
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", default="deepseek3-tiny",
@@ -100,6 +101,13 @@ def build_parser(model_config_cls: type, presets: Iterable[str] = ()) -> argpars
     g.add_argument("--steps", type=int, default=20, help="optimizer steps (default: %(default)s)")
     g.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<model>)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--extend", action="store_true",
+                   help="resume a run past the --steps it was planned for, keeping its learning-rate schedule (the "
+                   "added steps run at its final learning rate)")
+    g.add_argument("--override-settings", action="store_true",
+                   help="resume with changed settings (seed, data, optimizer hyper-parameters such as --lr, loss "
+                   "weights, --steps with a re-planned schedule); without it a resume that would change them stops "
+                   "and names each difference")
     g.add_argument("--log-every", type=int, default=1)
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: end and signals")
     g.add_argument("--keep-checkpoints", type=int, default=3)
@@ -152,16 +160,42 @@ def build_parser(model_config_cls: type, presets: Iterable[str] = ()) -> argpars
     return p
 
 
+EXIT_CODES = """exit codes:
+  0    finished (or nothing left to do)
+  2    bad settings or files, or a checkpoint could not be written; the message says what and how to fix it
+  3    a step was not finite (loss, gradient norm or update): it was not applied; the last finite state is the
+       newest checkpoint
+  75   stopped early by SIGTERM/SIGINT, checkpoint saved: rerun the same command to resume
+  128+N  a second signal N arrived: exited at once; the last complete checkpoint is kept
+"""
+
+# DeepSeekV3Config fields that change how the model computes, not what: free to change when resuming a run.
+HOW_FIELDS = frozenset({"moe_impl", "batch_split_factor", "scan_layers", "remat_policy"})
+
+
 def main(argv: list[str] | None = None) -> int:
     from nnx_zoo import DeepSeekV3Config
     from nnx_zoo.models.deepseek import PRESETS
+    from nnx_zoo.train import NonFiniteLossError
+    from nnx_zoo.train.run_spec import EXIT_BAD_INPUT, EXIT_DIVERGED
 
     args = build_parser(DeepSeekV3Config, presets=PRESETS).parse_args(argv)
     try:
         return run(args)
+    except NonFiniteLossError as err:
+        print(f"\ndeepseek_pretrain.py: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
     except (ValueError, RuntimeError, OSError) as err:
         print(f"\ndeepseek_pretrain.py: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+
+
+def model_definition(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(architecture, settings that change the numbers) of a model config, for the run's stored definition."""
+    structure = {k: v for k, v in config.to_hf_dict().items() if k != "initializer_range"}
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name not in structure and f.name not in HOW_FIELDS and f.name != "initializer_range"}
+    return structure, settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from nnx_zoo import DeepSeekV3, DeepSeekV3Config
     from nnx_zoo.sharding import make_abstract_mesh, sharding_report
     from nnx_zoo.train import DataConfig, OptimizerConfig, TrainConfig, train
+    from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
     overrides = {
         k.removeprefix("model__"): v for k, v in vars(args).items() if k.startswith("model__") and v is not None
@@ -227,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         profile_steps=args.profile_steps,
         progress=not args.no_progress,
         peak_flops_per_device=args.peak_flops,
+        extend=args.extend,
+        override_settings=args.override_settings,
         optimizer=OptimizerConfig(
             name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
             schedule=args.schedule,
@@ -239,14 +276,24 @@ def run(args: argparse.Namespace) -> int:
     params = config.num_parameters()
     print(f"nnx_zoo: {args.model}: {params.total / 1e6:.1f}M parameters ({params.active / 1e6:.1f}M active), "
           f"run dir {train_config.run_dir}", file=sys.stderr)
+    structure, settings = model_definition(config)
     summary = train(
         lambda: DeepSeekV3(config, rngs=nnx.Rngs(args.seed)),
         train_config,
         vocab_size=config.vocab_size,
         flops_per_token=config.train_flops_per_token(args.seq_len, include_mtp=with_mtp),  # MTP heads count when run
+        model_structure=structure,
+        model_settings=settings,
     )
+    if summary.get("already_finished"):
+        print(f"this run already finished: its checkpoint is at step {summary['start_step']} of --steps "
+              f"{args.steps} in {Path(train_config.run_dir) / 'checkpoints'}. To train further on the same "
+              f"learning-rate schedule, rerun with a larger --steps and --extend (e.g. --steps {2 * args.steps} "
+              "--extend); to re-plan the schedule, add --override-settings instead; for a new run, use another "
+              "--run-dir.")
+        return EXIT_DONE
     print_summary(summary, train_config)
-    return 0
+    return EXIT_STOPPED if summary.get("stopped_by_signal") else EXIT_DONE
 
 
 def print_summary(summary: dict[str, Any], config: Any) -> None:
@@ -255,7 +302,7 @@ def print_summary(summary: dict[str, Any], config: Any) -> None:
     lines = [
         f"steps {summary['start_step']} -> {summary['end_step']}"
         + (" (resumed)" if summary["start_step"] else "")
-        + (" (stopped by signal; checkpoint saved)" if summary.get("stopped_by_signal") else ""),
+        + (" (stopped by signal; checkpoint saved; rerun to resume)" if summary.get("stopped_by_signal") else ""),
     ]
     if losses:
         lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
