@@ -84,13 +84,15 @@ def build_pair(case, seed: int = 0) -> tuple[torch.nn.Module, Attention, object]
     return ref, ours, config
 
 
-def padded_inputs(hidden: int, seed: int = 0):
+def padded_inputs(hidden: int, seed: int = 0, batch: int = BATCH):
+    """``x [batch, SEQ, hidden]``, a left-padding mask (row ``r`` has ``PADS[r % 3]`` pads) and the rope positions
+    generation gives such rows (``cumsum(mask) - 1``)."""
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(BATCH, SEQ, hidden)).astype(np.float32)
-    mask = np.ones((BATCH, SEQ), np.int32)
-    for row, pad in enumerate(PADS):
-        mask[row, :pad] = 0
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)  # as generation numbers left-padded rows
+    x = rng.normal(size=(batch, SEQ, hidden)).astype(np.float32)
+    mask = np.ones((batch, SEQ), np.int32)
+    for row in range(batch):
+        mask[row, :PADS[row % len(PADS)]] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     return x, mask, positions
 
 
@@ -150,40 +152,49 @@ def _rope(head_dim: int, positions):
     return rope_cos_sin(jnp.asarray(positions), inv_freq, factor)
 
 
+@nnx.jit
+def _forward(attn, x, positions, mask):
+    with use_rules("default"):
+        return attn(x, *_rope(attn.head_dim, positions), causal_mask(x.shape[1], mask))
+
+
+@nnx.jit
+def _extend(attn, x, token_mask, cache):
+    """One ``prefill``/``decode_step`` of a one-layer model: book the new tokens, attend, write layer 0."""
+    with use_rules("default"):
+        start = cache.length
+        positions, visible, cache = cache.advance(token_mask)
+        out, k, v = attn.decode(x, *_rope(attn.head_dim, positions), cache.k[0], cache.v[0], start, visible)
+    return out, positions, cache._replace(k=cache.k.at[0].set(k), v=cache.v.at[0].set(v))
+
+
+def _decode_all(attn: Attention, x, mask, prompt: int, max_len: int):
+    """Prefill ``prompt`` tokens into a fresh cache, then the rest one slot at a time (the padding of a row may
+    run past the prompt). Returns ``(outputs [b, s, embed], rope positions [b, s], cache)``."""
+    cache = KVCache.zeros(num_layers=1, batch=x.shape[0], max_len=max_len, num_kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim, dtype=jnp.float32)
+    outs, seen = [], []
+    for lo, hi in [(0, prompt)] + [(t, t + 1) for t in range(prompt, x.shape[1])]:
+        out, positions, cache = _extend(attn, x[:, lo:hi], mask[:, lo:hi], cache)
+        outs.append(out)
+        seen.append(positions)
+    return jnp.concatenate(outs, axis=1), np.concatenate(seen, axis=1), cache
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_cached_decode_equals_full_forward(qk_norm):
     """Prefill a left-padded prompt into a KVCache, then decode the rest one token at a time: every real token's
     output equals the full forward's at that position (rope positions counting only real tokens)."""
-    hidden, prompt = 32, 5
-    attn = Attention(hidden, num_heads=4, num_kv_heads=2, head_dim=16, use_bias=True, qk_norm=qk_norm,
+    attn = Attention(32, num_heads=4, num_kv_heads=2, head_dim=16, use_bias=True, qk_norm=qk_norm,
                      kernel_init=nnx.initializers.normal(0.3), rngs=nnx.Rngs(0))
-    x, mask, positions = padded_inputs(hidden, seed=1)
-    full = attn(jnp.asarray(x), *_rope(16, positions), causal_mask(SEQ, jnp.asarray(mask)))
-
-    cache = KVCache.zeros(num_layers=1, batch=BATCH, max_len=SEQ + 2, num_kv_heads=2, head_dim=16,
-                          dtype=jnp.float32)
-
-    @jax.jit
-    def extend(attn_state, x, token_mask, cache):
-        layer = nnx.merge(graphdef, attn_state)
-        start = cache.length
-        pos, visible, cache = cache.advance(token_mask)
-        out, k, v = layer.decode(x, *_rope(16, pos), cache.k[0], cache.v[0], start, visible)
-        return out, pos, cache._replace(k=cache.k.at[0].set(k), v=cache.v.at[0].set(v))
-
-    graphdef, state = nnx.split(attn)
-    out, pos, cache = extend(state, jnp.asarray(x[:, :prompt]), jnp.asarray(mask[:, :prompt]), cache)
-    outs, seen = [out], [pos]
-    for t in range(prompt, SEQ):  # one slot at a time (the last row's padding runs past the prompt)
-        out, pos, cache = extend(state, jnp.asarray(x[:, t:t + 1]), jnp.asarray(mask[:, t:t + 1]), cache)
-        outs.append(out)
-        seen.append(pos)
-    cached = np.concatenate(outs, axis=1)
+    x, mask, positions = padded_inputs(32, seed=1)
+    full = _forward(attn, jnp.asarray(x), jnp.asarray(positions), jnp.asarray(mask))
+    cached, seen, cache = _decode_all(attn, jnp.asarray(x), jnp.asarray(mask), prompt=5, max_len=SEQ + 2)
 
     real = mask.astype(bool)
-    np.testing.assert_array_equal(np.concatenate(seen, axis=1)[real], positions[real])
+    np.testing.assert_array_equal(seen[real], positions[real])
     assert int(cache.length) == SEQ and cache.next_position.tolist() == real.sum(1).tolist()
-    assert rel_err(cached[real], np.asarray(full)[real]) < 1e-6
+    assert rel_err(np.asarray(cached)[real], np.asarray(full)[real]) < 1e-6
     # The cache holds the real tokens' keys at their slots; padding slots are marked invalid, free slots empty.
     k_full = attn.project(jnp.asarray(x), *_rope(16, positions))[1]
     np.testing.assert_allclose(np.asarray(cache.k[0, :, :SEQ])[real], np.asarray(k_full)[real], rtol=1e-5,
@@ -199,33 +210,37 @@ def _place(module: nnx.Module, mesh) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
 
 
-@nnx.jit
-def _forward(attn, x, positions, mask):
-    with use_rules("default"):
-        return attn(x, *_rope(attn.head_dim, positions), causal_mask(x.shape[1], mask))
-
-
-SHARDED = [  # (mesh sizes, shard modes, kv heads, input specs)
-    ({"fsdp": 4, "tensor": 2}, ("explicit", "auto"), 2,
-     (P("fsdp", None, None), P(None, None, None), P("fsdp", None, "tensor"))),
-    ({"fsdp": 8}, ("explicit",), 1, (P("fsdp", None, None),)),
+SHARDED = [  # (mesh sizes, shard mode, kv heads, input specs)
+    ({"fsdp": 4, "tensor": 2}, "explicit", 2, (P("fsdp", None, None), P(None, None, None), P("fsdp", None, "tensor"))),
+    ({"fsdp": 4, "tensor": 2}, "auto", 2, (P("fsdp", None, None),)),
+    ({"fsdp": 8}, "explicit", 1, (P("fsdp", None, None),)),
 ]
 
 
-@pytest.mark.parametrize(("sizes", "modes", "kv_heads", "specs"), SHARDED)
-def test_sharded_forward_equals_one_device_and_keeps_input_sharding(sizes, modes, kv_heads, specs):
+@pytest.mark.parametrize(("sizes", "mode", "kv_heads", "specs"), SHARDED, ids=lambda v: str(v).replace(" ", ""))
+def test_sharded_forward_equals_one_device_and_keeps_input_sharding(sizes, mode, kv_heads, specs):
+    """FSDP 4 x TP 2 (KV heads split over tensor) and FSDP 8 with one KV head, under the default rules: the
+    forward and the cached decode give the one-device numbers, handed back in the input's sharding."""
     attn = Attention(32, num_heads=4, num_kv_heads=kv_heads, head_dim=16, use_bias=True, qk_norm=True,
                      kernel_init=nnx.initializers.normal(0.3), rngs=nnx.Rngs(0))
-    x_np, mask_np, positions = padded_inputs(32, seed=2)
-    x_np, mask_np, positions = (np.concatenate([a, a[::-1]] * 2 + [a[:2]], 0)[:8] for a in (x_np, mask_np, positions))
+    x_np, mask_np, positions = padded_inputs(32, seed=2, batch=8)
     want = _forward(attn, jnp.asarray(x_np), jnp.asarray(positions), jnp.asarray(mask_np))
-    for mode in modes:
-        mesh = make_mesh(sizes, shard_mode=mode)
-        sharded = _place(attn, mesh)
-        for spec in specs:
-            with jax.set_mesh(mesh):
-                x = jax.device_put(jnp.asarray(x_np), NamedSharding(mesh, spec))
-                got = _forward(sharded, x, jnp.asarray(positions), jnp.asarray(mask_np))
-            assert rel_err(got, want) < 1e-6, (sizes, mode, spec)
-            # Under Explicit axes the type carries the layout (restored); under Auto both types say "Auto".
-            assert jax.typeof(got).sharding == jax.typeof(x).sharding, (sizes, mode, spec)
+    mesh = make_mesh(sizes, shard_mode=mode)
+    sharded = _place(attn, mesh)
+    for spec in specs:
+        with jax.set_mesh(mesh):
+            x = jax.device_put(jnp.asarray(x_np), NamedSharding(mesh, spec))
+            got = _forward(sharded, x, jnp.asarray(positions), jnp.asarray(mask_np))
+        assert rel_err(got, want) < 1e-6, spec
+        # Under Explicit axes the type carries the layout (restored); under Auto both types say "Auto".
+        assert jax.typeof(got).sharding == jax.typeof(x).sharding, spec
+
+    # The cached decode path on the same mesh: the cache laid out by its names, outputs in their input's layout.
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(x_np), NamedSharding(mesh, specs[0]))
+        cached, _, cache = _decode_all(sharded, x, jnp.asarray(mask_np), prompt=5, max_len=SEQ)
+    real = mask_np.astype(bool)
+    assert rel_err(np.asarray(cached)[real], np.asarray(want)[real]) < 1e-6
+    assert jax.typeof(cached).sharding == jax.typeof(x).sharding
+    if mode == "explicit":
+        assert cache.k.sharding.spec == P(None, "fsdp", None, "tensor" if "tensor" in sizes else None, None)
