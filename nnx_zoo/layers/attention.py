@@ -1,5 +1,5 @@
 """Masked softmax attention written with einsums (query and value head widths may differ, as in MLA; key/value
-heads may be fewer than query heads, as in GQA), and the ``Attention`` module of Llama/Qwen-style models."""
+heads may be fewer than query heads, as in GQA), and the grouped-query ``Attention`` module."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def dot_product_attention(
     batch, length = q.shape[:2]
     grouped = (batch, length, kv_heads, heads // kv_heads, q.shape[3])
     # Query head i = kv head i // groups: the kv-head dim is the major half of the split, laid out like heads.
+    # Letters: b batch, q query position, k key position, n kv head, g query head within its group, d feature.
     q = jnp.reshape(q, grouped, out_sharding=explicit_spec(_GROUPED_Q_NAMES, grouped))
     scores = jnp.einsum("bqngd,bknd->bngqk", q, k) * jnp.asarray(scale, q.dtype)
     probs = _masked_softmax(shard(scores, _GROUPED_SCORE_NAMES), None if mask is None else mask[:, :, None],
@@ -81,13 +82,12 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array | None, dtype: jnp.dtype)
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped key/value heads (MHA, GQA, MQA), rotate-half rope, and the options
-    Llama- and Qwen-style models need.
+    """Multi-head attention with grouped key/value heads (MHA, GQA, MQA) and rotate-half rope.
 
     ``num_kv_heads`` must divide ``num_heads`` (1 is multi-query attention); ``head_dim`` is free of
-    ``features / num_heads``. ``use_bias`` adds biases to the q/k/v projections (Qwen2-style ``attention_bias``;
-    ``o_bias`` defaults to the same), ``qk_norm`` RMS-normalizes each query and key head over ``head_dim``
-    before rope (Qwen3's ``q_norm``/``k_norm``). The softmax scale is ``head_dim ** -0.5`` unless given.
+    ``features / num_heads``. ``use_bias`` adds biases to the q/k/v projections (HF ``attention_bias``; ``o_bias``
+    defaults to the same), ``qk_norm`` RMS-normalizes each query and key head over ``head_dim`` before rope
+    (HF ``q_norm``/``k_norm``). The softmax scale is ``head_dim ** -0.5`` unless given.
 
     Weights carry logical names: ``q_proj`` ``("embed", "heads", "kv")``, ``k_proj``/``v_proj``
     ``("embed", "kv_heads", "kv")``, ``o_proj`` ``("heads", "kv", "embed")``. The output comes back in the
@@ -159,9 +159,9 @@ class Attention(nnx.Module):
         """Attention for ``t`` new tokens ``x [b, t, embed]`` against one layer's cache.
 
         The new keys and values are written into ``k_cache``/``v_cache [b, max_len, kv_heads, head_dim]`` at
-        slots ``start .. start + t`` (``KVCache.advance`` gives ``start``'s slots, the rope positions behind
-        ``cos``/``sin`` and ``mask [b, 1, t, max_len]``). Returns ``(out [b, t, embed], k_cache, v_cache)``.
-        """
+        slots ``start .. start + t``, ``start`` being the cache's ``length`` before ``KVCache.advance``, which
+        gives the rope positions behind ``cos``/``sin`` and ``mask [b, 1, t, max_len]``. Returns
+        ``(out [b, t, embed], k_cache, v_cache)``."""
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_slots(k_cache, k, start), write_slots(v_cache, v, start)

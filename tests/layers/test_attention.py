@@ -1,4 +1,4 @@
-"""Grouped-query ``Attention`` against transformers' own LlamaAttention / Qwen3Attention (float32, CPU, tiny random
+"""Grouped-query ``Attention`` against transformers' own Llama/Qwen2/Qwen3 attention (float32, CPU, tiny random
 configs): GQA ratios 1, 2, 4 and a single KV head, head_dim unequal to hidden / heads, biases, Qwen3's q/k norm,
 every rope type, a left-padded batch; the cached decode path against the full forward; and the forward under
 Explicit and Auto meshes against one device, handed back in its input's sharding."""
@@ -13,8 +13,9 @@ import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from nnx_zoo.layers import Attention, KVCache, causal_mask, dot_product_attention, rope_from_hf
@@ -39,7 +40,10 @@ CASES = [
     ("qwen3", 64, 8, 2, 16, False, "default"),  # q/k norm, GQA 4
     ("qwen3", 48, 4, 1, 32, True, "yarn"),  # q/k norm, one KV head, biases
     ("qwen3", 32, 4, 4, 16, False, "llama3"),  # q/k norm, MHA
+    ("qwen2", 64, 4, 2, 16, True, "default"),  # q/k/v biases without an o_proj bias
 ]
+MODULES = {"llama": (LlamaConfig, LlamaAttention), "qwen2": (Qwen2Config, Qwen2Attention),
+           "qwen3": (Qwen3Config, Qwen3Attention)}
 BATCH, SEQ = 3, 9
 PADS = (0, 4, 8)  # left padding per row (the last row has one real token)
 
@@ -50,7 +54,7 @@ def rel_err(a, b) -> float:
 
 
 def hf_config(family: str, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, rope: str):
-    cls = LlamaConfig if family == "llama" else Qwen3Config
+    cls = MODULES[family][0]
     rope_parameters = dict(ROPES[rope] or {"rope_type": "default"}, rope_theta=500.0)
     config = cls(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                  attention_bias=bias, rope_parameters=rope_parameters, max_position_embeddings=64,
@@ -64,19 +68,21 @@ def build_pair(case, seed: int = 0) -> tuple[torch.nn.Module, Attention, object]
     family, hidden, heads, kv_heads, head_dim, bias, rope = case
     config = hf_config(*case)
     torch.manual_seed(seed)
-    ref = (LlamaAttention if family == "llama" else Qwen3Attention)(config, layer_idx=0).eval()
+    ref = MODULES[family][1](config, layer_idx=0).eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.2)
     ours = Attention(hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, use_bias=bias,
-                     qk_norm=family == "qwen3", norm_eps=config.rms_norm_eps, rngs=nnx.Rngs(1))
+                     o_bias=bias and family != "qwen2", qk_norm=family == "qwen3", norm_eps=config.rms_norm_eps,
+                     rngs=nnx.Rngs(1))
     sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
     for name, n in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
         getattr(ours, name).kernel[...] = jnp.asarray(sd[f"{name}.weight"].T.reshape(hidden, n, head_dim))
         if bias:
             getattr(ours, name).bias[...] = jnp.asarray(sd[f"{name}.bias"].reshape(n, head_dim))
     ours.o_proj.kernel[...] = jnp.asarray(sd["o_proj.weight"].T.reshape(heads, head_dim, hidden))
-    if bias:
+    assert (ours.o_proj.bias is None) == ("o_proj.bias" not in sd)
+    if "o_proj.bias" in sd:
         ours.o_proj.bias[...] = jnp.asarray(sd["o_proj.bias"])
     if family == "qwen3":
         ours.q_norm.scale[...] = jnp.asarray(sd["q_norm.weight"])
