@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from nnx_zoo.hf.errors import CheckpointFormatError, config_json_path, read_json_object
+from nnx_zoo.hf.config_io import config_json_path, read_json_object
+from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 

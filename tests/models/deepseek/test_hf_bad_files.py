@@ -17,8 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
-from nnx_zoo.hf import CheckpointError, CheckpointFormatError, CheckpointMismatchError
-from nnx_zoo.models.deepseek.hf import nonfinite_count
+from nnx_zoo.hf import CheckpointError, CheckpointFormatError, CheckpointMismatchError, nonfinite_count
 
 TINY = DeepSeekV3Config.preset(
     "deepseek3-mini", vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
@@ -132,13 +131,6 @@ FILE_CASES = {
     "negative offsets": (_edit_header(lambda h: h["model.norm.weight"].update(data_offsets=[-4, 60])),
                          ["model.norm.weight: data_offsets [-4, 60] are not [start, end]"]),
 }
-
-
-@pytest.mark.parametrize("case", FILE_CASES)
-def test_broken_safetensors_file_is_named(ckpt, case):
-    corrupt, phrases = FILE_CASES[case]
-    corrupt(ckpt)
-    expect(CheckpointFormatError, lambda: load(ckpt), str(ckpt / SHARD), *phrases)
 
 
 def test_same_key_in_two_files(ckpt):
@@ -282,11 +274,16 @@ INDEX_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", INDEX_CASES)
-def test_broken_index_is_named(ckpt, case):
-    corrupt, phrases = INDEX_CASES[case]
+# case -> (the file the error must name, how to break it, what the error must say)
+BROKEN_FILES = {**{f"safetensors {k}": (SHARD, *v) for k, v in FILE_CASES.items()},
+                **{f"index {k}": (INDEX, *v) for k, v in INDEX_CASES.items()}}
+
+
+@pytest.mark.parametrize("case", BROKEN_FILES)
+def test_broken_file_is_named(ckpt, case):
+    name, corrupt, phrases = BROKEN_FILES[case]
     corrupt(ckpt)
-    expect(CheckpointFormatError, lambda: load(ckpt), str(ckpt / INDEX), *phrases)
+    expect(CheckpointFormatError, lambda: load(ckpt), str(ckpt / name), *phrases)
 
 
 # ---------------------------------------------------------------- the directory

@@ -1,0 +1,171 @@
+"""A family's declarative HF key table: which HF key fills which of our Variables, how, and in which slot.
+
+A transform maps one HF tensor to (part of) one Variable: ``Same``; ``Dense`` (an ``nn.Linear`` weight
+``[out, in]`` <-> our kernel ``[*in, *out]``); ``FusedGateUp`` / ``FusedDown`` (transformers-5 fused expert
+tensors, import only). Stacked Variables (scanned layers, routed experts) are filled slot by slot: a ``Slot`` is
+one HF key and the leading index it fills, ``()`` for a plain Variable, ``(layer,)`` or ``(layer, expert)`` for a
+stacked one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+class Transform(Protocol):
+    def hf_shape(self, ours: Shape) -> Shape: ...  # the HF tensor's shape for our (sub-)array's shape
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Same:
+    """Stored identically (norm scales, biases, embedding tables, router biases)."""
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return ours
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """An ``nn.Linear`` weight ``[prod(out), prod(in)]`` <-> our kernel ``[*in, *out]`` (``n_in`` input dims)."""
+
+    n_in: int = 1
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return (math.prod(ours[self.n_in :]), math.prod(ours[: self.n_in]))
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a.T.reshape(ours)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(math.prod(a.shape[: self.n_in]), -1).T
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGateUp:
+    """transformers-5 ``experts.gate_up_proj [E, 2I, H]`` -> gate (half 0) / up (half 1) kernels ``[E, H, I]``."""
+
+    half: int
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        experts, hidden, inner = ours
+        return (experts, 2 * inner, hidden)
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        inner = ours[2]
+        return a[:, self.half * inner : (self.half + 1) * inner, :].transpose(0, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedDown:
+    """transformers-5 ``experts.down_proj [E, H, I]`` -> down kernels ``[E, I, H]``."""
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        experts, inner, hidden = ours
+        return (experts, hidden, inner)
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a.transpose(0, 2, 1)
+
+
+SAME, DENSE = Same(), Dense()
+# Buffers some older checkpoints carry that no model needs (rope frequencies are recomputed from the config).
+ALWAYS_IGNORED = (r"(^|\.)rotary_emb\.inv_freq$",)
+
+
+class Row(NamedTuple):
+    """HF key ``hf`` fills our Variable ``ours`` via ``transform``. In a ``Stack`` both are relative to the
+    layer, and ``{e}`` in ``hf`` numbers the Variable's second stacked dim (routed experts)."""
+
+    hf: str
+    ours: str
+    transform: Any = SAME
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A stacked module of ours (``path``, leading dim = layer) stored as HF layers ``hf_prefix.format(i=n)``
+    for ``n`` in ``layers``. ``alternates``: HF key (relative) -> ((our Variable, transform), ...) that fill a
+    whole layer slot at once, another layout of keys the ``{e}`` rows also cover (fused experts)."""
+
+    path: str
+    hf_prefix: str
+    layers: range
+    rows: tuple[Row, ...]
+    alternates: Mapping[str, tuple[tuple[str, Any], ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """HF key ``key`` fills ``path[index]`` (a leading index of a stacked Variable) via ``transform``."""
+
+    key: str
+    path: str
+    index: tuple[int, ...] = ()
+    transform: Any = SAME
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTable:
+    """Everything a family tells the shared loader and writer about its HF keys.
+
+    ``top``: rows of unstacked Variables; ``stacks``: stacked modules; ``copies``: keys that repeat another
+    weight (written on export, skipped on import when present); ``ignored``: regexes of keys skipped on import
+    and never written (besides ``ALWAYS_IGNORED``); ``source``: where the table lives, named when a Variable has
+    no row. Rows whose Variable the model lacks (an optional projection, an untied head) are skipped.
+    """
+
+    top: tuple[Row, ...]
+    stacks: tuple[Stack, ...] = ()
+    copies: tuple[Slot, ...] = ()
+    ignored: tuple[str, ...] = ()
+    source: str = "the family's HF key table"
+
+    def slots(self, shapes: Mapping[str, Shape]) -> list[Slot]:
+        """Every HF key (canonical layout) of a model whose Variables have ``shapes`` (path -> shape)."""
+        slots = [Slot(r.hf, r.ours, (), r.transform) for r in self.top if r.ours in shapes]
+        for stack in self.stacks:
+            for hf, ours, transform in stack.rows:
+                path = f"{stack.path}.{ours}"
+                if path not in shapes:
+                    continue
+                for j, layer in enumerate(stack.layers):
+                    key = stack.hf_prefix.format(i=layer) + hf
+                    if "{e}" in hf:
+                        slots += [Slot(key.format(e=e), path, (j, e), transform) for e in range(shapes[path][1])]
+                    else:
+                        slots.append(Slot(key, path, (j,), transform))
+        unmapped = sorted(set(shapes) - {s.path for s in slots})
+        if unmapped:  # a Variable added to the model without a row in the key table
+            raise ValueError(f"no HF key in the table maps to {unmapped}; add rows to {self.source}")
+        return slots
+
+    def alternate_slots(self, shapes: Mapping[str, Shape]) -> dict[str, list[Slot]]:
+        """HF key -> the whole-layer slots it fills, for each stack's alternate layouts."""
+        out: dict[str, list[Slot]] = {}
+        for stack in self.stacks:
+            for hf, targets in stack.alternates.items():
+                paths = [(f"{stack.path}.{ours}", t) for ours, t in targets if f"{stack.path}.{ours}" in shapes]
+                for j, layer in enumerate(stack.layers):
+                    key = stack.hf_prefix.format(i=layer) + hf
+                    out[key] = [Slot(key, path, (j,), t) for path, t in paths]
+        return out
+
+    def skipped(self) -> re.Pattern[str]:
+        """Matches the keys import passes over (ignored keys, copies of other weights)."""
+        patterns = [f"(?:{p})" for p in ALWAYS_IGNORED + self.ignored] + [f"^{re.escape(c.key)}$" for c in self.copies]
+        return re.compile("|".join(patterns))
