@@ -4,7 +4,11 @@ Works for any model called as ``model(input_ids, attention_mask=None)`` that ret
 vocab]`` or an object with ``.logits`` (and, for packed data, accepts ``segment_ids``). When that object also
 carries ``mtp_logits`` (a sequence whose k-th entry predicts the token ``k + 2`` places ahead) the
 multi-token-prediction loss is added with ``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise balance
-loss, already weighted by the model) is added as is.
+loss, already weighted by the model, and a mean over the sequences holding a real token) is added as is.
+
+With gradient accumulation every term stays a mean over the whole step: the cross-entropy and each MTP head's loss
+over all of the step's tokens, the aux loss over all of its real sequences (``step_counts``), so ``accum_steps``
+micro-batches give the same loss, gradient and update as one step on the whole batch, whatever their masks.
 """
 
 from __future__ import annotations
@@ -52,16 +56,44 @@ def shift_left(x: jax.Array, shift: int) -> jax.Array:
     return jax.reshard(out, PartitionSpec(*spec)) if explicit and spec[1] is not None else out
 
 
+def real_sequences(batch: Batch) -> jax.Array:
+    """How many rows of ``batch`` hold a real token: rows whose ``attention_mask`` has a 1 (every row when there is
+    no mask). An ``aux_loss`` is a mean over these (DeepSeek's sequence-wise balance loss is)."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return jnp.asarray(batch["input_ids"].shape[0], jnp.float32)
+    return jnp.sum(jnp.any(mask != 0, axis=-1).astype(jnp.float32))
+
+
+def step_counts(batch: Batch, mtp_heads: int) -> dict[str, jax.Array]:
+    """What the step's mean losses divide by, counted over the whole batch (every micro-batch): its loss tokens
+    (``tokens``), each MTP head's loss tokens (``mtp{k}_tokens``) and its real sequences (``sequences``)."""
+    mask = batch["loss_mask"].astype(jnp.float32)
+    counts = {"tokens": jnp.sum(mask), "sequences": real_sequences(batch)}
+    for k in range(1, mtp_heads + 1):
+        counts[f"mtp{k}_tokens"] = jnp.sum(shift_left(mask, k))
+    return counts
+
+
 def loss_terms(
-    model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = ()
+    model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = (),
+    counts: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed loss of one micro-batch (to be divided by the token count) and summed metrics."""
+    """This micro-batch's share of the step's loss, times the step's token count, and its summed metrics.
+
+    The step's loss is the per-token cross-entropy over all of the step's tokens, plus ``mtp_weight`` times the
+    mean over MTP heads of each head's per-token loss over all of the step's tokens for that head, plus the
+    ``aux_loss`` as a mean over all of the step's real sequences. ``counts`` (``step_counts`` of the whole batch)
+    are those totals; without them this micro-batch is the whole step. Summing the shares of all micro-batches and
+    dividing by ``counts["tokens"]`` gives exactly the loss of one step on the whole batch.
+    """
     kwargs = dict(model_kwargs)
     if "segment_ids" in batch:  # packed documents: attention stays within each one
         kwargs["segment_ids"] = batch["segment_ids"]
     out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs)
     logits = getattr(out, "logits", out)
     ce_sum, tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    step_tokens = tokens if counts is None else counts["tokens"]
     total = ce_sum
     metrics = {"ce_sum": ce_sum, "tokens": tokens}
     mtp_logits = getattr(out, "mtp_logits", None)
@@ -72,16 +104,21 @@ def loss_terms(
         mtp_sum, mtp_tokens = token_cross_entropy(
             head_logits, shift_left(batch["targets"], shift), shift_left(batch["loss_mask"], shift)
         )
+        head_tokens = mtp_tokens if counts is None else counts[f"mtp{shift}_tokens"]
         # Scale so that the MTP term is mtp_weight * (mean over heads of the per-token MTP loss).
-        total = total + mtp_weight / len(mtp_logits) * mtp_sum * tokens / jnp.maximum(mtp_tokens, 1.0)
-        metrics[f"mtp{k + 1}_sum"] = mtp_sum
+        total = total + mtp_weight / len(mtp_logits) * mtp_sum * step_tokens / jnp.maximum(head_tokens, 1.0)
+        metrics[f"mtp{shift}_sum"] = mtp_sum
+        metrics[f"mtp{shift}_tokens"] = mtp_tokens
     expert_load = getattr(out, "expert_load", None)
     if expert_load is not None:
         metrics["expert_load"] = jax.lax.stop_gradient(expert_load)
     aux_loss = getattr(out, "aux_loss", None)
     if aux_loss is not None:
-        total = total + aux_loss * tokens
-        metrics["aux_loss_sum"] = aux_loss * tokens
+        sequences = real_sequences(batch)
+        step_sequences = sequences if counts is None else counts["sequences"]
+        total = total + aux_loss * step_tokens * sequences / jnp.maximum(step_sequences, 1.0)
+        metrics["aux_loss_sum"] = aux_loss * sequences
+        metrics["sequences"] = sequences
     return total, metrics
 
 
@@ -117,20 +154,24 @@ def train_step(
     # Differentiate only what the optimizer updates (e.g. LoRA adapters with ``wrt=LoRAParam``).
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
 
+    micro_batches = split_microbatches(batch, accum_steps)
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    metric_shapes = jax.eval_shape(
+        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight, model_kwargs)[1], params)
+    # Means over the whole step (all micro-batches), not means of micro-batch means.
+    counts = step_counts(batch, sum(1 for name in metric_shapes if name.startswith("mtp") and name.endswith("_sum")))
+
     def micro_step(carry, micro_batch):
         grad_acc, metric_acc = carry
 
         def summed_loss(p):
-            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight, model_kwargs)
+            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight, model_kwargs, counts)
 
         (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
         return (jax.tree.map(jnp.add, grad_acc, grads), jax.tree.map(jnp.add, metric_acc, metrics)), None
 
-    micro_batches = split_microbatches(batch, accum_steps)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight, model_kwargs)[1], params))
+    metric_zeros = jax.tree.map(jnp.zeros_like, metric_shapes)
     (grads, sums), _ = jax.lax.scan(micro_step, (zeros, metric_zeros), micro_batches)
 
     tokens = jnp.maximum(sums["tokens"], 1.0)
@@ -148,7 +189,9 @@ def train_step(
     if "expert_load" in sums:  # max over mean load per MoE layer, averaged over layers (1 = perfectly balanced)
         load = sums.pop("expert_load")
         metrics["expert_max_over_mean"] = jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
-    for name, value in sums.items():
-        if name.startswith("mtp") or name == "aux_loss_sum":
-            metrics[name.removesuffix("_sum")] = value / tokens
+    for name, value in sums.items():  # per-token means over the step's tokens for each head
+        if name.startswith("mtp") and name.endswith("_sum"):
+            metrics[name.removesuffix("_sum")] = value / jnp.maximum(sums[name.replace("_sum", "_tokens")], 1.0)
+    if "aux_loss_sum" in sums:  # the mean over the step's real sequences
+        metrics["aux_loss"] = sums["aux_loss_sum"] / jnp.maximum(sums["sequences"], 1.0)
     return metrics

@@ -10,6 +10,7 @@ right one).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,23 +54,32 @@ def _gelu_tanh(u):
     return 0.5 * u * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * u**3)))
 
 
-def reference_loss(params, batch):
-    """ToyLM's forward pass written out by hand, and the mean next-token NLL over every kept token of the batch."""
-    h = params["embed"][batch["input_ids"]]  # a gather, where the model multiplies by one-hot rows
+def reference_logits(params, input_ids):
+    """ToyLM's forward pass written out by hand."""
+    h = params["embed"][input_ids]  # a gather, where the model multiplies by one-hot rows
     h = h + _gelu_tanh(h @ params["up"]) @ params["down"]
-    logits = (h * params["scale"]) @ params["head"]
+    return (h * params["scale"]) @ params["head"]
+
+
+def _mean_nll(logits, targets, mask):
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask) / jnp.sum(mask)
+
+
+def reference_loss(params, batch):
+    """The mean next-token NLL over every kept token of the batch."""
+    return _mean_nll(reference_logits(params, batch["input_ids"]), batch["targets"], batch["loss_mask"])
 
 
 def _global_norm(tree: dict[str, np.ndarray]) -> float:
     return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in tree.values()))
 
 
-def reference_run(params, batches, *, clip_norm, weight_decay=OPT["weight_decay"], no_decay=NO_DECAY):
-    """Per step ``(loss, gradient norm before clipping)`` and the final parameters: ``jax.grad`` of
-    ``reference_loss``, then global-norm clipping and AdamW written out in float64 numpy."""
+def reference_run(params, batches, *, clip_norm, weight_decay=OPT["weight_decay"], no_decay=NO_DECAY,
+                  loss_fn=reference_loss):
+    """Per step ``(loss, gradient norm before clipping)`` and the final parameters: ``jax.grad`` of ``loss_fn``,
+    then global-norm clipping and AdamW written out in float64 numpy."""
     params = {k: np.asarray(v, np.float64) for k, v in params.items()}
     mu = {k: np.zeros_like(v) for k, v in params.items()}
     nu = {k: np.zeros_like(v) for k, v in params.items()}
@@ -77,7 +87,7 @@ def reference_run(params, batches, *, clip_norm, weight_decay=OPT["weight_decay"
     history = []
     for t, batch in enumerate(batches, start=1):
         as_f32 = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
-        loss, grads = jax.value_and_grad(reference_loss)(as_f32, {k: jnp.asarray(v) for k, v in batch.items()})
+        loss, grads = jax.value_and_grad(loss_fn)(as_f32, {k: jnp.asarray(v) for k, v in batch.items()})
         grads = {k: np.asarray(g, np.float64) for k, g in grads.items()}
         norm = _global_norm(grads)
         history.append((float(loss), norm))
@@ -103,21 +113,22 @@ def _toy() -> ToyLM:
     return model
 
 
-def _params(model: ToyLM) -> dict[str, np.ndarray]:
-    return {name: np.asarray(getattr(model, name)[...]) for name in ("embed", "up", "down", "scale", "head")}
+def _params(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {path: np.asarray(variable[...]) for path, variable in iter_variables(nnx.state(model, nnx.Param))}
 
 
 _step = nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))
 
 
-def trainer_run(batches, *, accum_steps, clip_norm, weight_decay=OPT["weight_decay"]):
+def trainer_run(batches, *, accum_steps, clip_norm, weight_decay=OPT["weight_decay"], model=None, mtp_weight=0.0):
     """The trainer's metrics per step and its final parameters, from the same initial parameters."""
-    model = _toy()
+    model = _toy() if model is None else model
     config = OptimizerConfig(**{**OPT, "weight_decay": weight_decay}, clip_norm=clip_norm)
     optimizer = make_optimizer(config, model, total_steps=len(batches))
     metrics = []
     for batch in batches:
-        out = _step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()}, accum_steps=accum_steps)
+        out = _step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()}, accum_steps=accum_steps,
+                    mtp_weight=mtp_weight)
         metrics.append({k: float(v) for k, v in out.items()})
     return metrics, _params(model)
 
@@ -192,6 +203,74 @@ def test_weight_decay_skips_the_norm_scale_in_the_step():
     _, decayed_everywhere = reference_run(_params(_toy()), batches, clip_norm=0.0, weight_decay=0.5, no_decay=set())
     _assert_params_close(params, want)
     assert np.abs(decayed_everywhere["scale"] - want["scale"]).min() > 1e-3
+
+
+# ------------------------------------------------------------------ MTP and auxiliary losses
+MTP_WEIGHT, AUX_WEIGHT = 0.3, 0.05
+
+
+class _Out(NamedTuple):
+    logits: jax.Array
+    mtp_logits: jax.Array
+    aux_loss: jax.Array
+
+
+class ToyWithExtras(nnx.Module):
+    """The toy model plus one multi-token-prediction head (``tanh(logits) @ mix``, for the token two ahead) and an
+    auxiliary loss that, like DeepSeek's balance loss, is a mean over the sequences holding a real token
+    (``attention_mask``): per sequence ``AUX_WEIGHT * mean(logits**2)``."""
+
+    def __init__(self):
+        self.lm = _toy()
+        self.mix = nnx.Param(jax.random.normal(jax.random.key(5), (VOCAB, VOCAB)), out_sharding=(None, "vocab"),
+                             eager_sharding=False)
+
+    def __call__(self, input_ids, attention_mask=None):
+        logits = self.lm(input_ids)
+        per_sequence = AUX_WEIGHT * jnp.mean(logits**2, axis=(1, 2))
+        real = jnp.any(attention_mask != 0, axis=-1).astype(jnp.float32)
+        return _Out(logits, (jnp.tanh(logits) @ self.mix[...])[None], jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0))
+
+
+def reference_terms(params, batch):
+    """(cross-entropy, MTP cross-entropy, aux) of the whole batch, each a mean over all of the step's tokens (or
+    real sequences); the MTP head's logits at ``t`` are scored against the target at ``t + 1`` (sliced)."""
+    logits = reference_logits({k.removeprefix("lm."): v for k, v in params.items()}, batch["input_ids"])
+    ce = _mean_nll(logits, batch["targets"], batch["loss_mask"])
+    mtp_logits = jnp.tanh(logits) @ params["mix"]
+    mtp = _mean_nll(mtp_logits[:, :-1], batch["targets"][:, 1:], batch["loss_mask"][:, 1:])
+    real = batch["attention_mask"].any(-1)
+    aux = jnp.mean(AUX_WEIGHT * jnp.mean(logits**2, axis=(1, 2))[real])
+    return ce, mtp, aux
+
+
+def reference_total(params, batch):
+    ce, mtp, aux = reference_terms(params, batch)
+    return ce + MTP_WEIGHT * mtp + aux
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2, 4])
+def test_accumulation_with_mtp_and_aux_losses_equals_the_whole_batch(accum_steps):
+    """The MTP term is a per-token mean over all of the step's MTP tokens, the aux loss a mean over all of its real
+    sequences, whatever the micro-batches hold (rows without a real token are padding, so micro-batches differ in
+    tokens and in sequences). Metrics: ``mtp1`` and ``aux_loss`` are those whole-batch means."""
+    batches = _batches()
+    for batch in batches:  # rows without a loss token are padding rows
+        batch["attention_mask"] = np.repeat(batch["loss_mask"].any(-1, keepdims=True), SEQ, axis=1).astype(np.int32)
+    assert batches[0]["attention_mask"].any(-1).tolist() == [True, False, True, True, True, False, True, True]
+    initial = _params(ToyWithExtras())
+    want_history, want_params = reference_run(initial, batches, clip_norm=0.0, loss_fn=reference_total,
+                                              no_decay={"lm.scale"})
+    metrics, params = trainer_run(batches, accum_steps=accum_steps, clip_norm=0.0, model=ToyWithExtras(),
+                                  mtp_weight=MTP_WEIGHT)
+    as_f32 = {k: jnp.asarray(v) for k, v in initial.items()}
+    ce, mtp, aux = reference_terms(as_f32, {k: jnp.asarray(v) for k, v in batches[0].items()})
+    assert metrics[0]["loss"] == pytest.approx(float(ce), rel=1e-5)
+    assert metrics[0]["mtp1"] == pytest.approx(float(mtp), rel=1e-5)
+    assert metrics[0]["aux_loss"] == pytest.approx(float(aux), rel=1e-5)
+    for m, (_, norm) in zip(metrics, want_history):
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    _assert_params_close(params, want_params)
 
 
 # ------------------------------------------------------------------ the decay mask, by path
