@@ -4,12 +4,21 @@ from nnx_zoo import sharding
 from nnx_zoo.generate import GenerateOutput, generate
 from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.registry import AutoConfig, AutoModelForCausalLM
 
 __all__ = [
+    "AutoConfig",
+    "AutoModelForCausalLM",
     "DeepSeekV3",
     "DeepSeekV3Config",
     "GenerateOutput",
+    "Llama3",
+    "Llama3Config",
     "LoRAParam",
+    "Qwen3",
+    "Qwen3Config",
     "apply_lora",
     "generate",
     "merge_lora",

@@ -36,6 +36,7 @@ LOGICAL_AXES: dict[str, str] = {
     "norm": "RMSNorm scale vectors",
     "bias": "bias vectors",
     "lora_rank": "rank of a LoRA adapter",
+    "layers": "leading stack axis of the scanned decoder layers of a dense model (Llama, Qwen3)",
     "dense_layers": "leading stack axis of the scanned dense decoder layers",
     "moe_layers": "leading stack axis of the scanned MoE decoder layers",
     "mtp_layers": "leading stack axis of the multi-token-prediction heads",

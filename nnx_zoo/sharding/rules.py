@@ -55,6 +55,7 @@ _REPLICATED = (
     ("bias", None),
     ("exp_router", None),
     ("lora_rank", None),
+    ("layers", None),
     ("dense_layers", None),
     ("moe_layers", None),
     ("mtp_layers", None),

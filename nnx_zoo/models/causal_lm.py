@@ -1,0 +1,274 @@
+"""The dense causal language model shared by the Llama 3 and Qwen3 families (any ``DecoderConfig``).
+
+Reading order, top down: ``CausalLM.__call__`` embeds the tokens (``Embed``), runs the scanned stack of
+``DecoderLayer``s (``run_stack``), normalizes (``RMSNorm``) and projects to the vocabulary (``lm_head``, or the
+embedding table when tied). Each ``DecoderLayer`` is pre-norm: ``x + Attention(norm(x))``, then
+``+ SwiGLU(norm(.))``; ``nnx_zoo.layers.attention`` holds the einsums. Generation (``nnx_zoo.generate``) drives
+``init_cache`` / ``prefill`` / ``decode_step`` over a ``KVCache``.
+
+A family is a subclass naming its config class and its HF key table (``nnx_zoo.models.llama``,
+``nnx_zoo.models.qwen3``); checkpoint I/O is ``nnx_zoo.hf``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_zoo.hf import KeyTable, SafetensorsCheckpoint, load_module, save_module
+from nnx_zoo.layers.attention import Attention, causal_mask
+from nnx_zoo.layers.embed import Embed
+from nnx_zoo.layers.kv_cache import KVCache
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.mlp import SwiGLU
+from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
+from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.models.decoder_config import DecoderConfig
+from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+_BLV = ("activation_batch", "activation_length", "activation_vocab")
+STACK_AXIS = "layers"  # logical name of the decoder stack's leading (layer) dim
+
+M = TypeVar("M", bound="CausalLM")
+
+
+def _dtypes(c: DecoderConfig) -> dict[str, Any]:
+    return dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``h = x + attn(input_norm(x))``, then ``h + mlp(post_attn_norm(h))``.
+
+    >>> layer = DecoderLayer(Llama3Config.preset("llama3-tiny"), rngs=nnx.Rngs(0))
+    >>> cos, sin = rope_cos_sin(jnp.arange(8)[None], rope_frequencies(layer.attn.head_dim, 5e5)[0])
+    >>> layer(jnp.ones((2, 8, 64)), cos, sin, causal_mask(8)).shape
+    (2, 8, 64)
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+        c = config
+        init = nnx.initializers.normal(c.initializer_range)
+        self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                              head_dim=c.head_dim, use_bias=c.attention_bias, qk_norm=c.QK_NORM,
+                              norm_eps=c.rms_norm_eps, kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, kernel_init=init, rngs=rngs, **_dtypes(c))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> jax.Array:
+        """``x [batch, seq, embed]`` -> same shape; ``mask [batch or 1, 1, seq, seq]`` (``causal_mask``)."""
+        h = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
+        return shard(h + self.mlp(self.post_attn_norm(h)), _BLE)
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The layer on ``t`` new tokens against this layer's cache (``Attention.decode``): ``(output, k_cache,
+        v_cache)`` with the new keys and values written at slots ``start .. start + t``."""
+        attn, k_cache, v_cache = self.attn.decode(self.input_norm(x), cos, sin, k_cache, v_cache, start, mask)
+        h = shard(x + attn, _BLE)
+        return shard(h + self.mlp(self.post_attn_norm(h)), _BLE), k_cache, v_cache
+
+
+class CausalLM(nnx.Module):
+    """A dense decoder-only language model; families subclass it (``Llama3``, ``Qwen3``).
+
+    >>> model = Llama3(Llama3Config.preset("llama3-tiny"), rngs=nnx.Rngs(0))   # or Llama3.create(config, mesh=)
+    >>> logits = model(jnp.zeros((2, 16), jnp.int32))                         # [2, 16, vocab]
+    >>> model = Qwen3.from_pretrained("/path/to/hf_checkpoint", mesh=mesh)
+    >>> model.save_pretrained("/tmp/out")                                     # loadable by transformers
+
+    Parameters: ``embed.embedding [vocab, embed]``, ``layers.*`` (every Variable stacked on a leading ``layers``
+    dim), ``norm.scale``, ``lm_head.kernel [embed, vocab]`` (None when ``tie_word_embeddings``). ``rules`` (a
+    rule-set name or tuple) is stored on the model and used by every ``shard`` inside ``__call__``.
+    """
+
+    config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
+    # The family's HF key table: config -> KeyTable (a staticmethod in each family).
+    key_table: ClassVar[Callable[[Any], KeyTable]]
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, rules: Rules | str = "default"):
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got "
+                            f"{type(config).__name__}; use nnx_zoo.AutoModelForCausalLM.create(config) to pick the "
+                            "class from the config")
+        c = self.config = config
+        self.rules = get_rules(rules)
+        init = nnx.initializers.normal(c.initializer_range)
+        self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
+        self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), c.num_hidden_layers, rngs, STACK_AXIS)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
+        inv_freq, self.rope_attention_factor = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
+
+    # ---- construction and checkpoints ----
+    @classmethod
+    def create(cls: type[M], config: DecoderConfig, *, mesh: Mesh | None = None, rules: Rules | str = "default",
+               seed: int = 0) -> M:
+        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
+        def make() -> M:
+            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
+
+        return make() if mesh is None else create_sharded(make, mesh, rules)
+
+    @classmethod
+    def from_pretrained(cls: type[M], path: str | Path, *, mesh: Mesh | None = None,
+                        rules: Rules | str | None = None, dtype: Any = None, **config_overrides: Any) -> M:
+        """Load an HF checkpoint directory of this family (``config.json`` + safetensors), each tensor read onto
+        its shards of ``mesh``. ``dtype`` sets the parameter and compute dtype (default: the config's, float32);
+        ``config_overrides`` set any config field (``scan_layers=False``, ...).
+
+        A ``config.json`` of another ``model_type`` raises ``nnx_zoo.hf.CheckpointFormatError`` naming the class
+        that reads it; files that do not fit the model (an untied model without ``lm_head.weight``, a missing
+        layer, a wrong shape) raise ``nnx_zoo.hf.CheckpointMismatchError`` listing every problem.
+        """
+        directory = Path(path)
+        overrides = dict(config_overrides)
+        if dtype is not None:
+            overrides.setdefault("dtype", dtype)
+            overrides.setdefault("param_dtype", dtype)
+        rules = get_rules(rules if rules is not None else "default")
+        config = cls.config_class.from_hf(directory, **overrides)
+        with SafetensorsCheckpoint(directory) as ckpt:
+            abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules))
+            return load_module(ckpt, cls.key_table(config), abstract, mesh=mesh, rules=rules)
+
+    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
+        """Write an HF checkpoint (``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
+        index) that transformers' ``from_pretrained`` loads."""
+        save_module(self, path, self.key_table(self.config), self.config.to_hf_dict(),
+                    max_shard_bytes=max_shard_bytes)
+
+    # ---- the forward pass ----
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:
+        """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``.
+
+        ``attention_mask [batch, seq]`` (1 = token, 0 = padding) may mark left padding: padding is never attended
+        to. Positions are ``0..seq-1`` whatever the padding, as in HF's forward, unless ``position_ids [batch,
+        seq]`` are given. ``segment_ids [batch, seq]`` (packed training data) keep attention inside each document.
+        """
+        _check_ids(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
+        if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != input_ids.shape[1]):
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [batch or 1, seq={input_ids.shape[1]}]")
+        c = self.config
+        with use_rules(self.rules), self._parameter_mesh():
+            seq_len = input_ids.shape[1]
+            positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
+            cos, sin = self._rope(positions)
+            mask = causal_mask(seq_len, attention_mask, segment_ids)
+
+            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+                return layer(h, cos, sin, mask), None
+
+            h, _ = run_stack(self.layers, layer_body, self.embed(input_ids), scan=c.scan_layers,
+                             remat_policy=c.remat_policy)
+            return self._logits(self.norm(h))
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return self.embed.attend(hidden)
+        return self.lm_head(hidden, _BLV)
+
+    def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
+        """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
+        ``jax.set_mesh``); otherwise nothing."""
+        return parameter_mesh(self.embed.embedding[...])
+
+    # ---- generation: a fixed-size KVCache, driven by nnx_zoo.generate ----
+    def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
+        """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
+        from nnx_zoo.generate import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
+        c = self.config
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
+            return KVCache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
+                                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
+
+    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None, cache: KVCache
+                ) -> tuple[jax.Array, KVCache]:
+        """Run a (left-padded) prompt ``[batch, t]`` into ``cache``: ``(logits [batch, t, vocab], cache)``.
+        Token ``i`` of a row sits at rope position ``cumsum(attention_mask)[i] - 1``; padding is never attended
+        to. Logits come whole along the vocabulary (ready for sampling)."""
+        if input_ids.shape[1] > cache.max_len:
+            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
+                             "slots; create the cache with max_len >= prompt length + tokens to generate")
+        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
+            return self._extend(input_ids, token_mask, cache)
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``."""
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
+            logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
+        return logits[:, 0], cache
+
+    def _decoding_rules(self) -> Rules:
+        """The model's rules with the new tokens' sequence dim unsplit (one decoded token cannot be divided over
+        context-parallel devices; the first rule for a name wins, so this one overrides)."""
+        return (("activation_length", None), *self.rules)
+
+    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
+        start = cache.length
+        positions, mask, cache = cache.advance(token_mask)
+        cos, sin = self._rope(positions)
+
+        def layer_body(layer: DecoderLayer, carry: Any, index: jax.Array) -> tuple[Any, None]:
+            h, k, v = carry  # k, v: [layers, batch, max_len, kv_heads, head_dim], updated one layer at a time
+            h, k_layer, v_layer = layer.decode(h, cos, sin, jax.lax.dynamic_index_in_dim(k, index, keepdims=False),
+                                               jax.lax.dynamic_index_in_dim(v, index, keepdims=False), start, mask)
+            k = jax.lax.dynamic_update_index_in_dim(k, k_layer, index, 0)
+            v = jax.lax.dynamic_update_index_in_dim(v, v_layer, index, 0)
+            return (h, k, v), None
+
+        carry = (self.embed(input_ids), cache.k, cache.v)
+        (h, k, v), _ = run_stack(self.layers, layer_body, carry, jnp.arange(self.config.num_hidden_layers),
+                                 scan=self.config.scan_layers)
+        logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
+        return logits, cache._replace(k=k, v=v)
+
+
+def parameter_mesh(parameter: jax.Array) -> contextlib.AbstractContextManager[Any]:
+    """``jax.set_mesh`` of the mesh ``parameter`` lives on when no mesh is ambient and it spans devices (so a
+    sharded model can be called without a mesh context); otherwise a context that does nothing."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    sharding = (jax.typeof(parameter).sharding if isinstance(parameter, jax.core.Tracer)
+                else getattr(parameter, "sharding", None))
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return contextlib.nullcontext()
+    if isinstance(mesh, Mesh):
+        return jax.set_mesh(mesh)
+    return jax.sharding.use_abstract_mesh(mesh)  # while tracing: parameters carry an abstract mesh
+
+
+def _check_ids(input_ids: jax.Array, **others: jax.Array | None) -> None:
+    """Raise, saying what is wrong, when ``input_ids`` is not ``[batch, seq]`` integers or a companion array
+    (padding mask, segment ids) has another shape."""
+    if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be integer token ids [batch, seq], got "
+                         f"{getattr(input_ids, 'dtype', type(input_ids))} {getattr(input_ids, 'shape', '')}; add a "
+                         "batch dim with ids[None] for a single sequence")
+    for name, value in others.items():
+        if value is not None and tuple(value.shape) != tuple(input_ids.shape):
+            raise ValueError(f"{name} {tuple(value.shape)} must have input_ids' shape {tuple(input_ids.shape)}")

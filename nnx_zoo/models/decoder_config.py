@@ -1,0 +1,238 @@
+"""``DecoderConfig``: the hyper-parameters of a dense pre-norm decoder (GQA attention + SwiGLU), shared by the
+families built on ``nnx_zoo.models.causal_lm`` (Llama 3, Qwen3).
+
+Fields carry Hugging Face ``config.json`` names. A family subclasses it to set its ``model_type``, its
+architecture name, whether its attention normalizes queries and keys per head (``QK_NORM``), its presets, and
+the defaults of its flagship size; it may refuse HF settings it does not implement (``_hf_problems``). Fields
+after ``initializer_range`` are nnx_zoo's own (compute/parameter dtype, layer scanning, rematerialization) and
+are not written to HF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import jax.numpy as jnp
+
+from nnx_zoo.hf.config_io import config_json_path, read_json_object
+from nnx_zoo.hf.errors import CheckpointFormatError
+from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling, rope_from_hf, rope_to_hf
+from nnx_zoo.layers.scan import REMAT_POLICIES
+
+
+class ParameterCount(NamedTuple):
+    """``total``: every parameter; ``active``: those one token uses (all of them in a dense model);
+    ``embedding``: the input embedding table (a lookup, not a matmul)."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A dense decoder's hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
+
+    Use a family's subclass (``Llama3Config``, ``Qwen3Config``):
+
+    >>> cfg = Llama3Config.preset("llama3-tiny")
+    >>> cfg = Qwen3Config.from_hf("/path/to/checkpoint")          # a directory with config.json, or a dict
+    >>> cfg.with_overrides(num_hidden_layers=2).num_parameters().total
+
+    ``head_dim=None`` means ``hidden_size // num_attention_heads``; ``rope_scaling`` is None (the default
+    schedule), a ``LinearScaling`` / ``Llama3Scaling`` / ``YarnScaling``, or an HF rope dict (converted).
+    """
+
+    MODEL_TYPE: ClassVar[str] = ""  # HF model_type this config reads and writes
+    ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
+    QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+    HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = None  # an HF rope dict is accepted and converted
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    initializer_range: float = 0.02
+    # ---- nnx_zoo only ----
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    param_dtype: str = "float32"  # storage dtype of parameters
+    scan_layers: bool = True  # scan the layer stack (one compiled body); False unrolls it (debugging, same numbers)
+    remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):
+            _, scaling = rope_from_hf({"rope_scaling": dict(self.rope_scaling),
+                                       "max_position_embeddings": self.max_position_embeddings})
+            object.__setattr__(self, "rope_scaling", scaling)
+        if self.head_dim is None and _positive_int(self.hidden_size) and _positive_int(self.num_attention_heads):
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        for name in ("dtype", "param_dtype"):
+            try:
+                object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
+            except TypeError:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+        problems = self._problems()
+        if problems:
+            raise ValueError(f"invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
+
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings")
+        for name in positive:
+            if not _positive_int(getattr(self, name)):
+                p.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if _positive_int(self.num_attention_heads) and _positive_int(self.num_key_value_heads) and (
+                self.num_attention_heads % self.num_key_value_heads):
+            p.append(f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
+                     f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
+        if _positive_int(self.head_dim) and self.head_dim % 2:
+            p.append(f"head_dim must be even (rope rotates pairs), got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                p.append(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.rope_scaling, (LinearScaling, Llama3Scaling, YarnScaling, type(None))):
+            p.append(f"rope_scaling must be None, LinearScaling, Llama3Scaling, YarnScaling or an HF rope dict, got "
+                     f"{self.rope_scaling!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        return p
+
+    def with_overrides(self, **overrides: Any) -> DecoderConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+    # ---- presets ----
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> DecoderConfig:
+        """A named configuration of this family (``PRESETS``: published sizes and small CPU ones)."""
+        try:
+            fields = cls.PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}") from None
+        return cls(**{**fields, **overrides})
+
+    # ---- Hugging Face config.json ----
+    @classmethod
+    def from_hf(cls, dir_or_dict: str | Path | Mapping[str, Any], **overrides: Any) -> DecoderConfig:
+        """Read an HF ``config.json`` of this family (a checkpoint directory, the file, or its dict).
+
+        Both rope forms are read (transformers-5 ``rope_parameters``; the hub's legacy ``rope_scaling`` with a
+        top-level ``rope_theta``). ``overrides`` set any field, e.g. ``dtype="bfloat16"``. A file of another
+        ``model_type``, or one that is missing, not a JSON object, or holds unusable values, raises
+        ``nnx_zoo.hf.CheckpointFormatError`` naming the file.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:  # the caller's mistake, not the file's
+            raise TypeError(f"unknown {cls.__name__} fields {unknown}")
+        if isinstance(dir_or_dict, Mapping):
+            return cls._from_hf_dict(dict(dir_or_dict), overrides)
+        path = config_json_path(dir_or_dict)
+        try:
+            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
+        except CheckpointFormatError:
+            raise
+        except ValueError as err:
+            raise CheckpointFormatError(f"{path}: {err}") from err
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DecoderConfig:
+        model_type = d.get("model_type", cls.MODEL_TYPE)
+        if model_type != cls.MODEL_TYPE:
+            raise ValueError(f"model_type {model_type!r} is not {cls.MODEL_TYPE!r}: {cls.__name__} cannot read it. "
+                             f"{_loader_hint(model_type)}")
+        problems = cls._hf_problems(d)
+        if d.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if problems:
+            raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_theta", "rope_scaling", "dtype")}
+        if kwargs.get("head_dim") is None:
+            kwargs.pop("head_dim", None)
+        try:
+            kwargs["rope_theta"], kwargs["rope_scaling"] = rope_from_hf(d, default_theta=cls.rope_theta)
+            return cls(**{**kwargs, **overrides})
+        except TypeError as err:  # a value of the wrong JSON type (float(None), ...)
+            raise ValueError(f"a config value has the wrong type: {err}") from err
+
+    @classmethod
+    def _hf_problems(cls, d: dict[str, Any]) -> list[str]:
+        """HF settings of this family that the model does not implement (each one line)."""
+        return []
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict (legacy ``rope_scaling`` with a top-level ``rope_theta``, which
+        transformers 4 and 5 both read)."""
+        d: dict[str, Any] = {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE}
+        for f in dataclasses.fields(self):
+            if f.name in ("rope_theta", "rope_scaling"):
+                continue
+            d[f.name] = getattr(self, f.name)
+            if f.name == "initializer_range":
+                break
+        d.update(rope_to_hf(self.rope_theta, self.rope_scaling))
+        d.update(hidden_act="silu", torch_dtype=self.param_dtype, use_cache=True, **self.HF_EXTRAS)
+        return d
+
+    # ---- sizes and cost ----
+    def _layer_params(self) -> int:
+        h, heads, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attention = 2 * h * heads * hd + 2 * h * kv * hd
+        if self.attention_bias:
+            attention += heads * hd + 2 * kv * hd + h
+        if self.QK_NORM:
+            attention += 2 * hd
+        return attention + 3 * h * self.intermediate_size + 2 * h  # + input and post-attention norms
+
+    def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:
+        """Parameter counts. ``include_mtp`` is accepted so every family answers the same call (these models
+        have no multi-token-prediction heads)."""
+        del include_mtp
+        h, v = self.hidden_size, self.vocab_size
+        total = v * h + (0 if self.tie_word_embeddings else v * h) + h + self.num_hidden_layers * self._layer_params()
+        return ParameterCount(total=total, active=total, embedding=v * h)
+
+    def train_flops_per_token(self, seq_len: int, *, include_mtp: bool = False) -> float:
+        """Training FLOPs per token: ``6 * (matmul parameters) + attention``.
+
+        Matmul parameters are all but the input embedding (a lookup; a tied table still counts once, as the
+        output head). Attention adds ``3 * seq_len * heads * 2 * head_dim`` per layer: forward
+        ``2 * seq_len * heads * (head_dim + head_dim)`` for scores and mixing, halved for causality, times 3 for
+        forward + backward.
+        """
+        counts = self.num_parameters(include_mtp=include_mtp)
+        matmul = counts.total - (0 if self.tie_word_embeddings else counts.embedding)
+        attention = 3 * seq_len * self.num_attention_heads * 2 * self.head_dim * self.num_hidden_layers
+        return float(6 * matmul + attention)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _loader_hint(model_type: Any) -> str:
+    """Which class reads ``model_type`` (from the registry), for error messages."""
+    from nnx_zoo.models.registry import MODEL_TYPES
+
+    if model_type in MODEL_TYPES:
+        return (f"It is a {MODEL_TYPES[model_type][1].__name__} checkpoint: load it with "
+                f"{MODEL_TYPES[model_type][1].__name__}.from_pretrained or nnx_zoo.AutoModelForCausalLM.")
+    return f"Supported model types: {sorted(MODEL_TYPES)}."
