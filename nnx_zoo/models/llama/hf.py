@@ -7,8 +7,30 @@ model) are skipped by ``nnx_zoo.hf``; a tied checkpoint that stores ``lm_head.we
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import numpy as np
+
 from nnx_zoo.hf import DENSE, Dense, KeyTable, Row, Stack
 from nnx_zoo.models.decoder_config import DecoderConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """A vector ``[prod(ours)]`` on disk <-> our array of any shape (a q/k/v bias ``[heads, head_dim]``)."""
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(ours),)
+
+    def to_ours(self, a: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+        return a.reshape(ours)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1)
+
+
+FLAT = Flat()
 
 TOP_TABLE = (
     Row("model.embed_tokens.weight", "embed.embedding"),
@@ -22,9 +44,9 @@ LAYER_TABLE = (
     Row("self_attn.k_proj.weight", "attn.k_proj.kernel", DENSE),
     Row("self_attn.v_proj.weight", "attn.v_proj.kernel", DENSE),
     Row("self_attn.o_proj.weight", "attn.o_proj.kernel", Dense(n_in=2)),  # [embed, heads * head_dim]
-    Row("self_attn.q_proj.bias", "attn.q_proj.bias"),
-    Row("self_attn.k_proj.bias", "attn.k_proj.bias"),
-    Row("self_attn.v_proj.bias", "attn.v_proj.bias"),
+    Row("self_attn.q_proj.bias", "attn.q_proj.bias", FLAT),  # [heads * head_dim] <-> [heads, kv]
+    Row("self_attn.k_proj.bias", "attn.k_proj.bias", FLAT),
+    Row("self_attn.v_proj.bias", "attn.v_proj.bias", FLAT),
     Row("self_attn.o_proj.bias", "attn.o_proj.bias"),
     Row("mlp.gate_proj.weight", "mlp.gate.kernel", DENSE),
     Row("mlp.up_proj.weight", "mlp.up.kernel", DENSE),
