@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,23 @@ class Checkpointer:
         )
         self._pending = step
         with self._write_errors():
+            self.manager.wait_until_finished()  # an earlier save's failure is reported before this one starts
+            self._check_free_space(module)
             self.manager.save(step, args=args, force=True)
+
+    def _check_free_space(self, module: nnx.Module) -> None:
+        """Refuse a save that cannot fit, before any byte is written: a write that runs out of space midway
+        fails inside orbax's writer threads, which print pages of tracebacks before the error reaches us."""
+        needed = sum(
+            shard.data.nbytes
+            for x in jax.tree.leaves(nnx.state(module)) if isinstance(x, jax.Array)
+            for shard in x.addressable_shards if shard.replica_id == 0
+        )
+        needed = int(needed * 1.05) + 2**20  # OCDBT's index and the metadata files
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise CheckpointWriteError(self.write_error_message(
+                f"it needs about {needed / 2**20:.1f} MiB and the device has {free / 2**20:.1f} MiB free"))
 
     @contextlib.contextmanager
     def _write_errors(self) -> Iterator[None]:
@@ -106,22 +123,23 @@ class Checkpointer:
     def write_error(self, err: BaseException) -> CheckpointWriteError:
         """The one-line error for a failed save: what failed, why, and which checkpoint is still there."""
         cause = _os_error(err)
-        if cause is not None and cause.errno == errno.ENOSPC:
-            why = "no space left on the device"
+        if (cause is not None and cause.errno == errno.ENOSPC) or "No space left on device" in str(err):
+            why = "no space left on the device"  # tensorstore reports it inside a ValueError's text
         elif cause is not None:
             why = cause.strerror or _short(cause)
         else:
             why = _short(err)
+        return CheckpointWriteError(self.write_error_message(why))
+
+    def write_error_message(self, why: str) -> str:
         try:
             previous = [s for s in self.all_steps() if s != self._pending]
         except Exception:  # the directory itself may be unreadable now
             previous = []
         kept = (f"the previous checkpoint (step {max(previous)}) is intact" if previous
                 else "no earlier checkpoint exists")
-        return CheckpointWriteError(
-            f"could not write checkpoint step {self._pending} to {self.directory}: {why}; {kept}. Free space or "
-            "fix the directory (or use another run directory), then rerun to resume."
-        )
+        return (f"could not write checkpoint step {self._pending} to {self.directory}: {why}; {kept}. Free space or "
+                "fix the directory (or use another run directory), then rerun to resume.")
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The ``meta`` item of ``step`` alone (read before building the state, e.g. to check the run's settings)."""

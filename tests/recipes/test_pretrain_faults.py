@@ -1,0 +1,290 @@
+"""Faults and mistakes, end to end through the pretraining recipe: divergence, changed settings on resume,
+signals, a crash after logging, a full disk. Each checks that nothing good is lost and the message says what to do.
+
+In-process runs call ``recipe.main``; runs that need signals, kills or their own stderr are subprocesses.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "deepseek_pretrain.py"
+spec = importlib.util.spec_from_file_location("deepseek_pretrain_faults", RECIPE)
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+
+TINY = [
+    "--model", "deepseek3-tiny", "--model.num_hidden_layers", "2", "--model.first_k_dense_replace", "1",
+    "--model.vocab_size", "512", "--model.num_nextn_predict_layers", "0",
+    "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
+]
+EXIT_DIVERGED, EXIT_STOPPED = 3, 75
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def state_is_finite(run_dir: Path, step: int) -> bool:
+    arrays = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "state")
+    leaves = [np.asarray(x) for x in __import__("jax").tree.leaves(arrays)]
+    return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.floating))
+
+
+def main(capsys, *args: str) -> tuple[int, str, str]:
+    code = recipe.main([*TINY, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------------------------------------ divergence
+def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_last_finite_one(tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    # The very first update overflows (lr 1e39 is inf in float32): nothing to save, and the message says so.
+    first = tmp_path / "first"
+    code, _, err = main(capsys, "--steps", "3", "--lr", "1e39", "--warmup-steps", "0", "--run-dir", str(first))
+    assert code == EXIT_DIVERGED
+    assert "step 1: the updated parameters or optimizer state is not finite" in err
+    assert "Nothing was saved" in err and "None" not in err
+    assert not checkpoint_steps(first) and not rows(first)
+
+    # Two sane steps, then the same run goes on with an overflowing learning rate: step 3 is not applied.
+    assert main(capsys, "--steps", "2", "--run-dir", run_dir)[0] == 0
+    code, _, err = main(capsys, "--steps", "6", "--override-settings", "--lr", "1e39", "--schedule", "constant",
+                        "--warmup-steps", "0", "--run-dir", run_dir)
+    assert code == EXIT_DIVERGED, err
+    assert "step 3: the updated parameters or optimizer state is not finite" in err
+    assert "checkpoint step 2 in" in err and "--override-settings" in err
+    assert checkpoint_steps(tmp_path / "run") == [2] and state_is_finite(tmp_path / "run", 2)
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
+
+    # Resuming from it with the run's own learning rate works.
+    code, out, err = main(capsys, "--steps", "4", "--extend", "--run-dir", run_dir)
+    assert code == 0, err
+    assert "steps 2 -> 4 (resumed)" in out
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) for r in rows(tmp_path / "run"))
+
+
+def test_a_learning_rate_that_blows_up_mid_run_stops_at_the_last_finite_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = main(capsys, "--steps", "15", "--lr", "3000", "--checkpoint-every", "1", "--run-dir", str(run_dir))
+    assert code == EXIT_DIVERGED, err
+    steps = checkpoint_steps(run_dir)
+    bad = steps[-1] + 1
+    assert f"step {bad}: the " in err and f"checkpoint step {steps[-1]} in" in err
+    assert all(state_is_finite(run_dir, s) for s in steps)  # keep-last-3: every one left is finite
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, bad))  # the step that was not applied is not logged
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in logged)
+
+
+# --------------------------------------------------------------------------------------- changed settings
+def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_path, capsys):
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    assert main(capsys, "--steps", "2", *run_dir)[0] == 0
+
+    code, _, err = main(capsys, "--steps", "2", "--seed", "1", *run_dir)
+    assert code == 2 and "seed: 0 -> 1" in err and "data.seed: 0 -> 1" in err and "--override-settings" in err
+
+    code, _, err = main(capsys, "--steps", "8", *run_dir)
+    assert code == 2 and "planned for 2 steps" in err and "--extend" in err and "would jump from" in err
+
+    code, _, err = main(capsys, "--steps", "2", "--model.num_hidden_layers", "3", *run_dir)
+    assert code == 2 and "model.num_hidden_layers: 2 -> 3" in err and "new run directory" in err
+    assert len(err) < 1500 and "Traceback" not in err
+
+    code, _, err = main(capsys, "--steps", "2", "--optimizer", "muon", "--lr", "1e-2", *run_dir)
+    assert code == 2 and "optimizer: 'adamw' -> 'muon'" in err and "optimizer.lr: 0.003 -> 0.01" in err
+    assert len(err) < 1500 and "Traceback" not in err
+
+    code, out, _ = main(capsys, "--steps", "2", *run_dir)  # a finished run says how to train further
+    assert code == 0 and "already finished" in out and "--extend" in out
+
+    # --extend keeps the schedule: the added steps run at its final learning rate (the floor, lr * min_lr_ratio).
+    # How the model computes (here the MoE path) may change on resume.
+    code, out, err = main(capsys, "--steps", "4", "--extend", "--moe-impl", "dense", *run_dir)
+    assert code == 0, err
+    assert "steps 2 -> 4 (resumed)" in out
+    lrs = [r["lr"] for r in rows(tmp_path / "run")]
+    assert lrs[0] == 0.0 and lrs[2:] == pytest.approx([3e-3 * 0.1] * 2)
+
+
+# ------------------------------------------------------------------------------------- subprocess helpers
+def launch(run_dir: Path, *args: str, devices: int = 1, **env_vars: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_ZOO_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(ROOT), **env_vars)
+    return subprocess.Popen([sys.executable, str(RECIPE), *TINY, "--run-dir", str(run_dir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_rows(proc: subprocess.Popen, run_dir: Path, count: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while len(rows(run_dir)) < count:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "the run did not log in time"
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- signals
+def read_until(proc: subprocess.Popen, text: str) -> None:
+    for line in proc.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"the run ended (exit {proc.wait()}) before printing {text!r}")
+
+
+def test_sigterm_saves_and_exits_75_and_a_second_signal_exits_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    # The real 129k vocabulary: ~200 MB of state, so that a save lasts long enough to be interrupted.
+    args = ("--steps", "500", "--model.vocab_size", "129280")
+    proc = launch(run_dir, *args)
+    wait_for_rows(proc, run_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
+    assert "checkpoint saved; rerun to resume" in out
+    last = rows(run_dir)[-1]["step"]
+    assert checkpoint_steps(run_dir) == [last]
+
+    # A second signal while it stops: exit now (128 + 15), no traceback; the last complete checkpoint is kept.
+    proc = launch(run_dir, *args)
+    wait_for_rows(proc, run_dir, last + 2)
+    proc.send_signal(signal.SIGTERM)
+    read_until(proc, "SIGTERM: stopping after this step")  # the first one was handled
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "second SIGTERM: exiting now" in err and "Traceback" not in err
+    kept = checkpoint_steps(run_dir)[-1]
+    assert kept >= last
+
+    proc = launch(run_dir, *args)  # and it resumes from the last complete checkpoint
+    wait_for_rows(proc, run_dir, len(rows(run_dir)) + 1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED
+    assert f"steps {kept} -> " in out
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ("--steps", "500", "--mesh", "fsdp=2", "--sync-checkpoints")
+    coordinator = f"127.0.0.1:{free_port()}"
+
+    def start() -> list[subprocess.Popen]:
+        return [launch(run_dir, *args, NNX_ZOO_NUM_PROCESSES="2", NNX_ZOO_PROCESS_ID=str(i),
+                       NNX_ZOO_COORDINATOR=coordinator) for i in range(2)]
+
+    procs = start()
+    wait_for_rows(procs[0], run_dir, 2)
+    procs[1].send_signal(signal.SIGTERM)  # process 1 only
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED], [e[-2000:] for _, e in results]
+    last = rows(run_dir)[-1]["step"]
+    assert checkpoint_steps(run_dir) == [last]
+    procs = start()  # both resume from it
+    wait_for_rows(procs[0], run_dir, last + 1)
+    procs[0].send_signal(signal.SIGTERM)
+    for p in procs:
+        p.communicate(timeout=300)
+    assert [p.returncode for p in procs] == [EXIT_STOPPED, EXIT_STOPPED]
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, rows(run_dir)[-1]["step"] + 1))
+
+
+# -------------------------------------------------------------------------------- crash after logging
+def test_metrics_hold_one_row_per_step_after_a_crash_and_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "500", "--checkpoint-every", "2", "--sync-checkpoints")
+    wait_for_rows(proc, run_dir, 5)
+    proc.kill()  # SIGKILL: no chance to save; rows after the last checkpoint are trained again on resume
+    proc.communicate()
+    before = rows(run_dir)
+    resumed_from = checkpoint_steps(run_dir)[-1]
+    assert before[-1]["step"] > resumed_from
+    proc = launch(run_dir, "--steps", "500", "--checkpoint-every", "2", "--sync-checkpoints")
+    wait_for_rows(proc, run_dir, len(before) + 2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=300)
+    after = rows(run_dir)
+    assert [r["step"] for r in after] == list(range(1, after[-1]["step"] + 1))
+    assert after[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are the first run's
+
+
+# ------------------------------------------------------------------------------------------- disk full
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs (the tests run as root, as CI does); unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, f"this test mounts a small tmpfs to fill it and needs root: {done.stderr}"
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_clear_line_and_keeps_the_previous_checkpoint(small_disk):
+    run_dir = small_disk / "run"
+    proc = launch(run_dir, "--steps", "2")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    size = sum(f.stat().st_size for f in (run_dir / "checkpoints" / "2").rglob("*") if f.is_file())
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * max(free - size // 3, 0))  # room for a third of a checkpoint
+
+    proc = launch(run_dir, "--steps", "4", "--extend")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    message = err.strip().splitlines()[-1]
+    assert "could not write checkpoint step 4" in message and "MiB free" in message  # checked before writing
+    assert "the previous checkpoint (step 2) is intact" in message
+    assert checkpoint_steps(run_dir) == [2] and state_is_finite(run_dir, 2)
+
+    filler.unlink()  # with space again, the run resumes from step 2
+    proc = launch(run_dir, "--steps", "4", "--extend")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "steps 2 -> 4 (resumed)" in out
+
+
+def test_a_full_disk_reported_by_the_writer_is_named_as_such(tmp_path):
+    """When the disk fills during a write (after the free-space check), tensorstore reports ENOSPC inside a
+    ValueError's text; the error still says what happened and which checkpoint is kept."""
+    from nnx_zoo.train.checkpoint import Checkpointer
+
+    checkpoints = Checkpointer(tmp_path / "checkpoints")
+    checkpoints._pending = 4
+    err = checkpoints.write_error(ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "w/0.0": Failed to write 4526080 bytes to file 4: No space left on '
+        "device [os_error_code='28']"))
+    assert str(err).startswith(f"could not write checkpoint step 4 to {checkpoints.directory}: no space left on the "
+                               "device; no earlier checkpoint exists")
+    checkpoints.close()
