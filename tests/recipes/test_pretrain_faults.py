@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -43,7 +44,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def state_is_finite(run_dir: Path, step: int) -> bool:
     arrays = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / str(step) / "state")
-    leaves = [np.asarray(x) for x in __import__("jax").tree.leaves(arrays)]
+    leaves = [np.asarray(x) for x in jax.tree.leaves(arrays)]
     return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.floating))
 
 
