@@ -379,6 +379,11 @@ class DeepSeekV3(nnx.Module):
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         depth = self.config.num_nextn_predict_layers
         seq_len = input_ids.shape[1]
+        # Shifting slices the sequence dim, which cannot stay split over devices (context parallelism under an
+        # Explicit mesh): the shifts are taken from copies whole along it; the embeddings are laid out again.
+        whole_sequence = ("activation_batch", None)
+        input_ids = shard(input_ids, whole_sequence)
+        attention_mask = None if attention_mask is None else shard(attention_mask, whole_sequence)
         shifted_ids, shifted_masks, cos_sin = [], [], []
         for k in range(1, depth + 1):
             shifted_ids.append(jnp.pad(input_ids[:, k:], ((0, 0), (0, min(k, seq_len)))))
