@@ -6,12 +6,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# In the rows whose mean square overflows, the squares sum past 2**128 and none exceeds 2**256. Scaled by 2**-96,
+# their mean square lies in [2**-64 / n, 2**64]: its sum cannot overflow, and rsqrt's derivative (mean square to
+# the power -1.5) stays a normal float32 for any realistic n instead of flushing to 0.
+_RESCALE = 2.0**-96
+
 
 class RMSNorm(nnx.Module):
     """``scale * x / sqrt(mean(x**2) + eps)``; the statistics are float32 whatever the input dtype.
 
     The normalized value is cast back to the input dtype before the scale multiplies it (as Hugging Face does),
-    and the result is returned in ``dtype``.
+    and the result is returned in ``dtype``. Rows whose mean square overflows float32 (|x| beyond ~1.8e19) are
+    rescaled by an exact power of two first, so they still norm to a finite, unit-RMS value with finite gradients.
 
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
@@ -34,5 +40,14 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # Where |x| is past ~1.8e19 (the root of float32's max), x * x overflows: the mean square is inf and
+        # rsqrt(inf) = 0 makes the output, and every gradient through it, silently 0, until the backward's
+        # sum(grad * x) overflows too and 0 * inf gives NaN. The norm itself is finite and scale-invariant, so such
+        # rows are normed from x * 2**-96 (exact; eps * 2**-192 is 0 next to their mean square). The factor is a
+        # constant to differentiation (the result does not depend on it), and 1 in every other row, which are
+        # computed bit for bit as before (and as Hugging Face does).
+        overflow = jnp.isinf(jnp.mean(xf * xf, axis=-1, keepdims=True))
+        factor = jnp.where(overflow, _RESCALE, 1.0)
+        xf = xf * factor
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
         return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,3 +44,30 @@ def test_rms_norm_matches_transformers(norm_cls):
     with torch.no_grad():
         want = ref(torch.as_tensor(x)).numpy()
     assert rel_err(ours(jnp.asarray(x)), want) < 1e-6
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rms_norm_of_rows_whose_square_overflows_is_finite_with_finite_gradient(jit):
+    """A diverged run's final norm saw a residual stream of |x| ~ 4e26: x * x overflows float32, so the mean square
+    was inf, rsqrt(inf) = 0 zeroed the output, and the backward's sum(grad * x) (cotangents ~1e12) overflowed too:
+    0 * inf = NaN gradients although the norm, which is scale-invariant, is finite. Such rows must norm like
+    their rescaled selves, and their gradient must be the rescaled one."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 64)).astype(np.float32)
+    row_scale = np.array([[1.0], [4e26], [1e37]], np.float32)  # row 0 as usual; rows 1 and 2: x * x overflows
+    big = x * row_scale
+    assert np.isinf(np.mean(big.astype(np.float32) ** 2, axis=-1))[1:].all()
+    norm = RMSNorm(64)
+    norm.scale[...] = jnp.asarray(rng.normal(size=64).astype(np.float32))
+    cotangent = jnp.asarray((1e12 * rng.normal(size=(3, 64))).astype(np.float32))
+
+    def loss(v):
+        return jnp.sum(norm(v) * cotangent)
+
+    forward = jax.jit(norm) if jit else norm
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    np.testing.assert_allclose(forward(jnp.asarray(big)), forward(jnp.asarray(x)), rtol=2e-6, atol=1e-6)
+    g_big = np.asarray(grad(jnp.asarray(big)))
+    assert np.isfinite(g_big).all()
+    # f(s x) = f(x) row-wise, so the gradient at s x is the gradient at x divided by s
+    assert rel_err(g_big * row_scale, grad(jnp.asarray(x))) < 1e-5
