@@ -389,6 +389,7 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
     shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
 
     def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
+        before = jax.tree.map(lambda x: x, values)  # new Variables: merge shares `values`' own, updated in place
         live = nnx.merge(graphdef, values)
         metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
         updated = nnx.state(live)
@@ -396,7 +397,7 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
         # finite one, so it can still be checkpointed (a finite loss can come with an overflowing update).
         finite = _all_finite((metrics["loss"], metrics["grad_norm"], updated))
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old) if _selectable(new) else new,
-                            updated, values)
+                            updated, before)
         return kept, {**metrics, "finite": finite}
 
     compiled = jax.jit(step, out_shardings=(shardings, None))
