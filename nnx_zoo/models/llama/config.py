@@ -31,10 +31,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3.1-8b": {},
     "llama3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
     "llama3.1-405b": dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128),
-    # ~4.6M parameters (4.1M of them the tied embedding): the test and quick-recipe size.
+    # ~4.9M parameters (4.1M of them the tied embedding): the test and quick-recipe size.
     "llama3-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, **_SMALL),
-    # ~21M parameters: a 6-layer GQA model with its own output head.
+    # ~21M parameters (16M of them embedding and head): a 6-layer GQA model with its own output head.
     "llama3-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=32, **_SMALL),
 }

@@ -27,10 +27,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": {},
     "qwen3-14b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40),
     "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64),
-    # ~4.7M parameters (4.1M of them the tied embedding); head_dim * heads = 2 x hidden_size, as in Qwen3-0.6B.
+    # ~5.1M parameters (4.1M of them the tied embedding); head_dim * heads = 2 x hidden_size, as in Qwen3-0.6B.
     "qwen3-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, **_SMALL),
-    # ~22M parameters: a 6-layer GQA model with its own output head.
+    # ~22M parameters (16M of them embedding and head): a 6-layer GQA model with its own output head.
     "qwen3-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=64, **_SMALL),
 }

@@ -1,0 +1,162 @@
+"""The family registry and the dense families' bad input: ``AutoModelForCausalLM`` picks the class from
+``config.json``'s ``model_type`` (DeepSeek-V3/V2, Llama, Qwen3), ``AutoConfig.preset`` reaches every family's
+presets, and each misuse is a clear error: an unsupported ``model_type`` (the supported ones listed), one family's
+loader on another's checkpoint (the right class named), key/value heads that do not divide the heads, an untied
+checkpoint without ``lm_head.weight`` (a tied one loads, with or without a stored head), malformed inputs."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from nnx_zoo import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DeepSeekV3,
+    DeepSeekV3Config,
+    Llama3,
+    Llama3Config,
+    Qwen3,
+    Qwen3Config,
+)
+from nnx_zoo.hf import CheckpointFormatError, CheckpointMismatchError
+from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling
+from nnx_zoo.models.registry import MODEL_TYPES, preset_names
+from tests.models.dense_reference import hf_logits, left_padded_batch, make_hf, rel_err, save_hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (directory, HF model): untied Llama, tied Qwen3."""
+    llama = make_hf("llama", seed=0)
+    qwen3 = make_hf("qwen3", seed=1, tie_word_embeddings=True)
+    return {"llama": (save_hf(llama, tmp_path_factory.mktemp("llama")), llama),
+            "qwen3": (save_hf(qwen3, tmp_path_factory.mktemp("qwen3")), qwen3)}
+
+
+def test_auto_picks_the_family(checkpoints, tmp_path):
+    for family, cls in (("llama", Llama3), ("qwen3", Qwen3)):
+        directory, _ = checkpoints[family]
+        assert type(AutoModelForCausalLM.from_pretrained(directory)) is cls
+        assert type(AutoConfig.from_hf(directory)) is cls.config_class
+    from tests.models.deepseek.hf_reference import make_hf_model
+    from tests.models.deepseek.hf_reference import save_hf as save_deepseek
+
+    directory = save_deepseek(make_hf_model(seed=0), tmp_path / "deepseek")
+    assert type(AutoModelForCausalLM.from_pretrained(directory, moe_impl="dense")) is DeepSeekV3
+    assert MODEL_TYPES["deepseek_v2"][1] is DeepSeekV3
+
+
+def test_unsupported_model_type_lists_the_supported_ones(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama"]
+    config = json.loads((directory / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(CheckpointFormatError) as info:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    message = str(info.value)
+    assert "'mistral' is not supported" in message and str(tmp_path / "config.json") in message
+    assert all(repr(t) in message for t in ("deepseek_v3", "deepseek_v2", "llama", "qwen3"))
+    with pytest.raises(ValueError, match="'mistral' is not supported"):
+        AutoConfig.from_hf({**config, "model_type": "mistral"})
+
+
+def test_one_family_on_another_families_checkpoint(checkpoints):
+    with pytest.raises(CheckpointFormatError) as info:
+        Qwen3.from_pretrained(checkpoints["llama"][0])
+    assert "model_type 'llama' is not 'qwen3'" in str(info.value) and "Llama3.from_pretrained" in str(info.value)
+    with pytest.raises(CheckpointFormatError, match="model_type 'qwen3' is not 'llama'.*Qwen3.from_pretrained"):
+        Llama3.from_pretrained(checkpoints["qwen3"][0])
+    with pytest.raises(TypeError, match="Llama3 needs a Llama3Config, got Qwen3Config"):
+        Llama3.create(Qwen3Config.preset("qwen3-tiny"))
+
+
+def test_presets_of_every_family():
+    names = preset_names()
+    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3"}
+    for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("Llama3", Llama3Config), ("Qwen3", Qwen3Config)):
+        for name in names[family]:
+            assert type(AutoConfig.preset(name)) is cls, name
+    assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
+    with pytest.raises(ValueError, match="unknown preset 'llama-7b'.*Llama3: .*llama3.1-8b"):
+        AutoConfig.preset("llama-7b")
+    config = AutoConfig.preset("qwen3-tiny", num_hidden_layers=1, vocab_size=64)
+    model = nnx.eval_shape(lambda: AutoModelForCausalLM.create(config))  # shapes only: cheap
+    assert type(model) is Qwen3 and nnx.eval_shape(lambda m: m(jnp.zeros((1, 4), jnp.int32)), model).shape == (
+        1, 4, 64)
+    assert AutoModelForCausalLM.model_class("llama") is Llama3
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_key_value_heads=3 must divide num_attention_heads=4"):
+        Llama3Config.preset("llama3-tiny", num_key_value_heads=3)
+    with pytest.raises(ValueError) as info:  # every problem in one error
+        Qwen3Config.preset("qwen3-tiny", head_dim=7, hidden_size=0, remat_policy="some")
+    assert all(s in str(info.value) for s in ("head_dim must be even", "hidden_size must be a positive", "remat"))
+    with pytest.raises(ValueError, match="not a dtype"):
+        Llama3Config(dtype="float99")
+    assert Llama3Config.preset("llama3-tiny", head_dim=None).head_dim == 128 // 4
+
+
+def test_hf_config_round_trip_and_rope_forms():
+    for name in ("llama3.2-1b", "llama3-small", "qwen3-0.6b", "qwen3-tiny"):
+        config = AutoConfig.preset(name)
+        assert type(config).from_hf(config.to_hf_dict()) == config
+    legacy = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    modern = {"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    assert (Llama3Config.from_hf(legacy).rope_theta, Llama3Config.from_hf(legacy).rope_scaling) == (
+        5e5, Llama3Scaling(8.0, 1.0, 4.0, 8192))
+    assert (Llama3Config.from_hf(modern).rope_theta, Llama3Config.from_hf(modern).rope_scaling) == (
+        1e6, LinearScaling(2.0))
+    with pytest.raises(TypeError, match="unknown Qwen3Config fields"):
+        Qwen3Config.from_hf({"model_type": "qwen3"}, hidden_sise=8)
+
+
+def test_cost_formulas():
+    config = AutoConfig.preset("llama3.1-8b")
+    counts = config.num_parameters()
+    assert counts.active == counts.total and counts.embedding == 128256 * 4096
+    attention = 3 * 2048 * 32 * 2 * 128 * 32  # per token: causal scores + mixing, forward and backward
+    assert config.train_flops_per_token(2048) == 6 * (counts.total - counts.embedding) + attention
+
+
+def test_untied_checkpoint_needs_lm_head_and_tied_one_may_store_it(checkpoints, tmp_path):
+    directory, _ = checkpoints["llama"]  # untied
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["lm_head.weight"]
+    (tmp_path / "untied").mkdir()
+    save_file(tensors, str(tmp_path / "untied" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "untied" / "config.json").write_text((directory / "config.json").read_text())
+    with pytest.raises(CheckpointMismatchError) as info:
+        Llama3.from_pretrained(tmp_path / "untied")
+    assert info.value.missing == ["lm_head.weight"] and not info.value.unexpected
+
+    directory, hf = checkpoints["qwen3"]  # tied: no head stored by transformers; a stored copy is skipped
+    tensors = load_file(directory / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    (tmp_path / "tied").mkdir()
+    save_file({**tensors, "lm_head.weight": np.zeros_like(tensors["model.embed_tokens.weight"])},
+              str(tmp_path / "tied" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "tied" / "config.json").write_text((directory / "config.json").read_text())
+    ids, mask = left_padded_batch(hf.config.vocab_size)
+    for source in (directory, tmp_path / "tied"):
+        model = Qwen3.from_pretrained(source)
+        assert model.lm_head is None
+        assert rel_err(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), hf_logits(hf, ids, mask), mask) < 1e-5
+
+
+def test_bad_inputs(checkpoints):
+    model = Llama3.from_pretrained(checkpoints["llama"][0])
+    with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+        model(jnp.zeros((2, 4), jnp.float32))
+    with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+        model(jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match=r"attention_mask \(2, 3\) must have input_ids' shape \(2, 4\)"):
+        model(jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="does not fit a cache of 3 slots"):
+        model.prefill(jnp.zeros((1, 4), jnp.int32), None, model.init_cache(1, 3))
