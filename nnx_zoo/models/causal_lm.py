@@ -51,8 +51,8 @@ class DecoderLayer(nnx.Module):
 
     >>> layer = DecoderLayer(Llama3Config.preset("llama3-tiny"), rngs=nnx.Rngs(0))
     >>> cos, sin = rope_cos_sin(jnp.arange(8)[None], rope_frequencies(layer.attn.head_dim, 5e5)[0])
-    >>> layer(jnp.ones((2, 8, 64)), cos, sin, causal_mask(8)).shape
-    (2, 8, 64)
+    >>> layer(jnp.ones((2, 8, 128)), cos, sin, causal_mask(8)).shape
+    (2, 8, 128)
     """
 
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
