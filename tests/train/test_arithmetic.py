@@ -229,7 +229,8 @@ class ToyWithExtras(nnx.Module):
         logits = self.lm(input_ids)
         per_sequence = AUX_WEIGHT * jnp.mean(logits**2, axis=(1, 2))
         real = jnp.any(attention_mask != 0, axis=-1).astype(jnp.float32)
-        return _Out(logits, (jnp.tanh(logits) @ self.mix[...])[None], jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0))
+        aux = jnp.sum(per_sequence * real) / jnp.maximum(jnp.sum(real), 1.0)
+        return _Out(logits, (jnp.tanh(logits) @ self.mix[...])[None], aux)
 
 
 def reference_terms(params, batch):
