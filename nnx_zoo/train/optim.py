@@ -20,10 +20,10 @@ from nnx_zoo.sharding import logical_names, shard_mode_of
 NO_DECAY_NAMES = frozenset({"norm", "bias"})
 # Muon: leading stack axes and the expert index are batch dims (one matrix per layer and per expert); weights
 # with a vocabulary dim (embedding, output head), norm scales and biases stay on AdamW, as in Muon practice.
-MUON_BATCH_NAMES = frozenset({"dense_layers", "moe_layers", "mtp_layers", "exp"})
+MUON_BATCH_NAMES = frozenset({"layers", "dense_layers", "moe_layers", "mtp_layers", "exp"})
 MUON_ADAMW_NAMES = frozenset({"vocab", "norm", "bias"})
 # Dims that belong to the one before them in a kernel's matrix view: a head's features ride with its head.
-MUON_JOINED_NAMES = {"kv": "heads"}
+MUON_JOINED_NAMES = {"kv": ("heads", "kv_heads")}
 # Moonlight's consistent-RMS scale (Liu et al. 2025): Muon updates get AdamW's typical RMS, so one learning rate
 # and one weight decay serve both halves of the optimizer.
 MUON_CONSISTENT_RMS = 0.2
@@ -111,7 +111,7 @@ def muon_dimension_numbers(
     """How Muon sees a weight with these logical names as a batch of matrices, or None for AdamW.
 
     Batch dims: the layer-stack axes and ``exp``. The other dims of a kernel are laid out ``[inputs...,
-    outputs...]``; ``kv`` joins the ``heads`` dim before it, so ``[embed, heads, kv]`` is the matrix
+    outputs...]``; ``kv`` joins the ``heads`` (or ``kv_heads``) dim before it, so ``[embed, heads, kv]`` is the matrix
     ``embed x (heads*kv)`` and ``[heads, kv, embed]`` is ``(heads*kv) x embed``. Weights with a ``vocab``, ``norm``
     or ``bias`` dim, no names, or fewer than two matrix dims return None (AdamW). The MoE router ``[embed,
     exp_router]`` is a hidden matrix like the others and takes Muon.
@@ -124,7 +124,7 @@ def muon_dimension_numbers(
     for axis, name in enumerate(names):
         if name in MUON_BATCH_NAMES:
             continue
-        joins = groups and names[groups[-1][-1]] == MUON_JOINED_NAMES.get(name) and groups[-1][-1] == axis - 1
+        joins = groups and names[groups[-1][-1]] in MUON_JOINED_NAMES.get(name, ()) and groups[-1][-1] == axis - 1
         if joins:
             groups[-1].append(axis)
         else:

@@ -30,7 +30,7 @@ def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
         assert key in records[0], key
     assert records[0]["mtp1"] > 0  # the multi-token-prediction head is trained
     assert records[0]["expert_max_over_mean"] >= 1.0  # expert loads are measured (and balance the router bias)
-    assert recipe.main([*SMALL, "--steps", "3", "--run-dir", str(run_dir), "--mesh", "fsdp=8"]) == 0
+    assert recipe.main([*SMALL, "--steps", "3", "--extend", "--run-dir", str(run_dir), "--mesh", "fsdp=8"]) == 0
     out = capsys.readouterr().out
     assert "steps 2 -> 3 (resumed)" in out
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

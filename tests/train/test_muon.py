@@ -64,6 +64,24 @@ def test_dimension_numbers_of_every_deepseek_parameter():
     assert seen == set(EXPECTED)
 
 
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny"])
+def test_dimension_numbers_of_the_dense_families(preset):
+    """Grouped-query K/V kernels ``[layers, embed, kv_heads, kv]`` are one ``embed x (kv_heads*kv)`` matrix per
+    layer, like the query's; norms, embedding and head stay on AdamW."""
+    from nnx_zoo import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.preset(preset)
+    model = nnx.eval_shape(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)))
+    dims = {path: muon_dimension_numbers(logical_names(var), var.shape, path)
+            for path, var in iter_variables(nnx.state(model, nnx.Param))}
+    by_kind = {path.split(".", 1)[1]: d for path, d in dims.items() if path.startswith("layers.")}
+    assert by_kind["attn.q_proj.kernel"] == by_kind["attn.k_proj.kernel"] == Dims((1,), (2, 3))
+    assert by_kind["attn.o_proj.kernel"] == Dims((1, 2), (3,))
+    assert by_kind["mlp.up.kernel"] == Dims((1,), (2,))
+    assert {path for path, d in dims.items() if d is None} == {
+        path for path in dims if "norm" in path or path.startswith(("embed", "lm_head"))}
+
+
 def test_unreadable_layout_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot tell the input dims from the output dims"):
         muon_dimension_numbers(("embed", "heads", "mlp"), (4, 2, 8), "odd.kernel")
