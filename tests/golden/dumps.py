@@ -1,9 +1,11 @@
-"""Golden sharding dumps: for a small DeepSeek preset under each named rule set on 8 devices, the parameter table
-(path, logical names, PartitionSpec) and the shardings of the main activations.
+"""Golden sharding dumps: for a small preset of each family under each named rule set on 8 devices, the parameter
+table (path, logical names, PartitionSpec) and the shardings of the main activations. One file per (preset, rule
+set): ``sharding_<preset>_<rules>.txt``.
 
-Regenerate after an intended change (then review the diff like code):
+Regenerate after an intended change (then review the diff like code), all of them or only some presets:
 
     python tests/golden/dumps.py
+    python tests/golden/dumps.py llama3-small qwen3-tiny
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
@@ -24,7 +27,14 @@ MESHES: dict[str, dict[str, int]] = {
     "ep-as-dp": {"fsdp": 4, "expert": 2},
     "shard-exp-on-fsdp": {"fsdp": 4, "expert": 2},
 }
-PRESET = "deepseek3-mini"
+# Preset (any family's, by name) -> keyword arguments of the model call whose activations are recorded: the
+# DeepSeek preset also runs its multi-token-prediction heads, so their activations are in its dump. One dense
+# preset has its own output head (llama3-small: lm_head.kernel) and one ties it to the embedding (qwen3-tiny).
+PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek3-mini": {"with_mtp": True},
+    "llama3-small": {},
+    "qwen3-tiny": {},
+}
 BATCH, SEQ = 8, 16
 
 
@@ -33,34 +43,36 @@ def _spec(spec) -> str:
     return "P(" + ", ".join(parts) + ")"
 
 
-def dump(rules: str) -> str:
-    """The golden text for one rule set."""
+def dump(preset: str, rules: str) -> str:
+    """The golden text for one preset under one rule set."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from nnx_zoo import DeepSeekV3, DeepSeekV3Config
-    from nnx_zoo.sharding import make_abstract_mesh, make_mesh, record_shardings, sharding_report
+    from nnx_zoo import AutoConfig, AutoModelForCausalLM
+    from nnx_zoo.sharding import make_abstract_mesh, make_mesh, record_shardings, sharding_report, state_shardings
 
     sizes = MESHES[rules]
-    config = DeepSeekV3Config.preset(PRESET)
-    report = sharding_report(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules),
-                             make_abstract_mesh(sizes), rules)
-    lines = [f"# {PRESET} under rule set {rules!r} on mesh {sizes} (explicit)", "", "## parameters"]
+    config = AutoConfig.preset(preset)
+    model_class = AutoModelForCausalLM.model_class(config)
+
+    def make():
+        return model_class(config, rngs=nnx.Rngs(0), rules=rules)
+
+    report = sharding_report(make, make_abstract_mesh(sizes), rules)
+    lines = [f"# {preset} under rule set {rules!r} on mesh {sizes} (explicit)", "", "## parameters"]
     for row in report.rows:
         names = ",".join(str(n) for n in row.names) if row.names is not None else "(none)"
         lines.append(f"{row.path}  [{names}]  {_spec(row.spec)}")
 
     mesh = make_mesh(sizes, shard_mode="explicit")
-    model = nnx.eval_shape(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules))
-    graphdef, state = nnx.split(model)
-    from nnx_zoo.sharding import state_shardings
-
+    graphdef, state = nnx.split(nnx.eval_shape(make))
     shardings = iter(state_shardings(state, mesh, rules))
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=next(shardings)), state)
     ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=jax.NamedSharding(mesh, jax.P()))
+    call_kwargs = PRESETS[preset]
     with jax.set_mesh(mesh), record_shardings() as seen:
-        jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i, with_mtp=True), state, ids)
+        jax.eval_shape(lambda s, i: nnx.merge(graphdef, s).forward(i, **call_kwargs), state, ids)
     lines += ["", "## activations (logical names, shape -> spec; each distinct shard() call site once)"]
     done = set()
     for names, shape, spec in seen:
@@ -71,15 +83,20 @@ def dump(rules: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def path(rules: str) -> Path:
-    return HERE / f"sharding_{rules}.txt"
+def path(preset: str, rules: str) -> Path:
+    return HERE / f"sharding_{preset}_{rules}.txt"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    presets = sys.argv[1:] if argv is None else argv
+    unknown = sorted(set(presets) - set(PRESETS))
+    if unknown:
+        raise SystemExit(f"no golden dumps for {unknown}; known presets: {sorted(PRESETS)} (add one to PRESETS)")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    for rules in MESHES:
-        path(rules).write_text(dump(rules))
-        print(f"wrote {path(rules)}")
+    for preset in presets or PRESETS:
+        for rules in MESHES:
+            path(preset, rules).write_text(dump(preset, rules))
+            print(f"wrote {path(preset, rules)}")
 
 
 if __name__ == "__main__":
