@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from nnx_zoo.sharding import create_sharded, get_rules, logical_to_mesh_axes, make_mesh
 from nnx_zoo.train.checkpoint import Checkpointer
@@ -122,7 +122,8 @@ class _StopSignal:
     """
 
     def __init__(self, checkpoint_dir: Path) -> None:
-        self.received: int | None = None
+        self.received: int | None = None  # set by the handler, in this process
+        self.agreed_signal: int | None = None  # what every process acts on, set between steps only
         self.checkpoint_dir = checkpoint_dir
         self._previous: dict[int, Any] = {}
 
@@ -144,13 +145,17 @@ class _StopSignal:
                          "once)\n")
         sys.stderr.flush()
 
-    def agreed(self) -> int | None:
-        """The signal any process received (every process gets the same answer), or None."""
+    def agree(self) -> int | None:
+        """After a step: the signal any process received, the same answer in every process (or None).
+
+        The loop acts on this, never on ``received`` directly: a signal arriving between two agreements would
+        otherwise stop one process before a step that the others go on to run, and their collectives would hang.
+        """
+        received = self.received
         if jax.process_count() > 1:
-            flags = multihost_utils.process_allgather(np.int32(self.received or 0))
-            if self.received is None and int(np.max(flags)):
-                self.received = int(np.max(flags))
-        return self.received
+            received = int(np.max(multihost_utils.process_allgather(np.int32(received or 0)))) or None
+        self.agreed_signal = received
+        return received
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -192,8 +197,13 @@ def train(
     after_step: Callable[[TrainState, dict[str, Any]], None] | None = None,
     model_structure: Mapping[str, Any] | None = None,
     model_settings: Mapping[str, Any] | None = None,
+    init_model: Callable[[nnx.Module, Mesh], None] | None = None,
 ) -> dict[str, Any]:
     """Train (or resume) a model; returns a summary. Metrics go to ``<run_dir>/metrics.jsonl``.
+
+    ``init_model(model, mesh)``, when given, sets the starting weights of a new run in place (e.g. from a
+    pretrained checkpoint, read onto ``mesh``) after ``make_model``'s model was created sharded; a resumed run
+    takes its weights from its checkpoint instead.
 
     ``model_structure`` (e.g. the model config's architecture fields) and ``model_settings`` (fields that change
     the numbers but not the parameters, such as a loss weight) join the run's definition, which every checkpoint
@@ -215,6 +225,8 @@ def train(
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps))
 
     state = create_sharded(make_state, mesh, rules)
+    if init_model is not None and resume_step is None:
+        init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
     start_step = 0
     if resume_step is not None:
@@ -262,7 +274,7 @@ def train(
     window_start, window_tokens = time.perf_counter(), 0.0
     try:
         with _StopSignal(checkpoints.directory) as stop, jax.set_mesh(mesh):
-            while step < config.steps and stop.received is None:
+            while step < config.steps and stop.agreed_signal is None:
                 profiler.before(step + 1)
                 data_before = data.get_state()  # the position to resume from if this step must be undone
                 local = next(data)
@@ -309,10 +321,10 @@ def train(
                     window_start, window_tokens = time.perf_counter(), 0.0
                 if config.checkpoint_every and step % config.checkpoint_every == 0:
                     save(step, data.get_state())
-                stop.agreed()
-            if step > start_step and (stop.received is not None or step == config.steps):
+                stop.agree()
+            if step > start_step and (stop.agreed_signal is not None or step == config.steps):
                 save(step, data.get_state())
-            summary["stopped_by_signal"] = stop.received
+            summary["stopped_by_signal"] = stop.agreed_signal
             checkpoints.wait()  # inside the handler's scope: a second signal here exits at once
     finally:
         summary["end_step"] = step
