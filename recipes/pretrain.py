@@ -1,0 +1,508 @@
+"""Pretrain any nnx_zoo family: a preset by name, or continued pretraining from a Hugging Face checkpoint.
+
+With no arguments: the ``llama3-tiny`` preset, synthetic data, a short run on this machine's devices, a live
+progress line, metrics in ``runs/llama3-tiny/metrics.jsonl`` and a checkpoint at the end. Run it again with the
+same ``--run-dir`` and it resumes from the latest complete checkpoint.
+
+Examples (the mesh ones need 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 makes them):
+    python recipes/pretrain.py --model qwen3-tiny --steps 50
+    python recipes/pretrain.py --model llama3-small --mesh fsdp=4,tensor=2 --shard-mode explicit
+    python recipes/pretrain.py --from-pretrained /path/to/Llama-3.2-1B --lr 1e-4 --data corpus.jsonl
+    python recipes/pretrain.py --model llama3.1-405b --mesh fsdp=64,tensor=8 --plan
+
+Every field of the chosen family's config class can be set with ``--model.<field> VALUE`` (``none`` for None);
+``--model NAME --help`` lists that family's fields. Training extras a model has are used because it has them:
+multi-token-prediction heads (``num_nextn_predict_layers > 0``), aux-loss-free expert balancing (MoE layers and
+``--routing-bias-rate > 0``), a sequence-wise balance loss (``seq_aux_loss_alpha > 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+# Make `python recipes/pretrain.py` work from a clone without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+EXIT_CODES = """exit codes:
+  0    finished (or nothing left to do)
+  2    bad settings or files, or a checkpoint could not be written; the message says what and how to fix it
+  3    a step was not finite (loss, gradient norm or update): it was not applied; the last finite state is the
+       newest checkpoint
+  75   stopped early by SIGTERM/SIGINT, checkpoint saved: rerun the same command to resume
+  128+N  a second signal N arrived: exited at once; the last complete checkpoint is kept
+"""
+
+# Config fields that change how the model computes, not what: free to change when resuming a run.
+HOW_FIELDS = frozenset({"moe_impl", "batch_split_factor", "scan_layers", "remat_policy"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """Who runs the recipe: its program name, default preset, help text and which families it trains.
+
+    >>> Entry(prog="deepseek_pretrain.py", default_model="deepseek3-tiny", model_classes=("DeepSeekV3",))
+    """
+
+    prog: str = "pretrain.py"
+    default_model: str = "llama3-tiny"
+    description: str = __doc__
+    model_classes: tuple[str, ...] | None = None  # model class names (e.g. "DeepSeekV3"); None: every family
+
+
+GENERIC = Entry()
+
+
+# ------------------------------------------------------------------------------------------- the command line
+def parse_mesh(text: str) -> dict[str, int]:
+    """'fsdp=4,expert=2' -> {'fsdp': 4, 'expert': 2}; malformed entries and repeated axes are refused."""
+    from nnx_zoo.sharding.mesh import parse_mesh as parse
+
+    try:
+        return parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """'5:7' -> (5, 7); '5' -> (5, 5)."""
+    first, _, last = text.partition(":")
+    try:
+        steps = (int(first), int(last or first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers such as 5:7, got {text!r}") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
+def _field_parser(annotation: Any) -> Callable[[str], Any]:
+    """A string -> value parser for a config field's type annotation ('none' means None where allowed)."""
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+
+    def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        if base is bool:
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+            raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        if base in (int, float, str):
+            try:
+                return base(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
+        return json.loads(text)  # dicts such as rope_scaling, lists such as eos_token_id
+
+    return parse
+
+
+def build_parser(model_config_cls: type, presets: Iterable[str] = (), *, entry: Entry = GENERIC
+                 ) -> argparse.ArgumentParser:
+    """The recipe's command line with ``--model.<field>`` for every field of ``model_config_cls``; ``--help``
+    lists ``presets`` and the registered rule sets by name."""
+    p = argparse.ArgumentParser(prog=entry.prog, description=entry.description, epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_arguments(p.add_argument_group("model"), model_config_cls, presets, entry)
+    _run_arguments(p.add_argument_group("run"))
+    _parallelism_arguments(p.add_argument_group("parallelism"))
+    _data_and_optimizer_arguments(p.add_argument_group("data and optimization"))
+    return p
+
+
+def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iterable[str], entry: Entry) -> None:
+    g.add_argument("--model", default=entry.default_model,
+                   help=f"preset name: {', '.join(presets)} (default: %(default)s)")
+    g.add_argument("--from-pretrained", metavar="DIR",
+                   help="continue pretraining from a Hugging Face checkpoint directory (config.json + safetensors) "
+                   "of any supported family, instead of a randomly initialized preset")
+    hints = typing.get_type_hints(config_cls)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    if "moe_impl" in fields:
+        g.add_argument("--moe-impl", choices=("auto", "dense", "gmm", "ep"),
+                       help="MoE compute path (shortcut for --model.moe_impl)")
+    if "remat_policy" in fields:
+        g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
+    for field in dataclasses.fields(config_cls):
+        kind = getattr(hints[field.name], "__name__", None) or str(hints[field.name]).replace("typing.", "")
+        g.add_argument(f"--model.{field.name}", dest=f"model__{field.name}", type=_field_parser(hints[field.name]),
+                       metavar="V", help=f"override {config_cls.__name__}.{field.name} ({kind})")
+
+
+def _run_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<model>)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--extend", action="store_true",
+                   help="resume a run past the --steps it was planned for, keeping its learning-rate schedule (the "
+                   "added steps run at its final learning rate)")
+    g.add_argument("--override-settings", action="store_true",
+                   help="resume with changed settings (seed, data, optimizer hyper-parameters such as --lr, loss "
+                   "weights, --steps with a re-planned schedule); without it a resume that would change them stops "
+                   "and names each difference")
+    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: end and signals")
+    g.add_argument("--keep-checkpoints", type=int, default=3)
+    g.add_argument("--sync-checkpoints", action="store_true", help="save synchronously (default: async)")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events (needs tensorboardX)")
+    g.add_argument("--profile-steps", type=parse_step_range, metavar="FIRST:LAST",
+                   help="write a JAX profiler trace of these steps (1-based, inclusive) to <run dir>/profile, "
+                   "e.g. 5:7 (view with TensorBoard's profile plugin or Perfetto)")
+    g.add_argument("--no-progress", action="store_true", help="no live progress line")
+    g.add_argument("--peak-flops", type=float, metavar="FLOP/S",
+                   help="peak FLOP/s per device that MFU divides by, e.g. 989e12 (default: the data sheet on "
+                   "GPU/TPU; on CPU a float32 matmul peak measured once per machine and cached under "
+                   "$XDG_CACHE_HOME/nnx_zoo, by default ~/.cache/nnx_zoo)")
+    g.add_argument("--plan", action="store_true",
+                   help="print the sharding report and per-device memory for the mesh, allocate nothing, exit")
+
+
+def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
+    from nnx_zoo.sharding import RULE_SETS
+
+    g.add_argument("--mesh", type=parse_mesh, default={"fsdp": -1},
+                   help="mesh axis sizes, e.g. fsdp=4,expert=2; one may be -1 (default: all devices on fsdp)")
+    g.add_argument("--shard-mode", choices=("auto", "explicit"), default="auto")
+    g.add_argument("--rules", default="default",
+                   help=f"rule set name: {', '.join(RULE_SETS)} (default: %(default)s)")
+    g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
+                   help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)))
+    g.add_argument("--coordinator", default=os.environ.get("NNX_ZOO_COORDINATOR", ""),
+                   help="host:port of process 0 in a multi-host run (env NNX_ZOO_COORDINATOR)")
+
+
+def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--batch", type=int, default=8, help="global batch (rows per step, default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--accum-steps", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--data", default="synthetic",
+                   help="'synthetic' (default), or a .txt/.jsonl/.parquet file or a directory of them")
+    g.add_argument("--tokenizer", default="bytes",
+                   help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
+    g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon on the hidden weight matrices (per layer and expert), AdamW on embeddings, "
+                   "output head, norms (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--warmup-steps", type=int, default=5)
+    g.add_argument("--schedule", choices=("cosine", "wsd", "constant"), default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-norm", type=float, default=1.0)
+    g.add_argument("--mtp-weight", type=float, default=0.3,
+                   help="weight of the multi-token-prediction loss (models with MTP heads)")
+    g.add_argument("--routing-bias-rate", type=float, default=1e-3,
+                   help="aux-loss-free balancing of MoE models: router bias step after each update (0: off; "
+                   "default %(default)s)")
+
+
+# ------------------------------------------------------------------------------------- which model, which family
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from: a preset name or a checkpoint directory, and its config class."""
+
+    config_cls: type
+    preset: str | None = None
+    pretrained: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The run's name: the preset, or the checkpoint directory's name."""
+        return self.preset if self.pretrained is None else self.pretrained.resolve().name
+
+    def config(self, overrides: Mapping[str, Any]) -> Any:
+        """The model config with ``overrides`` (field -> value) applied."""
+        if self.pretrained is not None:
+            from nnx_zoo import AutoConfig
+
+            return AutoConfig.from_hf(self.pretrained, **overrides)
+        return self.config_cls.preset(self.preset, **overrides)
+
+
+def families(entry: Entry = GENERIC) -> dict[str, tuple[type, list[str]]]:
+    """Model class name -> (config class, preset names) of every family ``entry`` trains."""
+    from nnx_zoo.models.registry import MODEL_TYPES, preset_names
+
+    config_classes = {model_cls.__name__: config_cls for config_cls, model_cls in MODEL_TYPES.values()}
+    return {name: (config_classes[name], presets) for name, presets in preset_names().items()
+            if entry.model_classes is None or name in entry.model_classes}
+
+
+def model_source(argv: list[str] | None, entry: Entry = GENERIC) -> ModelSource:
+    """Which family the command line asks for (``--model`` or ``--from-pretrained``), read before the full
+    parse because the ``--model.<field>`` options depend on it. A ``ValueError`` says what is wrong."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model")
+    pre.add_argument("--from-pretrained")
+    known, _ = pre.parse_known_args(argv)
+    if known.from_pretrained is not None:
+        if known.model is not None:
+            raise ValueError("give --model (a preset) or --from-pretrained (a checkpoint directory), not both")
+        return _pretrained_source(Path(known.from_pretrained), entry)
+    name = known.model or entry.default_model
+    table = families(entry)
+    for config_cls, presets in table.values():
+        if name in presets:
+            return ModelSource(config_cls, preset=name)
+    listing = "; ".join(f"{family}: {', '.join(presets)}" for family, (_, presets) in table.items())
+    hint = "" if entry.model_classes is None else " (recipes/pretrain.py trains every family)"
+    raise ValueError(f"unknown preset {name!r}; presets are {listing}{hint}")
+
+
+def _pretrained_source(directory: Path, entry: Entry) -> ModelSource:
+    from nnx_zoo import AutoConfig
+
+    if not directory.is_dir():
+        raise ValueError(f"--from-pretrained {directory}: not a directory; pass a Hugging Face checkpoint "
+                         "directory (the one holding config.json and *.safetensors)")
+    config_cls = type(AutoConfig.from_hf(directory))
+    allowed = {cls for cls, _ in families(entry).values()}
+    if config_cls not in allowed:
+        raise ValueError(f"--from-pretrained {directory}: a {config_cls.__name__} checkpoint, which {entry.prog} "
+                         "does not train; use recipes/pretrain.py")
+    return ModelSource(config_cls, pretrained=directory)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
+    """Run the recipe; returns the exit code (``EXIT_CODES``)."""
+    from nnx_zoo.train import NonFiniteLossError
+    from nnx_zoo.train.run_spec import EXIT_BAD_INPUT, EXIT_DIVERGED
+
+    try:
+        source = model_source(argv, entry)
+    except ValueError as err:
+        print(f"{entry.prog}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    parser = build_parser(source.config_cls, presets=_preset_listing(entry), entry=entry)
+    args, unknown = parser.parse_known_args(argv)
+    fields = [w.split("=", 1)[0] for w in unknown if w.startswith("--model.")]
+    if fields:
+        names = ", ".join(f.name for f in dataclasses.fields(source.config_cls))
+        print(f"{entry.prog}: {', '.join(fields)}: not a field of {source.config_cls.__name__} (the config of "
+              f"{source.name}); its fields are {names}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        return run(args, source, entry)
+    except NonFiniteLossError as err:
+        print(f"\n{entry.prog}: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"\n{entry.prog}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _preset_listing(entry: Entry) -> list[str]:
+    return [name for _, presets in families(entry).values() for name in presets]
+
+
+def model_definition(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(architecture, settings that change the numbers) of a model config, for the run's stored definition."""
+    structure = {k: v for k, v in config.to_hf_dict().items() if k != "initializer_range"}
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name not in structure and f.name not in HOW_FIELDS and f.name != "initializer_range"}
+    return structure, settings
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Config field -> value from ``--model.<field>`` and the shortcut flags."""
+    overrides = {
+        k.removeprefix("model__"): v for k, v in vars(args).items() if k.startswith("model__") and v is not None
+    }
+    if getattr(args, "moe_impl", None):
+        overrides["moe_impl"] = args.moe_impl
+    if getattr(args, "remat", None):
+        overrides["remat_policy"] = args.remat
+    return overrides
+
+
+def model_config(args: argparse.Namespace, source: ModelSource) -> Any:
+    """The config the command line describes, after checking ``--seq-len`` against its positions."""
+    config = source.config(model_overrides(args))
+    if args.seq_len > config.max_position_embeddings:  # RoPE past it was never trained (or YaRN-scaled) for
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings ({config.max_position_embeddings}"
+            f" for {source.name}); use --seq-len {config.max_position_embeddings} or less, or raise "
+            "--model.max_position_embeddings"
+        )
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """The training extras a model has and the run uses: MTP heads, expert-load balancing."""
+
+    mtp_weight: float  # 0 when the model has no MTP heads (or --mtp-weight 0): the heads do not run
+    routing_bias_rate: float  # 0 when the model has no MoE layers (or --routing-bias-rate 0)
+
+    @property
+    def model_kwargs(self) -> tuple[tuple[str, Any], ...]:
+        # The MTP heads only run (and cost) when their loss counts; expert loads only when balancing uses them.
+        return tuple((name, True) for name, wanted in (("with_mtp", self.mtp_weight > 0),
+                                                       ("with_expert_load", self.routing_bias_rate > 0)) if wanted)
+
+
+def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> Extras:
+    """What the model says it has (config fields, model methods), switched on as far as the flags allow. The
+    sequence-wise balance loss needs nothing here: a model whose config asks for it returns it."""
+    has_mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
+    can_balance = getattr(config, "num_moe_layers", 0) > 0 and hasattr(model_cls, "update_routing_bias")
+    return Extras(mtp_weight=args.mtp_weight if has_mtp else 0.0,
+                  routing_bias_rate=args.routing_bias_rate if can_balance else 0.0)
+
+
+def plan(args: argparse.Namespace, config: Any) -> int:
+    """``--plan``: the sharding report of ``config``'s model on the given mesh, from abstract arrays."""
+    from flax import nnx
+
+    from nnx_zoo import AutoModelForCausalLM
+    from nnx_zoo.sharding import make_abstract_mesh, sharding_report
+
+    if any(v == -1 for v in args.mesh.values()):
+        raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
+    model_cls = AutoModelForCausalLM.model_class(config)
+    report = sharding_report(lambda: model_cls(config, rngs=nnx.Rngs(0)), make_abstract_mesh(dict(args.mesh)),
+                             args.rules)
+    print(report.table())
+    return 0
+
+
+def train_config(args: argparse.Namespace, source: ModelSource, config: Any, extras: Extras) -> Any:
+    """The trainer's settings from the command line."""
+    from nnx_zoo.train import DataConfig, OptimizerConfig, TrainConfig
+
+    return TrainConfig(
+        steps=args.steps,
+        run_dir=args.run_dir or f"runs/{source.name}",
+        mesh=args.mesh,
+        shard_mode=args.shard_mode,
+        rules=args.rules,
+        accum_steps=args.accum_steps,
+        mtp_weight=extras.mtp_weight,
+        model_kwargs=extras.model_kwargs,
+        routing_bias_rate=extras.routing_bias_rate,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        async_checkpoints=not args.sync_checkpoints,
+        seed=args.seed,
+        tensorboard=args.tensorboard,
+        profile_steps=args.profile_steps,
+        progress=not args.no_progress,
+        peak_flops_per_device=args.peak_flops,
+        extend=args.extend,
+        override_settings=args.override_settings,
+        optimizer=OptimizerConfig(
+            name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
+            schedule=args.schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+        ),
+        data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
+                        seed=args.seed, synthetic_vocab=min(args.synthetic_vocab, config.vocab_size)),
+    )
+
+
+def pretrained_loader(source: ModelSource, args: argparse.Namespace) -> Callable[..., None] | None:
+    """For ``--from-pretrained``: a function that sets a freshly created, sharded model's weights from the
+    checkpoint, read onto the same mesh and rules (the trainer calls it on a new run, not on a resume)."""
+    if source.pretrained is None:
+        return None
+
+    def load(model: Any, mesh: Any) -> None:
+        import jax
+        from flax import nnx
+
+        from nnx_zoo import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(source.pretrained, mesh=mesh, rules=args.rules,
+                                                      **model_overrides(args))
+        # Same rules and mesh give the same layouts; placing onto the model's own keeps the step's pinned ones.
+        nnx.update(model, jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), nnx.state(loaded),
+                                       nnx.state(model)))
+
+    return load
+
+
+def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -> int:
+    """Train (or plan) what ``args`` describe; returns the exit code."""
+    if args.num_processes > 1:
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+
+    from flax import nnx
+
+    from nnx_zoo import AutoModelForCausalLM
+    from nnx_zoo.train import train
+    from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
+
+    config = model_config(args, source)
+    if args.plan:
+        return plan(args, config)
+    model_cls = AutoModelForCausalLM.model_class(config)
+    extras = training_extras(config, model_cls, args)
+    settings = train_config(args, source, config, extras)
+    params = config.num_parameters()
+    print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "
+          f"({params.active / 1e6:.1f}M active), run dir {settings.run_dir}", file=sys.stderr)
+    structure, model_settings = model_definition(config)
+    if source.pretrained is not None:  # where the starting weights came from is part of what the run is
+        model_settings["from_pretrained"] = str(source.pretrained.resolve())
+    summary = train(
+        lambda: model_cls(config, rngs=nnx.Rngs(args.seed)),
+        settings,
+        vocab_size=config.vocab_size,
+        # MTP heads count when they run.
+        flops_per_token=config.train_flops_per_token(args.seq_len, include_mtp=extras.mtp_weight > 0),
+        model_structure=structure,
+        model_settings=model_settings,
+        init_model=pretrained_loader(source, args),
+    )
+    if summary.get("already_finished"):
+        print(f"this run already finished: its checkpoint is at step {summary['start_step']} of --steps "
+              f"{args.steps} in {Path(settings.run_dir) / 'checkpoints'}. To train further on the same "
+              f"learning-rate schedule, rerun with a larger --steps and --extend (e.g. --steps {2 * args.steps} "
+              "--extend); to re-plan the schedule, add --override-settings instead; for a new run, use another "
+              "--run-dir.")
+        return EXIT_DONE
+    print_summary(summary, settings)
+    return EXIT_STOPPED if summary.get("stopped_by_signal") else EXIT_DONE
+
+
+def print_summary(summary: dict[str, Any], config: Any) -> None:
+    """The end-of-run lines: steps, first and last loss, last throughput, peak, where the files are."""
+    losses = summary["losses"]
+    last = summary["last"] or {}
+    lines = [
+        f"steps {summary['start_step']} -> {summary['end_step']}"
+        + (" (resumed)" if summary["start_step"] else "")
+        + (" (stopped by signal; checkpoint saved; rerun to resume)" if summary.get("stopped_by_signal") else ""),
+    ]
+    if losses:
+        lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if last:
+        mfu = last.get("mfu")
+        lines.append(f"last step: {last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device'] * 1e3:.3f} "
+                     f"GFLOP/s per device" + (f", MFU {100 * mfu:.2f}%" if mfu is not None else ""))
+    lines.append(f"peak per device: {summary['peak_flops_per_device'] / 1e9:.1f} GFLOP/s ({summary['peak_source']})")
+    run_dir = Path(config.run_dir)
+    lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; checkpoints: {run_dir / 'checkpoints'}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
