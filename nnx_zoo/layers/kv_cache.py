@@ -1,6 +1,6 @@
 """A fixed-size key/value decoding cache for grouped-query attention (``Attention.decode``).
 
-It keeps the protocol of the MLA latent cache (``nnx_zoo.models.deepseek.cache``) that ``nnx_zoo.generate``
+It keeps the protocol of every family's cache that ``nnx_zoo.generate``
 drives through a model's ``init_cache`` / ``prefill`` / ``decode_step``: a fixed number of slots (``max_len``),
 so one compiled decode step serves every token; slots written left to right, the same slot for every row; a
 left-padded prompt leaves its padding slots marked invalid, so they are never attended to, and each row's rope
@@ -98,8 +98,10 @@ def advance_slots(valid: jax.Array, next_position: jax.Array, length: jax.Array,
     return positions, mask, valid, next_position, length + t
 
 
-def write_slots(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """``layer_cache [batch, max_len, kv_heads, head_dim]`` with ``new [batch, t, kv_heads, head_dim]`` written
-    at slots ``start .. start + t``."""
-    new = shard(new.astype(layer_cache.dtype), LAYER_KV_CACHE_NAMES)
-    return jax.lax.dynamic_update_slice(layer_cache, new, (0, start, 0, 0))
+def write_slots(layer_cache: jax.Array, new: jax.Array, start: jax.Array,
+                names: tuple[str | None, ...] = LAYER_KV_CACHE_NAMES) -> jax.Array:
+    """``layer_cache [batch, max_len, ...]`` with ``new [batch, t, ...]`` written at slots ``start .. start + t``,
+    laid out by ``names`` (default: a GQA cache's ``[batch, max_len, kv_heads, head_dim]``; another cache passes
+    the names of its own feature dims)."""
+    new = shard(new.astype(layer_cache.dtype), names)
+    return jax.lax.dynamic_update_slice(layer_cache, new, (0, start) + (0,) * (layer_cache.ndim - 2))

@@ -1,10 +1,11 @@
 """LoRA: low-rank adapters on chosen projections, trained alone, then merged back into the base weights.
 
 ``apply_lora(model, pattern=..., rank=r, alpha=a)`` replaces, in place, every ``Linear`` (and, when the pattern
-asks for them, every ``RoutedExperts``) whose '/'-joined module path matches the regex ``pattern`` by a wrapper
-that adds ``(alpha / r) * (x @ A) @ B`` to the base projection. ``A [*in, r]`` and ``B [r, *out]`` are
-``LoRAParam`` Variables (a subclass of ``nnx.Param``): ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` trains only
-them, while ``nnx.Param`` filters still see the frozen base weights too. ``B`` starts at zero, so an adapted model
+asks for them, every ``RoutedExperts``) whose '/'-joined module path matches the regex ``pattern`` (default: the
+model's own ``lora_targets``, which each family declares in its folder) by a wrapper that adds
+``(alpha / r) * (x @ A) @ B`` to the base projection. ``A [*in, r]`` and ``B [r, *out]`` are ``LoRAParam``
+Variables (a subclass of ``nnx.Param``): ``nnx.Optimizer(model, tx, wrt=LoRAParam)`` trains only them, while
+``nnx.Param`` filters still see the frozen base weights too. ``B`` starts at zero, so an adapted model
 computes exactly what its base did until the first update.
 
 Sharding: each factor reuses the base kernel's logical names for the dims it shares with it (A: the kernel's input
@@ -41,8 +42,8 @@ from nnx_zoo.layers.spec import weight_einsum
 from nnx_zoo.sharding import get_rules, shard, shard_mode_of, variable_spec
 from nnx_zoo.sharding.rules import Rules
 
-# MLA's projections (queries, the key/value down- and up-projections, the output), in every decoder layer
-# (multi-token-prediction heads included).
+# Transitional: the pattern that was the default before families declared ``lora_targets`` (it equals
+# ``DeepSeekV3.lora_targets``); use ``apply_lora(model)`` or ``type(model).lora_targets`` instead.
 DEFAULT_PATTERN = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
 # Add this to the pattern (with '|') to adapt the routed experts as well.
 EXPERTS_PATTERN = r"(^|/)mlp/experts$"
@@ -160,7 +161,7 @@ def low_rank_delta(a: jax.Array, b: jax.Array, *, n_in: int, like: jax.Array) ->
 def apply_lora(
     model: nnx.Module,
     *,
-    pattern: str = DEFAULT_PATTERN,
+    pattern: str | None = None,
     rank: int = 8,
     alpha: float = 16.0,
     seed: int = 0,
@@ -168,19 +169,26 @@ def apply_lora(
 ) -> list[str]:
     """Wrap, in place, every ``Linear`` / ``RoutedExperts`` of ``model`` whose module path matches ``pattern``.
 
-    ``pattern`` is a regex searched in '/'-joined module paths such as ``moe_layers/attn/q_a_proj`` or
-    ``moe_layers/mlp/experts``; the default adapts MLA's q/kv/o projections (``DEFAULT_PATTERN``); add
-    ``EXPERTS_PATTERN`` for the routed experts. ``A`` starts uniform in ``+-1/sqrt(fan_in)``, ``B`` at zero;
+    ``pattern`` is a regex searched in '/'-joined module paths such as ``layers/attn/q_proj`` or
+    ``moe_layers/mlp/experts``; None (the default) takes the model's ``lora_targets`` (Llama / Qwen3: attention's
+    q/k/v/o and the MLP's gate/up/down; DeepSeek-V3: MLA's projections); add ``EXPERTS_PATTERN`` for routed
+    experts. ``A`` starts uniform in ``+-1/sqrt(fan_in)``, ``B`` at zero;
     the update is scaled by ``alpha / rank``. Adapters are placed on the mesh of their base weights, resolved with
     ``rules`` (default: ``model.rules``, else the ``default`` set). Returns the adapted module paths.
 
-    >>> adapted = apply_lora(model, pattern=DEFAULT_PATTERN + "|" + EXPERTS_PATTERN, rank=8, alpha=16)
+    >>> adapted = apply_lora(model, rank=8, alpha=16)                     # the family's default targets
+    >>> adapted = apply_lora(model, pattern=type(model).lora_targets + "|" + EXPERTS_PATTERN)  # plus experts
     >>> optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=LoRAParam)
     """
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
     if not alpha > 0:
         raise ValueError(f"LoRA alpha must be positive, got {alpha!r} (the update is scaled by alpha / rank)")
+    if pattern is None:
+        pattern = getattr(type(model), "lora_targets", None)
+        if not isinstance(pattern, str):
+            raise ValueError(f"{type(model).__name__} declares no default LoRA targets (a class attribute "
+                             "lora_targets); pass pattern=, a regex over '/'-joined module paths")
     try:
         regex = re.compile(pattern)
     except re.error as err:

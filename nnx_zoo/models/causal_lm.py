@@ -1,9 +1,14 @@
-"""The dense causal language model shared by the Llama 3 and Qwen3 families (any ``DecoderConfig``).
+"""The causal-LM contract every family meets, and the dense model the Llama 3 and Qwen3 families share.
 
-Reading order, top down: ``CausalLM.__call__`` embeds the tokens (``Embed``), runs the scanned stack of
-``DecoderLayer``s (``run_stack``), normalizes (``RMSNorm``) and projects to the vocabulary (``lm_head``, or the
-embedding table when tied). Each ``DecoderLayer`` is pre-norm: ``x + Attention(norm(x))``, then
-``+ SwiGLU(norm(.))``; ``nnx_zoo.layers.attention`` holds the einsums. Generation (``nnx_zoo.generate``) drives
+The contract (written out in ``docs/causal_lm.md``): ``CausalLMBase`` gives every family ``create``,
+``__call__`` (logits, always), ``generate`` and the cache protocol's ``prefill`` / ``decode_step``;
+a family adds ``forward`` (one ``CausalLMOutput``, whatever it was asked for), ``init_cache``, ``_extend``,
+``from_pretrained`` / ``save_pretrained`` and its ``lora_targets``.
+
+Reading order of the dense model, top down: ``CausalLM.forward`` embeds the tokens (``Embed``), runs the
+scanned stack of ``DecoderLayer``s (``run_stack``), normalizes (``RMSNorm``) and projects to the vocabulary
+(``lm_head``, or the embedding table when tied). Each ``DecoderLayer`` is pre-norm: ``x + Attention(norm(x))``,
+then ``+ SwiGLU(norm(.))``; ``nnx_zoo.layers.attention`` holds the einsums. Generation (``nnx_zoo.generate``) drives
 ``init_cache`` / ``prefill`` / ``decode_step`` over a ``KVCache``.
 
 A family is a subclass naming its config class and its HF key table (``nnx_zoo.models.llama``,
@@ -15,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,8 @@ _BLE = ("activation_batch", "activation_length", "activation_embed")
 _BLV = ("activation_batch", "activation_length", "activation_vocab")
 STACK_AXIS = "layers"  # logical name of the decoder stack's leading (layer) dim
 
-M = TypeVar("M", bound="CausalLM")
+M = TypeVar("M", bound="CausalLMBase")
+C = TypeVar("C")  # a family's decoding cache (a pytree with ``max_len``)
 
 
 def _dtypes(c: DecoderConfig) -> dict[str, Any]:
@@ -79,7 +85,137 @@ class DecoderLayer(nnx.Module):
         return shard(h + self.mlp(self.post_attn_norm(h)), _BLE), k_cache, v_cache
 
 
-class CausalLM(nnx.Module):
+class CausalLMOutput(NamedTuple):
+    """What ``model.forward(...)`` returns, for every family: always these fields, in this order; a field the call
+    did not compute (not asked for, or the model has no such part) is None.
+
+    ``logits [batch, seq, vocab]``. ``hidden_states [num_hidden_layers + 1, batch, seq, embed]`` (with
+    ``with_hidden_states``; HF's ``output_hidden_states`` stacked): the embeddings, each layer's output, and last
+    the final normed hidden state in place of the last layer's raw output. ``mtp_logits [depth, batch, seq,
+    vocab]`` (``with_mtp``): depth ``k`` (from 0) at position ``i`` predicts token ``i + k + 2``.
+    ``expert_indices [moe_layers, batch, seq, k]`` int32 (``with_routing``): each MoE layer's chosen experts.
+    ``expert_load [moe_layers, experts]`` float32 (``with_expert_load``): (token, expert) pairs each routed
+    expert received; ``dropped_tokens [moe_layers]`` int32 (``with_expert_load``): pairs dropped over capacity.
+    ``aux_loss`` (scalar): the model's own training loss term (e.g. a sequence-wise balance loss, already
+    weighted, a mean over the sequences holding a real token), computed whenever the config turns it on.
+
+    >>> out = model.forward(ids, mask, with_hidden_states=True)
+    >>> out.logits.shape, out.hidden_states.shape, out.mtp_logits
+    ((2, 16, 256), (3, 2, 16, 128), None)
+    """
+
+    logits: jax.Array
+    hidden_states: jax.Array | None = None
+    mtp_logits: jax.Array | None = None
+    expert_indices: jax.Array | None = None
+    expert_load: jax.Array | None = None
+    dropped_tokens: jax.Array | None = None
+    aux_loss: jax.Array | None = None
+
+
+class CausalLMBase(nnx.Module):
+    """What every family's causal LM shares: ``create``, ``__call__`` (logits), generation over a cache.
+
+    A family subclass sets ``config_class`` and ``lora_targets`` and defines ``forward`` (-> ``CausalLMOutput``),
+    ``init_cache`` and ``_extend`` (new tokens through the layers into the cache), plus ``from_pretrained`` /
+    ``save_pretrained``; it keeps its ``embed`` (an ``Embed``), ``norm``, ``lm_head`` (None when tied), ``rules``,
+    ``rope_inv_freq`` and ``rope_attention_factor``.
+
+    >>> model = Qwen3.create(Qwen3Config.preset("qwen3-tiny"), seed=0)
+    >>> logits = model(ids)                                     # [batch, seq, vocab], every family, always
+    >>> out = model.forward(ids, with_hidden_states=True)       # a CausalLMOutput
+    """
+
+    config_class: ClassVar[type]
+    # Regex over '/'-joined module paths: the projections ``apply_lora(model)`` adapts when given no pattern.
+    lora_targets: ClassVar[str]
+    config: Any
+    rules: Rules
+    embed: Embed
+    lm_head: Linear | None
+    rope_inv_freq: tuple[float, ...]
+    rope_attention_factor: float
+
+    @classmethod
+    def create(cls: type[M], config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default",
+               seed: int = 0) -> M:
+        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
+        def make() -> M:
+            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
+
+        return make() if mesh is None else create_sharded(make, mesh, rules)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:
+        """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``, always (``forward`` gives the rest).
+
+        ``attention_mask [batch, seq]`` (1 = token, 0 = padding) may mark left padding: padding is never attended
+        to. Positions are ``0..seq-1`` whatever the padding, as in HF's forward, unless ``position_ids [batch,
+        seq]`` are given. ``segment_ids [batch, seq]`` (packed training data) keep attention inside each document.
+        """
+        return self.forward(input_ids, attention_mask, segment_ids=segment_ids, position_ids=position_ids).logits
+
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False) -> CausalLMOutput:
+        """The forward pass with the outputs asked for, as one ``CausalLMOutput`` (see there for each field)."""
+        raise NotImplementedError(f"{type(self).__name__} must define forward")
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return self.embed.attend(hidden)
+        return self.lm_head(hidden, _BLV)
+
+    def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
+        """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
+        ``jax.set_mesh``); otherwise nothing."""
+        return parameter_mesh(self.embed.embedding[...])
+
+    # ---- generation: a fixed-size cache, driven by nnx_zoo.generate ----
+    def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
+        """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
+        from nnx_zoo.generate import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
+        raise NotImplementedError(f"{type(self).__name__} must define init_cache")
+
+    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None, cache: C) -> tuple[jax.Array, C]:
+        """Run a (left-padded) prompt ``[batch, t]`` into ``cache``: ``(logits [batch, t, vocab], cache)``.
+        Token ``i`` of a row sits at rope position ``cumsum(attention_mask)[i] - 1``; padding is never attended
+        to. Logits come whole along the vocabulary (ready for sampling)."""
+        if input_ids.shape[1] > cache.max_len:
+            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
+                             "slots; create the cache with max_len >= prompt length + tokens to generate")
+        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
+            return self._extend(input_ids, token_mask, cache)
+
+    def decode_step(self, tokens: jax.Array, cache: C) -> tuple[jax.Array, C]:
+        """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``.
+        The cache must have a free slot (``cache.length < cache.max_len``; a full cache overwrites its last)."""
+        with use_rules(self._decoding_rules()), self._parameter_mesh():
+            logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
+        return logits[:, 0], cache
+
+    def _decoding_rules(self) -> Rules:
+        """The model's rules with the new tokens' sequence dim unsplit (one decoded token cannot be divided over
+        context-parallel devices; the first rule for a name wins, so this one overrides)."""
+        return (("activation_length", None), *self.rules)
+
+    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: C) -> tuple[jax.Array, C]:
+        """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached:
+        ``(logits [batch, t, vocab] whole along the vocabulary, cache)``."""
+        raise NotImplementedError(f"{type(self).__name__} must define _extend")
+
+
+class CausalLM(CausalLMBase):
     """A dense decoder-only language model; families subclass it (``Llama3``, ``Qwen3``).
 
     >>> model = Llama3(Llama3Config.preset("llama3-tiny"), rngs=nnx.Rngs(0))   # or Llama3.create(config, mesh=)
@@ -93,6 +229,8 @@ class CausalLM(nnx.Module):
     """
 
     config_class: ClassVar[type[DecoderConfig]] = DecoderConfig
+    # Attention's q/k/v/o and the SwiGLU's gate/up/down in every layer (the usual LoRA targets of Llama and Qwen).
+    lora_targets: ClassVar[str] = r"(^|/)attn/(q|k|v|o)_proj$|(^|/)mlp/(gate|up|down)$"
     # The family's HF key table: config -> KeyTable (a staticmethod in each family).
     key_table: ClassVar[Callable[[Any], KeyTable]]
 
@@ -112,16 +250,7 @@ class CausalLM(nnx.Module):
         inv_freq, self.rope_attention_factor = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
 
-    # ---- construction and checkpoints ----
-    @classmethod
-    def create(cls: type[M], config: DecoderConfig, *, mesh: Mesh | None = None, rules: Rules | str = "default",
-               seed: int = 0) -> M:
-        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
-        def make() -> M:
-            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
-
-        return make() if mesh is None else create_sharded(make, mesh, rules)
-
+    # ---- checkpoints ----
     @classmethod
     def from_pretrained(cls: type[M], path: str | Path, *, mesh: Mesh | None = None,
                         rules: Rules | str | None = None, dtype: Any = None, **config_overrides: Any) -> M:
@@ -134,10 +263,7 @@ class CausalLM(nnx.Module):
         layer, a wrong shape) raise ``nnx_zoo.hf.CheckpointMismatchError`` listing every problem.
         """
         directory = Path(path)
-        overrides = dict(config_overrides)
-        if dtype is not None:
-            overrides.setdefault("dtype", dtype)
-            overrides.setdefault("param_dtype", dtype)
+        overrides = pretrained_overrides(dtype, config_overrides)
         rules = get_rules(rules if rules is not None else "default")
         config = cls.config_class.from_hf(directory, **overrides)
         with SafetensorsCheckpoint(directory) as ckpt:
@@ -151,17 +277,17 @@ class CausalLM(nnx.Module):
                     max_shard_bytes=max_shard_bytes)
 
     # ---- the forward pass ----
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:
-        """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``.
-
-        ``attention_mask [batch, seq]`` (1 = token, 0 = padding) may mark left padding: padding is never attended
-        to. Positions are ``0..seq-1`` whatever the padding, as in HF's forward, unless ``position_ids [batch,
-        seq]`` are given. ``segment_ids [batch, seq]`` (packed training data) keep attention inside each document.
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False) -> CausalLMOutput:
+        """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits``, and
+        ``hidden_states`` with ``with_hidden_states``. A dense model has no experts (``expert_load``,
+        ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss; ``with_mtp`` is an error (no MTP heads).
         """
-        _check_ids(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
-        if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != input_ids.shape[1]):
-            raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [batch or 1, seq={input_ids.shape[1]}]")
+        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
+        if with_mtp:
+            raise ValueError(f"with_mtp=True but {type(self).__name__} has no multi-token-prediction heads")
         c = self.config
         with use_rules(self.rules), self._parameter_mesh():
             seq_len = input_ids.shape[1]
@@ -169,62 +295,25 @@ class CausalLM(nnx.Module):
             cos, sin = self._rope(positions)
             mask = causal_mask(seq_len, attention_mask, segment_ids)
 
-            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
-                return layer(h, cos, sin, mask), None
+            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, jax.Array | None]:
+                h = layer(h, cos, sin, mask)
+                return h, h if with_hidden_states else None
 
-            h, _ = run_stack(self.layers, layer_body, self.embed(input_ids), scan=c.scan_layers,
-                             remat_policy=c.remat_policy)
-            return self._logits(self.norm(h))
+            embeddings = self.embed(input_ids)
+            h, layer_outputs = run_stack(self.layers, layer_body, embeddings, scan=c.scan_layers,
+                                         remat_policy=c.remat_policy)
+            final_hidden = self.norm(h)
+            hidden_states = (stack_hidden_states(embeddings, layer_outputs, final_hidden) if with_hidden_states
+                             else None)
+            return CausalLMOutput(logits=self._logits(final_hidden), hidden_states=hidden_states)
 
-    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
-
-    def _logits(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return self.embed.attend(hidden)
-        return self.lm_head(hidden, _BLV)
-
-    def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
-        """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
-        ``jax.set_mesh``); otherwise nothing."""
-        return parameter_mesh(self.embed.embedding[...])
-
-    # ---- generation: a fixed-size KVCache, driven by nnx_zoo.generate ----
-    def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
-        """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
-        from nnx_zoo.generate import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
-
+    # ---- generation: a fixed-size KVCache ----
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
         c = self.config
         with use_rules(self._decoding_rules()), self._parameter_mesh():
             return KVCache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
                                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
-
-    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None, cache: KVCache
-                ) -> tuple[jax.Array, KVCache]:
-        """Run a (left-padded) prompt ``[batch, t]`` into ``cache``: ``(logits [batch, t, vocab], cache)``.
-        Token ``i`` of a row sits at rope position ``cumsum(attention_mask)[i] - 1``; padding is never attended
-        to. Logits come whole along the vocabulary (ready for sampling)."""
-        if input_ids.shape[1] > cache.max_len:
-            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
-                             "slots; create the cache with max_len >= prompt length + tokens to generate")
-        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
-            return self._extend(input_ids, token_mask, cache)
-
-    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``."""
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
-            logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
-        return logits[:, 0], cache
-
-    def _decoding_rules(self) -> Rules:
-        """The model's rules with the new tokens' sequence dim unsplit (one decoded token cannot be divided over
-        context-parallel devices; the first rule for a name wins, so this one overrides)."""
-        return (("activation_length", None), *self.rules)
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
@@ -245,6 +334,30 @@ class CausalLM(nnx.Module):
                                  scan=self.config.scan_layers)
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(k=k, v=v)
+
+
+def stack_hidden_states(embeddings: jax.Array, layer_outputs: jax.Array, final_hidden: jax.Array) -> jax.Array:
+    """``[layers + 1, batch, seq, embed]`` as HF's ``output_hidden_states``: the embeddings, the outputs of all
+    layers but the last (``layer_outputs [layers, batch, seq, embed]``), then the final normed hidden state."""
+    return jnp.concatenate([embeddings[None], layer_outputs[:-1], final_hidden[None]], axis=0)
+
+
+def pretrained_overrides(dtype: Any, config_overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config overrides of ``from_pretrained(..., dtype=, **config_overrides)``: ``dtype`` sets both the
+    compute and the parameter dtype unless an override names them itself."""
+    overrides = dict(config_overrides)
+    if dtype is not None:
+        overrides.setdefault("dtype", dtype)
+        overrides.setdefault("param_dtype", dtype)
+    return overrides
+
+
+def check_forward_inputs(input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
+                         position_ids: jax.Array | None) -> None:
+    """Raise, saying what is wrong, on inputs a forward pass cannot take (see ``_check_ids``)."""
+    _check_ids(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
+    if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != input_ids.shape[1]):
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [batch or 1, seq={input_ids.shape[1]}]")
 
 
 def parameter_mesh(parameter: jax.Array) -> contextlib.AbstractContextManager[Any]:

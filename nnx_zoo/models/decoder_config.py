@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Self
 
 import jax.numpy as jnp
 
@@ -24,16 +24,51 @@ from nnx_zoo.layers.scan import REMAT_POLICIES
 
 
 class ParameterCount(NamedTuple):
-    """``total``: every parameter; ``active``: those one token uses (all of them in a dense model);
-    ``embedding``: the input embedding table (a lookup, not a matmul)."""
+    """``total``: every parameter; ``active``: those one token uses (all of them in a dense model; k of the routed
+    experts per MoE layer in an MoE one); ``embedding``: the input embedding table (a lookup, not a matmul)."""
 
     total: int
     active: int
     embedding: int
 
 
+class FamilyConfig:
+    """What every family's config dataclass shares: presets by name, validated copies, canonical dtype names.
+
+    A family's config is a frozen dataclass subclassing it, with ``PRESETS`` (name -> fields) and its own
+    ``num_parameters()`` / ``train_flops_per_token(seq_len)``:
+
+    >>> Qwen3Config.preset("qwen3-tiny", num_hidden_layers=1).with_overrides(dtype="bfloat16").dtype
+    'bfloat16'
+    """
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def with_overrides(self, **overrides: Any) -> Self:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)  # type: ignore[type-var]
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Self:
+        """A named configuration of this family (``PRESETS``: published sizes and small CPU ones)."""
+        try:
+            fields = cls.PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r} of {cls.__name__}; choose one of {sorted(cls.PRESETS)}"
+                             ) from None
+        return cls(**{**fields, **overrides})
+
+    def _canonical_dtypes(self) -> None:
+        """Store ``dtype`` / ``param_dtype`` as numpy dtype names (``jnp.float32`` -> ``'float32'``)."""
+        for name in ("dtype", "param_dtype"):
+            try:
+                object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
+            except TypeError:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+
+
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(FamilyConfig):
     """A dense decoder's hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
 
     Use a family's subclass (``Llama3Config``, ``Qwen3Config``):
@@ -49,7 +84,6 @@ class DecoderConfig:
     MODEL_TYPE: ClassVar[str] = ""  # HF model_type this config reads and writes
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
     HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
 
     vocab_size: int = 32000
@@ -81,11 +115,7 @@ class DecoderConfig:
             object.__setattr__(self, "rope_scaling", scaling)
         if self.head_dim is None and _positive_int(self.hidden_size) and _positive_int(self.num_attention_heads):
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        for name in ("dtype", "param_dtype"):
-            try:
-                object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
-            except TypeError:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+        self._canonical_dtypes()
         problems = self._problems()
         if problems:
             raise ValueError(f"invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
@@ -113,20 +143,6 @@ class DecoderConfig:
         if self.remat_policy not in REMAT_POLICIES:
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         return p
-
-    def with_overrides(self, **overrides: Any) -> DecoderConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **overrides)
-
-    # ---- presets ----
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> DecoderConfig:
-        """A named configuration of this family (``PRESETS``: published sizes and small CPU ones)."""
-        try:
-            fields = cls.PRESETS[name]
-        except KeyError:
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; choose one of {sorted(cls.PRESETS)}") from None
-        return cls(**{**fields, **overrides})
 
     # ---- Hugging Face config.json ----
     @classmethod

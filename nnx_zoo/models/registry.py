@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
-from nnx_zoo.models.deepseek.config import PRESETS as DEEPSEEK_PRESETS
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
 from nnx_zoo.sharding.rules import Rules
@@ -35,7 +34,7 @@ def _families() -> dict[type, type]:
 
 
 def _presets_of(config_cls: type) -> dict[str, Any]:
-    return DEEPSEEK_PRESETS if config_cls is DeepSeekV3Config else config_cls.PRESETS
+    return config_cls.PRESETS
 
 
 def preset_names() -> dict[str, list[str]]:

@@ -64,6 +64,10 @@ LOGICAL_AXES: dict[str, str] = {
     "cache_kv_heads": "key/value-head dim of a grouped-query attention decoding cache",
 }
 
+# The names above that are leading layer-stack axes (the ``axis_name`` of ``nnx_zoo.layers.scan.create_stack``):
+# one entry per layer, never a matrix dim, so per-matrix optimizers (Muon) treat them as batch dims.
+STACK_AXES: frozenset[str] = frozenset({"layers", "dense_layers", "moe_layers", "mtp_layers"})
+
 
 def describe(name: str) -> str:
     """One line on what a logical axis name means (KeyError for unknown names)."""

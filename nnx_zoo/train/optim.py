@@ -16,11 +16,13 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from nnx_zoo.sharding import logical_names, shard_mode_of
+from nnx_zoo.sharding.axes import STACK_AXES
 
 NO_DECAY_NAMES = frozenset({"norm", "bias"})
-# Muon: leading stack axes and the expert index are batch dims (one matrix per layer and per expert); weights
-# with a vocabulary dim (embedding, output head), norm scales and biases stay on AdamW, as in Muon practice.
-MUON_BATCH_NAMES = frozenset({"layers", "dense_layers", "moe_layers", "mtp_layers", "exp"})
+# Muon: the vocabulary's layer-stack axes and the expert index are batch dims (one matrix per layer and per
+# expert); weights with a vocabulary dim (embedding, output head), norm scales and biases stay on AdamW, as in Muon
+# practice.
+MUON_BATCH_NAMES = STACK_AXES | {"exp"}
 MUON_ADAMW_NAMES = frozenset({"vocab", "norm", "bias"})
 # Dims that belong to the one before them in a kernel's matrix view: a head's features ride with its head.
 MUON_JOINED_NAMES = {"kv": ("heads", "kv_heads")}
@@ -135,7 +137,8 @@ def muon_dimension_numbers(
         raise ValueError(
             f"{path}: cannot tell the input dims from the output dims of a weight with logical names {names} "
             f"(shape {shape}): Muon expects [batch..., inputs..., outputs...] with multi-dim sides joined as in "
-            f"{MUON_JOINED_NAMES}; extend MUON_JOINED_NAMES / MUON_BATCH_NAMES in nnx_zoo/train/optim.py, or use "
+            f"{MUON_JOINED_NAMES}; extend MUON_JOINED_NAMES in nnx_zoo/train/optim.py (or, for a layer-stack axis, "
+            "STACK_AXES in nnx_zoo/sharding/axes.py), or use "
             "--optimizer adamw"
         )
     return MuonDimensionNumbers(reduction_axis=tuple(groups[0]), output_axis=tuple(groups[1]))

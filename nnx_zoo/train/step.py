@@ -1,10 +1,12 @@
 """The training step: token cross-entropy, gradient accumulation, one optimizer update.
 
-Works for any model called as ``model(input_ids, attention_mask=None)`` that returns logits ``[batch, seq,
-vocab]`` or an object with ``.logits`` (and, for packed data, accepts ``segment_ids``). When that object also
-carries ``mtp_logits`` (a sequence whose k-th entry predicts the token ``k + 2`` places ahead) the
-multi-token-prediction loss is added with ``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise balance
-loss, already weighted by the model, and a mean over the sequences holding a real token) is added as is.
+Works for any model that meets the causal-LM contract (``docs/causal_lm.md``): ``model.forward(input_ids,
+attention_mask=None, *, segment_ids=None, **model_kwargs)`` returns one object with ``logits [batch, seq, vocab]``
+and the aux fields (None when not computed). A model without ``forward`` is called as ``model(input_ids,
+attention_mask)`` and its result taken as the logits. When the output carries ``mtp_logits`` (a sequence whose
+k-th entry predicts the token ``k + 2`` places ahead) the multi-token-prediction loss is added with
+``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise balance loss, already weighted by the model, and a
+mean over the sequences holding a real token) is added as is; an ``expert_load`` is summed into the metrics.
 
 With gradient accumulation every term stays a mean over the whole step: the cross-entropy and each MTP head's loss
 over all of the step's tokens, the aux loss over all of its real sequences (``step_counts``), so ``accum_steps``
@@ -13,7 +15,7 @@ micro-batches give the same loss, gradient and update as one step on the whole b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +77,24 @@ def step_counts(batch: Batch, mtp_heads: int) -> dict[str, jax.Array]:
     return counts
 
 
+class _LogitsOnly(NamedTuple):
+    """The output of a model without ``forward``: its call's logits, nothing else."""
+
+    logits: jax.Array
+
+
+def model_outputs(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, Any], ...] = ()) -> Any:
+    """The model's outputs on ``batch``: ``model.forward(...)`` with ``model_kwargs`` (e.g. ``with_mtp``) and, for
+    packed documents, ``segment_ids``; a model without ``forward`` gives ``model(...)``'s logits."""
+    kwargs = dict(model_kwargs)
+    if "segment_ids" in batch:  # packed documents: attention stays within each one
+        kwargs["segment_ids"] = batch["segment_ids"]
+    forward = getattr(model, "forward", None)
+    if forward is None:
+        return _LogitsOnly(model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs))
+    return forward(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs)
+
+
 def loss_terms(
     model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = (),
     counts: dict[str, jax.Array] | None = None,
@@ -87,12 +107,8 @@ def loss_terms(
     are those totals; without them this micro-batch is the whole step. Summing the shares of all micro-batches and
     dividing by ``counts["tokens"]`` gives exactly the loss of one step on the whole batch.
     """
-    kwargs = dict(model_kwargs)
-    if "segment_ids" in batch:  # packed documents: attention stays within each one
-        kwargs["segment_ids"] = batch["segment_ids"]
-    out = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs)
-    logits = getattr(out, "logits", out)
-    ce_sum, tokens = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    out = model_outputs(model, batch, model_kwargs)
+    ce_sum, tokens = token_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
     step_tokens = tokens if counts is None else counts["tokens"]
     total = ce_sum
     metrics = {"ce_sum": ce_sum, "tokens": tokens}
@@ -145,7 +161,7 @@ def train_step(
 ) -> dict[str, Any]:
     """One optimizer step over ``batch``, accumulating gradients over ``accum_steps`` micro-batches.
 
-    ``model_kwargs`` (pairs, static) are passed to the model call, e.g. ``(("with_mtp", True),)``. Jit it with
+    ``model_kwargs`` (pairs, static) are passed to ``model.forward``, e.g. ``(("with_mtp", True),)``. Jit it with
     ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))``; model and
     optimizer are updated in place. When the model reports ``expert_load`` (MoE models called with
     ``with_expert_load``) and ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the

@@ -23,12 +23,12 @@ from transformers import DeepseekV3ForCausalLM
 
 from nnx_zoo import DeepSeekV3, LoRAParam, apply_lora, merge_lora
 from nnx_zoo.layers import Linear, LoRAExperts, LoRALinear, RoutedExperts
-from nnx_zoo.layers.lora import DEFAULT_PATTERN, EXPERTS_PATTERN
+from nnx_zoo.layers.lora import EXPERTS_PATTERN
 from nnx_zoo.sharding import iter_variables, logical_names, make_mesh, state_shardings, variable_spec
 from nnx_zoo.train import OptimizerConfig, make_optimizer, train_step
 from tests.models.deepseek.hf_reference import make_hf_model, rel_l2, save_hf
 
-ALL = DEFAULT_PATTERN + "|" + EXPERTS_PATTERN + "|mlp/(gate|up|down)$"  # attention, routed experts, dense MLP
+ALL = DeepSeekV3.lora_targets + "|" + EXPERTS_PATTERN + "|mlp/(gate|up|down)$"  # attention, routed experts, dense MLP
 IDS = np.random.default_rng(3).integers(0, 96, (8, 10)).astype(np.int32)
 
 

@@ -225,7 +225,10 @@ class ToyWithExtras(nnx.Module):
         self.mix = nnx.Param(jax.random.normal(jax.random.key(5), (VOCAB, VOCAB)), out_sharding=(None, "vocab"),
                              eager_sharding=False)
 
-    def __call__(self, input_ids, attention_mask=None):
+    def __call__(self, input_ids, attention_mask=None):  # the contract: the call gives the logits
+        return self.forward(input_ids, attention_mask).logits
+
+    def forward(self, input_ids, attention_mask=None):  # what the trainer reads: logits and the extras
         logits = self.lm(input_ids)
         per_sequence = AUX_WEIGHT * jnp.mean(logits**2, axis=(1, 2))
         real = jnp.any(attention_mask != 0, axis=-1).astype(jnp.float32)

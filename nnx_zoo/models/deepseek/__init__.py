@@ -3,8 +3,8 @@
 from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import PRESETS, DeepSeekV3Config, ParameterCount
 from nnx_zoo.models.deepseek.mla import MLA
-from nnx_zoo.models.deepseek.model import DecoderLayer, DeepSeekV3, DeepSeekV3Output, MTPHead
-from nnx_zoo.models.deepseek.moe import DeepSeekMoE, RouterBias, route
+from nnx_zoo.models.deepseek.model import DecoderLayer, DeepSeekV3, LayerOutput, MTPHead
+from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput, RouterBias, route
 
 __all__ = [
     "MLA",
@@ -14,8 +14,9 @@ __all__ = [
     "DeepSeekMoE",
     "DeepSeekV3",
     "DeepSeekV3Config",
-    "DeepSeekV3Output",
+    "LayerOutput",
     "MTPHead",
+    "MoEOutput",
     "ParameterCount",
     "RouterBias",
     "route",

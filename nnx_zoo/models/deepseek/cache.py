@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from nnx_zoo.layers.kv_cache import advance_slots, write_slots
 from nnx_zoo.sharding import shard
 
 # Logical names: the cache is laid out like the activations it replaces (batch split like activation_batch).
@@ -72,24 +73,14 @@ class MLACache(NamedTuple):
 
     def advance(self, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, MLACache]:
         """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next
-        ``t`` slots. Returns ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)``: the rope
-        position of each new token (padding gets 0; it is never attended to), which slots each new token may
-        attend to (real tokens in earlier or its own slot), and the cache with ``valid``, ``next_position`` and
-        ``length`` moved on. The latent and rope key are written per layer by the model (``write``)."""
-        token_mask = shard(token_mask.astype(bool), _SLOT_NAMES)
-        t = token_mask.shape[1]
-        positions = self.next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
-        positions = jnp.where(token_mask, positions, 0)
-        valid = jax.lax.dynamic_update_slice(self.valid, token_mask, (0, self.length))
-        query_slot = self.length + jnp.arange(t)
-        causal = jnp.arange(self.max_len)[None, :] <= query_slot[:, None]  # [t, max_len]
-        mask = causal[None, None] & valid[:, None, None, :]
-        advanced = self._replace(valid=valid, length=self.length + t,
-                                 next_position=self.next_position + jnp.sum(token_mask, axis=1, dtype=jnp.int32))
-        return positions, mask, advanced
+        ``t`` slots: ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)`` (the shared slot
+        bookkeeping, ``nnx_zoo.layers.kv_cache.advance_slots``). The latent and rope key are written per layer by
+        ``MLA.decode`` (``write``)."""
+        positions, mask, valid, next_position, length = advance_slots(
+            self.valid, self.next_position, self.length, token_mask)
+        return positions, mask, self._replace(valid=valid, next_position=next_position, length=length)
 
 
 def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """``layer_cache [batch, max_len, d]`` with ``new [batch, t, d]`` written at slots ``start .. start + t``."""
-    new = shard(new.astype(layer_cache.dtype), LAYER_CACHE_NAMES)
-    return jax.lax.dynamic_update_slice(layer_cache, new, (0, start, 0))
+    return write_slots(layer_cache, new, start, LAYER_CACHE_NAMES)

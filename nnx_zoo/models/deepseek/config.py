@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import jax.numpy as jnp
+from typing import Any
 
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
+from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 
@@ -26,17 +25,8 @@ _V2_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_
                        mscale=0.707, mscale_all_dim=0.707)
 
 
-class ParameterCount(NamedTuple):
-    """``total``: every parameter; ``active``: those one token uses (k of the routed experts per MoE layer);
-    ``embedding``: the input embedding table (a lookup, not a matmul)."""
-
-    total: int
-    active: int
-    embedding: int
-
-
 @dataclasses.dataclass(frozen=True)
-class DeepSeekV3Config:
+class DeepSeekV3Config(FamilyConfig):
     """DeepSeek-V3 hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
 
     >>> cfg = DeepSeekV3Config.preset("deepseek3-small")
@@ -83,7 +73,7 @@ class DeepSeekV3Config:
     scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
     seq_aux_loss_alpha: float = 0.0  # weight of the sequence-wise balance loss (V3 paper eq. 17-20); 0 = off.
-    # When > 0 the model's call returns a DeepSeekV3Output whose aux_loss the trainer adds to the loss.
+    # When > 0, model.forward(...) carries it as aux_loss, which the trainer adds to the loss.
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -93,11 +83,7 @@ class DeepSeekV3Config:
             else:
                 scaling = YarnScaling.from_dict(rope, max_position_embeddings=self.max_position_embeddings)
                 object.__setattr__(self, "rope_scaling", scaling)
-        for name in ("dtype", "param_dtype"):
-            try:
-                object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
-            except TypeError:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+        self._canonical_dtypes()
         problems = self._problems()
         if problems:
             raise ValueError("invalid DeepSeekV3Config:\n  - " + "\n  - ".join(problems))
@@ -189,21 +175,6 @@ class DeepSeekV3Config:
     def has_moe(self) -> bool:
         """Whether any layer (main stack or MTP) is an MoE layer."""
         return self.num_moe_layers > 0 or self.num_nextn_predict_layers > 0
-
-    def with_overrides(self, **overrides: Any) -> DeepSeekV3Config:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **overrides)
-
-    # ---- presets ----
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> DeepSeekV3Config:
-        """A named configuration: ``deepseek3-671b``, ``deepseek3-tiny``, ``deepseek3-mini``, ``deepseek3-small``,
-        ``deepseek2-lite``, ``deepseek2-236b`` (see ``PRESETS`` for what each is)."""
-        try:
-            fields = PRESETS[name]
-        except KeyError:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
-        return cls(**{**fields, **overrides})
 
     # ---- Hugging Face config.json ----
     @classmethod
@@ -376,3 +347,4 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
     ),
 }
+DeepSeekV3Config.PRESETS = PRESETS  # preset(name) reads them; deepseek3-671b, deepseek3-mini, ...

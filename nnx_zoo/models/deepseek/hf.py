@@ -34,6 +34,7 @@ from nnx_zoo.hf import (
     save_module,
 )
 from nnx_zoo.hf.table import Shape
+from nnx_zoo.models.causal_lm import pretrained_overrides
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import abstract_module, get_rules
 from nnx_zoo.sharding.rules import Rules
@@ -140,10 +141,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     ``CheckpointMismatchError``.
     """
     directory = Path(path)
-    overrides = dict(config_overrides)
-    if dtype is not None:
-        overrides.setdefault("dtype", dtype)
-        overrides.setdefault("param_dtype", dtype)
+    overrides = pretrained_overrides(dtype, config_overrides)
     rules = get_rules(rules if rules is not None else "default")
     with SafetensorsCheckpoint(directory) as ckpt:
         config = DeepSeekV3Config.from_hf(directory, **overrides)

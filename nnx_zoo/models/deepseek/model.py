@@ -7,9 +7,8 @@ Each stack is one set of stacked Variables (leading logical axis named after the
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,17 +20,17 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
+from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, run_stack
+from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, stack_hidden_states
 from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.models.deepseek.mla import MLA
-from nnx_zoo.models.deepseek.moe import DeepSeekMoE
-from nnx_zoo.sharding import create_sharded, get_rules, shard, use_rules
+from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput
+from nnx_zoo.sharding import get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
-_BLV = ("activation_batch", "activation_length", "activation_vocab")
 
 
 def _dtypes(c: DeepSeekV3Config) -> dict[str, Any]:
@@ -48,8 +47,27 @@ def _mean_over_sequences(balance: jax.Array, attention_mask: jax.Array | None) -
     return jnp.sum(per_sequence * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
 
 
+class LayerOutput(NamedTuple):
+    """What a ``DecoderLayer`` returns, whatever the layer: ``hidden [batch, seq, embed]``, and for an MoE layer
+    its ``MoEOutput`` fields ``expert_indices [batch, seq, k]``, ``dropped_tokens`` (int32 scalar) and
+    ``balance_loss [batch]`` (None when ``seq_aux_loss_alpha`` is 0); for a dense layer those three are None."""
+
+    hidden: jax.Array
+    expert_indices: jax.Array | None = None
+    dropped_tokens: jax.Array | None = None
+    balance_loss: jax.Array | None = None
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + MLA(norm(x))``, then ``+ MLP(norm(.))`` (dense SwiGLU, or the MoE block)."""
+    """Pre-norm block: ``x + MLA(norm(x))``, then ``+ MLP(norm(.))`` (dense SwiGLU, or the MoE block).
+
+    >>> config = DeepSeekV3Config.preset("deepseek3-mini")
+    >>> layer = DecoderLayer(config, moe=True, rngs=nnx.Rngs(0))
+    >>> cos, sin = rope_cos_sin(jnp.arange(8)[None], rope_frequencies(config.qk_rope_head_dim, 1e4)[0])
+    >>> out = layer(jnp.ones((2, 8, 128)), cos, sin, causal_mask(8))
+    >>> out.hidden.shape, out.expert_indices.shape
+    ((2, 8, 128), (2, 8, 2))
+    """
 
     def __init__(self, config: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
         c = config
@@ -63,11 +81,8 @@ class DecoderLayer(nnx.Module):
                 c.initializer_range), rngs=rngs, **_dtypes(c))
         self.is_moe = moe
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
-        """``(output [batch, seq, embed], aux)``: for an MoE layer ``aux = (chosen experts [batch, seq, k],
-        (token, expert) pairs dropped over capacity (int32 scalar), sequence-wise balance loss [batch])``, for a
-        dense layer None. The balance loss is None when ``seq_aux_loss_alpha`` is 0."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> LayerOutput:
+        """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask [batch or 1, 1, seq, seq]`` (``causal_mask``)."""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
         seq = x.shape[1]
         # A token is real (not padding) when it may attend to itself.
@@ -75,15 +90,11 @@ class DecoderLayer(nnx.Module):
                       else jnp.any(mask[:, 0] & jnp.eye(seq, dtype=bool), axis=-1))
         return self._feed_forward(x, token_mask)
 
-    def _feed_forward(self, x: jax.Array, token_mask: jax.Array
-                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
-        if self.is_moe:
-            mlp_out, expert_idx, dropped, balance = self.mlp(self.post_attn_norm(x), return_dropped=True,
-                                                             token_mask=token_mask)
-            aux = (expert_idx, dropped, balance)
-        else:
-            mlp_out, aux = self.mlp(self.post_attn_norm(x)), None
-        return shard(x + mlp_out, _BLE), aux
+    def _feed_forward(self, x: jax.Array, token_mask: jax.Array) -> LayerOutput:
+        if not self.is_moe:
+            return LayerOutput(shard(x + self.mlp(self.post_attn_norm(x)), _BLE))
+        moe: MoEOutput = self.mlp(self.post_attn_norm(x), token_mask=token_mask)
+        return LayerOutput(shard(x + moe.output, _BLE), moe.expert_indices, moe.dropped_tokens, moe.balance_loss)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
                start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -91,14 +102,19 @@ class DecoderLayer(nnx.Module):
         rope_cache)`` with the new tokens written at slots ``start .. start + t``."""
         attn, latent_cache, rope_cache = self.attn.decode(self.input_norm(x), cos, sin, latent_cache, rope_cache,
                                                           start, mask)
-        x, _ = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
-        return x, latent_cache, rope_cache
+        out = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
+        return out.hidden, latent_cache, rope_cache
 
     def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, factor: int
-                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+                    ) -> LayerOutput:
         """``self(x, cos, sin, mask)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same output
-        (dropless), with exactly ``x``'s sharding."""
-        return batch_split(lambda h, m: self(h, cos, sin, m), x, mask, factor=factor)
+        (dropless), the hidden state with exactly ``x``'s sharding; dropped pairs are summed over micro-batches."""
+        def run(h: jax.Array, m: jax.Array | None) -> tuple[jax.Array, tuple[Any, ...]]:
+            out = self(h, cos, sin, m)
+            return out.hidden, tuple(out[1:])
+
+        hidden, rest = batch_split(run, x, mask, factor=factor)
+        return LayerOutput(hidden, *rest)
 
 
 class MTPHead(nnx.Module):
@@ -123,45 +139,37 @@ class MTPHead(nnx.Module):
     def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
                  mask: jax.Array | None) -> jax.Array:
         joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
-        hidden, _ = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
-        return self.final_norm(hidden)
+        out = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
+        return self.final_norm(out.hidden)
 
 
-class DeepSeekV3Output(NamedTuple):
-    """What ``model(..., return_aux=True)`` returns (a pytree; fields are None when not computed).
+class _LayerRecord(NamedTuple):
+    """What the layer scan keeps per layer (None where not asked for, or for dense layers)."""
 
-    ``embeddings`` [b, s, e]; ``layer_outputs`` [num_hidden_layers, b, s, e] (each decoder layer's output,
-    before the final norm); ``final_hidden`` [b, s, e] (after it); ``expert_indices`` [num_moe_layers, b, s, k];
-    ``mtp_logits`` [num_nextn_predict_layers, b, s, vocab], where depth ``k`` at position ``i`` predicts token
-    ``i + k + 1``; ``dropped_tokens`` [num_moe_layers] int32: (token, expert) pairs each MoE layer dropped over
-    capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; zeros when dropless); ``expert_load``
-    [num_moe_layers, n_routed_experts] float32: how many (token, expert) pairs each routed expert received;
-    ``aux_loss`` (scalar, when ``seq_aux_loss_alpha > 0``): the sequence-wise balance loss, averaged over the
-    sequences that hold a real token and summed over the MoE layers (MTP heads excluded).
-    """
-
-    logits: jax.Array
-    embeddings: jax.Array | None = None
-    layer_outputs: jax.Array | None = None
-    final_hidden: jax.Array | None = None
-    expert_indices: jax.Array | None = None
-    mtp_logits: jax.Array | None = None
-    dropped_tokens: jax.Array | None = None
-    expert_load: jax.Array | None = None
-    aux_loss: jax.Array | None = None
+    hidden: jax.Array | None
+    expert_indices: jax.Array | None
+    expert_load: jax.Array | None
+    dropped_tokens: jax.Array | None
+    balance_loss: jax.Array | None
 
 
-class DeepSeekV3(nnx.Module):
+class DeepSeekV3(CausalLMBase):
     """DeepSeek-V3 causal language model (exact against HF ``DeepseekV3ForCausalLM``).
 
     >>> config = DeepSeekV3Config.preset("deepseek3-mini")
     >>> model = DeepSeekV3(config, rngs=nnx.Rngs(0))                       # or DeepSeekV3.create(config, mesh=mesh)
     >>> logits = model(jnp.zeros((2, 16), jnp.int32))                      # [2, 16, vocab]
+    >>> out = model.forward(jnp.zeros((2, 16), jnp.int32), with_mtp=True)  # CausalLMOutput: out.mtp_logits, ...
     >>> model = DeepSeekV3.from_pretrained("/path/to/hf_checkpoint", mesh=mesh)
     >>> model.save_pretrained("/tmp/out")                                  # loadable by transformers
 
-    ``rules`` (a rule-set name or tuple) is stored on the model and used by every ``shard`` inside ``__call__``.
+    ``rules`` (a rule-set name or tuple) is stored on the model and used by every ``shard`` inside ``forward``.
     """
+
+    config_class: ClassVar[type[DeepSeekV3Config]] = DeepSeekV3Config
+    # MLA's projections (queries, the key/value down- and up-projections, the output) in every decoder layer,
+    # multi-token-prediction heads included; add ``nnx_zoo.layers.lora.EXPERTS_PATTERN`` for the routed experts.
+    lora_targets: ClassVar[str] = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
 
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default"):
         c = config
@@ -185,15 +193,6 @@ class DeepSeekV3(nnx.Module):
         return create_stack(make, count, rngs, axis_name) if count else None
 
     @classmethod
-    def create(cls, config: DeepSeekV3Config, *, mesh: Mesh | None = None, rules: Rules | str = "default",
-               seed: int = 0) -> DeepSeekV3:
-        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
-        def make() -> DeepSeekV3:
-            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
-
-        return make() if mesh is None else create_sharded(make, mesh, rules)
-
-    @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
                         dtype: Any = None, **config_overrides: Any) -> DeepSeekV3:
         """Load an HF DeepSeek-V3 checkpoint directory (see ``nnx_zoo.models.deepseek.hf.load_pretrained``)."""
@@ -207,61 +206,69 @@ class DeepSeekV3(nnx.Module):
 
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, return_aux: bool = False,
-                 with_mtp: bool = False, segment_ids: jax.Array | None = None,
-                 with_expert_load: bool = False, position_ids: jax.Array | None = None
-                 ) -> jax.Array | DeepSeekV3Output:
-        """Logits ``[batch, seq, vocab]`` for ``input_ids [batch, seq]``; ``attention_mask [batch, seq]`` (1 =
-        token, 0 = padding) may mark left padding. Positions are ``0..seq-1`` whatever the padding, as in HF's
-        forward, unless ``position_ids [batch, seq]`` are given (generation uses ``cumsum(attention_mask) - 1``,
-        as HF's ``generate`` does). ``return_aux`` returns a ``DeepSeekV3Output`` (per-layer hidden states,
-        chosen experts); ``with_mtp`` also runs the MTP heads (``mtp_logits``). ``segment_ids [batch, seq]``
-        (packed training data) keep attention inside each document. ``with_expert_load`` adds each MoE layer's
-        per-expert token counts (``expert_load``), which ``update_routing_bias`` turns into DeepSeek's
-        aux-loss-free balancing. With ``config.seq_aux_loss_alpha > 0`` the call returns a ``DeepSeekV3Output``
-        carrying ``aux_loss``."""
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False) -> CausalLMOutput:
+        """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``; generation passes
+        ``position_ids = cumsum(attention_mask) - 1``, as HF's ``generate`` does).
+
+        ``with_hidden_states``: ``hidden_states`` (HF's layout). ``with_mtp``: the MTP heads' ``mtp_logits``.
+        ``with_expert_load``: each MoE layer's per-expert ``expert_load`` (which ``update_routing_bias`` turns
+        into DeepSeek's aux-loss-free balancing) and ``dropped_tokens``. ``with_routing``: ``expert_indices``.
+        ``aux_loss`` is there whenever ``config.seq_aux_loss_alpha > 0``: the sequence-wise balance loss summed
+        over the MoE layers (MTP heads excluded), averaged over the sequences holding a real token.
+        """
+        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
+        if with_mtp and self.mtp_layers is None:
+            raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         with use_rules(self.rules), self._parameter_mesh():
-            return self._forward(input_ids, attention_mask, segment_ids, return_aux=return_aux, with_mtp=with_mtp,
-                                 with_expert_load=with_expert_load, position_ids=position_ids)
+            c = self.config
+            positions = jnp.arange(input_ids.shape[1])[None, :] if position_ids is None else position_ids
+            cos, sin = self._rope(positions)
+            mask = causal_mask(input_ids.shape[1], attention_mask, segment_ids)
+            embeddings = self.embed(input_ids)
+            run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
+
+            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _LayerRecord]:
+                split = c.batch_split_factor if layer.is_moe else 1
+                out = layer.batch_split(h, cos, sin, mask, split)
+                load = None
+                if with_expert_load and out.expert_indices is not None:
+                    load = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                   axis=(0, 1, 2))
+                return out.hidden, _LayerRecord(
+                    hidden=out.hidden if with_hidden_states else None,
+                    expert_indices=out.expert_indices if with_routing else None, expert_load=load,
+                    dropped_tokens=out.dropped_tokens if with_expert_load else None,
+                    balance_loss=out.balance_loss)
+
+            h, records = embeddings, []
+            for stack in (self.dense_layers, self.moe_layers):
+                if stack is not None:
+                    h, record = run_stack(stack, layer_body, h, **run)
+                    records.append(record)
+            final_hidden = self.norm(h)
+            moe = records[-1] if self.moe_layers is not None else _LayerRecord(None, None, None, None, None)
+            hidden_states = None
+            if with_hidden_states:
+                layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
+                hidden_states = stack_hidden_states(embeddings, layer_outputs, final_hidden)
+            return CausalLMOutput(
+                logits=self._logits(final_hidden), hidden_states=hidden_states,
+                mtp_logits=(self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions)
+                            if with_mtp else None),
+                expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
+                aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
+                                                                                     attention_mask))
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
-
-    def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
-        """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
-        from nnx_zoo.generate import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
-
     def init_cache(self, batch: int, max_len: int) -> MLACache:
         """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
         c = self.config
         with use_rules(self._decoding_rules()), self._parameter_mesh():
             return MLACache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
                                   kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype))
-
-    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None, cache: MLACache
-                ) -> tuple[jax.Array, MLACache]:
-        """Run a (left-padded) prompt ``[batch, t]`` into ``cache``: ``(logits [batch, t, vocab], cache)``.
-        Token ``i`` of a row sits at rope position ``cumsum(attention_mask)[i] - 1``; padding is never attended
-        to. Logits come whole along the vocabulary (ready for sampling)."""
-        if input_ids.shape[1] > cache.max_len:
-            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
-                             "slots; create the cache with max_len >= prompt length + tokens to generate")
-        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
-            return self._extend(input_ids, token_mask, cache)
-
-    def decode_step(self, tokens: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
-        """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``.
-        The cache must have a free slot (``cache.length < cache.max_len``; a full cache overwrites its last)."""
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
-            logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
-        return logits[:, 0], cache
-
-    def _decoding_rules(self) -> Rules:
-        """The model's rules with the new tokens' sequence dim unsplit: one decoded token cannot be divided
-        over context-parallel devices (the first rule for a name wins, so this one overrides)."""
-        return (("activation_length", None), *self.rules)
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
         """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
@@ -289,80 +296,10 @@ class DeepSeekV3(nnx.Module):
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(latent=latent, k_rope=k_rope)
 
-    def _parameter_mesh(self) -> Any:
-        """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
-        ``jax.set_mesh``); otherwise nothing."""
-        if not jax.sharding.get_abstract_mesh().empty:
-            return contextlib.nullcontext()
-        table = self.embed.embedding[...]
-        sharding = jax.typeof(table).sharding if isinstance(table, jax.core.Tracer) else table.sharding
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is None or mesh.empty or mesh.size == 1:
-            return contextlib.nullcontext()
-        if isinstance(mesh, Mesh):
-            return jax.set_mesh(mesh)
-        return jax.sharding.use_abstract_mesh(mesh)  # while tracing: parameters carry an abstract mesh
-
-    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
-
-    def _logits(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return self.embed.attend(hidden)
-        return self.lm_head(hidden, _BLV)
-
-    def _forward(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None, *,
-                 return_aux: bool, with_mtp: bool, with_expert_load: bool = False,
-                 position_ids: jax.Array | None = None) -> jax.Array | DeepSeekV3Output:
-        c = self.config
-        seq_len = input_ids.shape[1]
-        positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
-        cos, sin = self._rope(positions)
-        mask = causal_mask(seq_len, attention_mask, segment_ids)
-        embeddings = self.embed(input_ids)
-        run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
-
-        def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
-            if layer.is_moe and c.batch_split_factor > 1:
-                h, aux = layer.batch_split(h, cos, sin, mask, c.batch_split_factor)
-            else:
-                h, aux = layer(h, cos, sin, mask)
-            if return_aux:
-                return h, (h, aux)
-            if aux is None:
-                return h, (None, None)
-            expert_idx, _, balance = aux
-            load = jnp.sum(jax.nn.one_hot(expert_idx, c.n_routed_experts, dtype=jnp.float32), axis=(0, 1, 2))
-            return h, (load if with_expert_load else None, balance if c.seq_aux_loss_alpha > 0 else None)
-
-        h, per_layer, moe_outs = embeddings, [], None
-        for stack in (self.dense_layers, self.moe_layers):
-            if stack is not None:
-                h, outs = run_stack(stack, layer_body, h, **run)
-                per_layer.append(outs)
-                moe_outs = outs if stack is self.moe_layers else None
-        final_hidden = self.norm(h)
-        logits = self._logits(final_hidden)
-        mtp_logits = (self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions) if with_mtp
-                      else None)
-        if not return_aux:
-            load, balance = moe_outs if moe_outs is not None else (None, None)
-            aux_loss = None if balance is None else _mean_over_sequences(balance, attention_mask)
-            if mtp_logits is None and load is None and aux_loss is None:
-                return logits
-            return DeepSeekV3Output(logits=logits, mtp_logits=mtp_logits, expert_load=load, aux_loss=aux_loss)
-        layer_outputs = jnp.concatenate([outs[0] for outs in per_layer], axis=0) if per_layer else None
-        expert_indices, dropped, balance = moe_outs[1] if moe_outs is not None else (None, None, None)
-        aux_loss = None if balance is None or c.seq_aux_loss_alpha == 0 else _mean_over_sequences(
-            balance, attention_mask)
-        return DeepSeekV3Output(logits=logits, embeddings=embeddings, layer_outputs=layer_outputs,
-                                final_hidden=final_hidden, expert_indices=expert_indices, mtp_logits=mtp_logits,
-                                dropped_tokens=dropped, aux_loss=aux_loss)
-
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves
         by ``rate`` toward balance, ``bias += rate * sign(mean load - load)`` (``expert_load [layers, experts]``
-        from ``model(..., with_expert_load=True)``). The bias only affects which experts are chosen."""
+        from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen."""
         if self.moe_layers is None:
             return
         bias = self.moe_layers.mlp.e_score_correction_bias

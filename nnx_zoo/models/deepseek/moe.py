@@ -9,6 +9,8 @@ biased scores); the chosen experts are *weighted* by the unbiased ``s``, normali
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -83,11 +85,25 @@ def sequence_balance_loss(
     return config.seq_aux_loss_alpha * jnp.sum(f * p, axis=-1)
 
 
+class MoEOutput(NamedTuple):
+    """What ``DeepSeekMoE`` returns, always these four: ``output [batch, seq, embed]``; ``expert_indices [batch,
+    seq, k]`` int32, each token's chosen experts; ``dropped_tokens`` int32 scalar, (token, expert) pairs dropped
+    over capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0); ``balance_loss [batch]`` float32,
+    each sequence's ``sequence_balance_loss`` (None when ``seq_aux_loss_alpha`` is 0)."""
+
+    output: jax.Array
+    expert_indices: jax.Array
+    dropped_tokens: jax.Array
+    balance_loss: jax.Array | None
+
+
 class DeepSeekMoE(nnx.Module):
-    """The MoE feed-forward block. ``moe(x [batch, seq, embed]) -> (out [batch, seq, embed], expert_idx [batch,
-    seq, k])``.
+    """The MoE feed-forward block: ``moe(x [batch, seq, embed]) -> MoEOutput``.
 
     >>> moe = DeepSeekMoE(DeepSeekV3Config.preset("deepseek3-mini"), rngs=nnx.Rngs(0))
+    >>> out = moe(jnp.ones((2, 8, 128)))
+    >>> out.output.shape, out.expert_indices.shape, out.balance_loss
+    ((2, 8, 128), (2, 8, 2), None)
     """
 
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs):
@@ -110,12 +126,9 @@ class DeepSeekMoE(nnx.Module):
         else:
             self.shared_experts = None
 
-    def __call__(self, x: jax.Array, *, return_dropped: bool = False, token_mask: jax.Array | None = None
-                 ) -> tuple[jax.Array, ...]:
-        """``(out, expert_idx)``; with ``return_dropped`` also the number of (token, expert) pairs dropped over
-        capacity (``moe_impl='ep'`` with ``moe_capacity_factor``; else 0), an int32 scalar; with ``token_mask
-        [batch or 1, seq]`` (True = real token) last also each sequence's balance loss ``[batch]``
-        (``sequence_balance_loss``; None when ``seq_aux_loss_alpha`` is 0)."""
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None) -> MoEOutput:
+        """``MoEOutput`` for ``x [batch, seq, embed]``. ``token_mask [batch or 1, seq]`` (True = real token; default
+        all real) says which tokens the balance loss counts."""
         c = self.config
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
@@ -132,8 +145,8 @@ class DeepSeekMoE(nnx.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out, _BLE), in_sharding)
-        outputs = (out, idx.reshape(batch, seq, c.num_experts_per_tok)) + ((dropped,) if return_dropped else ())
-        if token_mask is not None:  # None when the loss is off: nothing to trace
-            balance = sequence_balance_loss(logits, idx, token_mask, c) if c.seq_aux_loss_alpha > 0 else None
-            outputs += (balance,)
-        return outputs
+        balance = None
+        if c.seq_aux_loss_alpha > 0:  # off: nothing to trace
+            token_mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
+            balance = sequence_balance_loss(logits, idx, token_mask, c)
+        return MoEOutput(out, idx.reshape(batch, seq, c.num_experts_per_tok), dropped, balance)

@@ -32,8 +32,9 @@ def numpy_sequence_loss(router_input, router, chosen, real):
     return ALPHA * float(np.sum(f * p))
 
 
-def _router_inputs(model, ids, attention_mask, layer_outputs):
-    """Each MoE layer's router input (its post-attention norm), rebuilt from the previous layer's output."""
+def _router_inputs(model, ids, attention_mask, hidden_states):
+    """Each MoE layer's router input (its post-attention norm), rebuilt from the previous layer's output
+    (``hidden_states[i]`` is layer ``i - 1``'s output)."""
     graphdef, state = nnx.split(model.moe_layers)
     cos, sin = model._rope(jnp.arange(SEQ)[None, :])
     mask = causal_mask(SEQ, attention_mask)
@@ -41,7 +42,7 @@ def _router_inputs(model, ids, attention_mask, layer_outputs):
     first = model.config.num_dense_layers
     for layer_index in range(model.config.num_moe_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer_index: a[i], state))
-        x = layer_outputs[first + layer_index - 1]
+        x = hidden_states[first + layer_index]
         h = x + layer.attn(layer.input_norm(x), cos, sin, mask)
         inputs.append(np.asarray(layer.post_attn_norm(h)))
         routers.append(np.asarray(layer.mlp.router[...]))
@@ -58,11 +59,12 @@ def test_balance_loss_is_summed_over_moe_layers(batch_split_factor):
     attention_mask = jnp.ones((BATCH, SEQ), jnp.int32).at[1, :5].set(0).at[2].set(0)  # left padding; empty row
 
     @nnx.jit
-    def both(model, ids, attention_mask):  # the trainer's call and the aux-output call, compiled together
-        return model(ids, attention_mask=attention_mask), model(ids, attention_mask=attention_mask, return_aux=True)
+    def both(model, ids, attention_mask):  # the trainer's call and the one with every output, compiled together
+        return (model.forward(ids, attention_mask=attention_mask),
+                model.forward(ids, attention_mask=attention_mask, with_hidden_states=True, with_routing=True))
 
     plain, aux = both(model, ids, attention_mask)
-    inputs, routers = _router_inputs(model, ids, attention_mask, aux.layer_outputs)
+    inputs, routers = _router_inputs(model, ids, attention_mask, aux.hidden_states)
     real = np.asarray(attention_mask, bool)
     chosen = np.asarray(aux.expert_indices)  # [moe layers, batch, seq, k]
     per_layer = np.array([[numpy_sequence_loss(inputs[layer][b], routers[layer], chosen[layer, b], real[b])

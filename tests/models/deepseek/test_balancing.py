@@ -18,8 +18,8 @@ def _model():
 def test_expert_load_counts_the_routed_pairs():
     config, model = _model()
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)))
-    load = model(ids, with_expert_load=True).expert_load
-    chosen = model(ids, return_aux=True).expert_indices  # [layers, b, s, k]
+    out = model.forward(ids, with_expert_load=True, with_routing=True)
+    load, chosen = out.expert_load, out.expert_indices  # chosen: [layers, b, s, k]
     expected = np.stack([np.bincount(np.asarray(c).ravel(), minlength=config.n_routed_experts) for c in chosen])
     np.testing.assert_array_equal(np.asarray(load), expected)
     assert load.shape == (config.num_moe_layers, config.n_routed_experts)

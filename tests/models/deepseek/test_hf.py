@@ -186,7 +186,7 @@ def test_mtp_heads_load_and_match_hf(checkpoint, tmp_path):
     model = DeepSeekV3.from_pretrained(mtp_dir, moe_impl="dense")
     assert model.config.num_nextn_predict_layers == 1
     assert DeepSeekV3.from_pretrained(path).config.num_nextn_predict_layers == 0  # no MTP weights, no heads
-    out = nnx.jit(lambda m, ids: m(ids, with_mtp=True))(model, jnp.asarray(IDS))
+    out = nnx.jit(lambda m, ids: m.forward(ids, with_mtp=True))(model, jnp.asarray(IDS))
     assert rel_l2(out.logits, hf_logits) < 1e-5
 
     # HF's MTP module (what generate(use_mtp=True) drafts with), fed the main model's final hidden state and the

@@ -31,7 +31,7 @@ from flax import nnx
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.layers import batch_split
-from nnx_zoo.models.deepseek.model import DeepSeekV3Output
+from nnx_zoo.models.causal_lm import CausalLMOutput
 from nnx_zoo.sharding import (
     ShardingError,
     get_rules,
@@ -92,7 +92,7 @@ def _logical_layout() -> tuple[tuple[tuple[str | None, ...], tuple[int, ...]], .
     ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     mesh = make_abstract_mesh({axis: 2 for axis in ("data", "fsdp", "context", "tensor", "expert")})
     with jax.sharding.use_abstract_mesh(mesh), record_shardings() as seen:
-        jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i, with_mtp=True), state, ids)
+        jax.eval_shape(lambda s, i: nnx.merge(graphdef, s).forward(i, with_mtp=True), state, ids)
     return tuple(dict.fromkeys(params + [(names, shape) for names, shape, _ in seen]))
 
 
@@ -387,7 +387,7 @@ def test_mtp_head_splits_its_batch(monkeypatch):
     ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
     jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i), state, ids)
     without_mtp = list(factors)
-    jax.eval_shape(lambda s, i: nnx.merge(graphdef, s)(i, with_mtp=True), state, ids)
+    jax.eval_shape(lambda s, i: nnx.merge(graphdef, s).forward(i, with_mtp=True), state, ids)
     assert without_mtp == [2]  # the scanned MoE stack's body
     assert factors[len(without_mtp):] == [2, 2]  # the MoE stack again, and the MTP head
 
@@ -416,8 +416,8 @@ def test_mtp_loss_equals_the_sliced_formula():
              "loss_mask": jnp.asarray(rng.integers(0, 2, (b, s)), jnp.float32)}
 
     class Fixed:
-        def __call__(self, ids, attention_mask=None):
-            return DeepSeekV3Output(logits=logits, mtp_logits=mtp)
+        def forward(self, ids, attention_mask=None):
+            return CausalLMOutput(logits=logits, mtp_logits=mtp)
 
     total, metrics = loss_terms(Fixed(), batch, 0.5)
 

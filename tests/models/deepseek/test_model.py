@@ -19,7 +19,7 @@ from tests.models.deepseek.small import small_config
 def _loss(model: DeepSeekV3, ids: jax.Array) -> jax.Array:
     """Next-token loss, plus the MTP head's next-next-token loss when the model has one."""
     mtp = model.mtp_layers is not None
-    out = model(ids, with_mtp=True) if mtp else model(ids, return_aux=True)
+    out = model.forward(ids, with_mtp=mtp)
     logp = jax.nn.log_softmax(out.logits[:, :-1])
     loss = -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
     if mtp:
@@ -80,14 +80,18 @@ def test_output_contract():
     config = small_config(num_hidden_layers=3, num_nextn_predict_layers=0, dtype="bfloat16", param_dtype="bfloat16")
     ids, mask = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), jnp.int32)
 
-    def shapes_of(config, **call_kwargs):  # build and run abstractly: shapes and dtypes only, nothing compiled
-        return jax.eval_shape(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0))(ids, mask, **call_kwargs))
+    def shapes_of(config, **forward_kwargs):  # build and run abstractly: shapes and dtypes only, nothing compiled
+        def run():
+            model = DeepSeekV3(config, rngs=nnx.Rngs(0))
+            return model.forward(ids, mask, **forward_kwargs) if forward_kwargs else model(ids, mask)
+        return jax.eval_shape(run)
 
     logits = shapes_of(config)
     assert logits.shape == (2, 5, 256) and logits.dtype == jnp.bfloat16
-    out = shapes_of(config, return_aux=True)
-    assert out.layer_outputs.shape == (3, 2, 5, 128) and out.expert_indices.shape == (2, 2, 5, 2)
-    assert out.embeddings.shape == out.final_hidden.shape == (2, 5, 128) and out.mtp_logits is None
+    out = shapes_of(config, with_hidden_states=True, with_routing=True, with_expert_load=True)
+    assert out.hidden_states.shape == (4, 2, 5, 128) and out.expert_indices.shape == (2, 2, 5, 2)
+    assert out.expert_load.shape == (2, 8) and out.dropped_tokens.shape == (2,)
+    assert out.mtp_logits is None and out.aux_loss is None
     model = abstract_module(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)))
     assert model.moe_layers.mlp.e_score_correction_bias.dtype == jnp.float32  # the router stays float32
     with pytest.raises(ValueError, match="no MTP heads"):

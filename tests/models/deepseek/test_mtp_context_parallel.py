@@ -22,7 +22,7 @@ def test_mtp_heads_take_a_sequence_sharded_batch():
     ids = rng.integers(0, config.vocab_size, (4, 8)).astype(np.int32)
 
     def mtp_logits(model, ids):
-        return model(ids, with_mtp=True).mtp_logits
+        return model.forward(ids, with_mtp=True).mtp_logits
 
     want = nnx.jit(mtp_logits)(DeepSeekV3.create(config), ids)
     mesh = make_mesh({"fsdp": 4, "context": 2}, shard_mode="explicit")

@@ -74,7 +74,7 @@ def _inputs():
 
 
 def _loss(state, graphdef, ids, mask, probe):
-    out = nnx.merge(graphdef, state)(ids, mask, return_aux=True)
+    out = nnx.merge(graphdef, state).forward(ids, mask, with_expert_load=True)
     return jnp.mean(out.logits * probe), (out.logits, out.dropped_tokens)
 
 
@@ -152,7 +152,7 @@ def test_capacity_factor_without_ep_axes_is_local():
     @jax.jit
     def dropped(state, x):
         with use_rules("ep-as-dp"):
-            return nnx.merge(graphdef, state)(x, return_dropped=True)[2]
+            return nnx.merge(graphdef, state)(x).dropped_tokens
 
     assert dropped(state, x) > 0
     mesh = make_mesh({"fsdp": 4, "expert": 2}, shard_mode="explicit")

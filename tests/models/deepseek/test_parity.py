@@ -51,9 +51,9 @@ def _inputs(padded: bool, vocab: int) -> tuple[np.ndarray, np.ndarray | None]:
     return ids, mask
 
 
-@nnx.jit(static_argnames=("return_aux",))
-def forward(model: DeepSeekV3, ids: jax.Array, mask: jax.Array | None, return_aux: bool = True):
-    return model(ids, mask, return_aux=return_aux)
+@nnx.jit
+def forward(model: DeepSeekV3, ids: jax.Array, mask: jax.Array | None):
+    return model.forward(ids, mask, with_hidden_states=True, with_routing=True)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def built(tmp_path_factory):
 def assert_matches_hf(out, ref: dict, mask: np.ndarray | None) -> None:
     assert rel_l2(out.logits, ref["logits"]) < 1e-5
     hidden = ref["hidden_states"]  # (embeddings, outputs of layers 0..L-2, final normed)
-    ours = [out.embeddings, *list(out.layer_outputs[:-1]), out.final_hidden]
+    ours = list(out.hidden_states)  # the same layout
     assert len(ours) == len(hidden)
     for i, (a, b) in enumerate(zip(ours, hidden)):
         assert rel_l2(a, b) < 1e-5, f"hidden state {i}"

@@ -15,8 +15,8 @@ def test_packed_documents_do_not_see_each_other():
     first, second = rng.integers(0, 256, (1, 5)), rng.integers(0, 256, (1, 7))
     packed = jnp.asarray(np.concatenate([first, second], axis=1))
     segments = jnp.asarray([[1] * 5 + [2] * 7])
-    out = model(packed, segment_ids=segments, with_mtp=True)
-    alone = [model(jnp.asarray(doc), with_mtp=True) for doc in (first, second)]
+    out = model.forward(packed, segment_ids=segments, with_mtp=True)
+    alone = [model.forward(jnp.asarray(doc), with_mtp=True) for doc in (first, second)]
     # RoPE scores depend only on relative positions, so the second document's offset does not matter.
     np.testing.assert_allclose(out.logits[:, :5], alone[0].logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out.logits[:, 5:], alone[1].logits, rtol=1e-5, atol=1e-5)
