@@ -1,6 +1,6 @@
 """Text generation with a KV cache: greedy, temperature, top-k and top-p sampling, stop tokens, left padding.
 
-Works with any model that offers the cached-decoding trio (``DeepSeekV3`` does):
+Works with any model that offers the cached-decoding trio (every family does; ``docs/causal_lm.md``):
 
 - ``model.init_cache(batch, max_len) -> cache`` (a pytree of fixed-size arrays),
 - ``model.prefill(input_ids, attention_mask, cache) -> (logits [batch, t, vocab], cache)``,

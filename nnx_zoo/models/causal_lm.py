@@ -287,7 +287,7 @@ class CausalLM(CausalLMBase):
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
         if with_mtp:
-            raise ValueError(f"with_mtp=True but {type(self).__name__} has no multi-token-prediction heads")
+            raise ValueError(f"with_mtp=True but {type(self).__name__} has no MTP heads (multi-token prediction)")
         c = self.config
         with use_rules(self.rules), self._parameter_mesh():
             seq_len = input_ids.shape[1]
