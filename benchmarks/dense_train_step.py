@@ -1,0 +1,363 @@
+"""Dense-family training-step throughput: nnx_zoo (JAX) Llama3 / Qwen3 against transformers' LlamaForCausalLM /
+Qwen3ForCausalLM (PyTorch), CPU, float32.
+
+The step: forward + backward of the mean next-token cross-entropy over all parameters, same config, same batch,
+same weights (the torch model loads the JAX model's `save_pretrained` output), tokens/s = batch * seq / seconds
+per step. Before anything is timed the two losses and gradient norms are compared; a disagreement beyond 1e-4
+(relative) stops the run, since timing two different computations would mean nothing.
+  jax        nnx_zoo `AutoModelForCausalLM.create(AutoConfig.preset(name))`, as shipped (scanned layers), a
+             `jax.jit(jax.value_and_grad(loss))` over the `nnx.Param` state with the trainer's own
+             `token_cross_entropy`
+  torch-Nt   transformers' model built by `AutoModelForCausalLM.from_pretrained` on that checkpoint (sdpa
+             attention), `zero_grad(set_to_none=True); model(ids, labels=ids).loss.backward()`, with
+             torch.set_num_threads(N) for N in 2 (the box's cores) and 1 (torch's 2-thread OpenMP regions can
+             stall on this shared, oversubscribed box)
+Interleaved with the steps, three references that are not steps: a 1024^3 float32 matmul in JAX and in torch
+(the box's practical matmul FLOP/s; the fastest round of either is the peak, the most generous ceiling, and MFU is
+model FLOP/s over it) and the three lm_head matmuls of the step alone at its shapes (`x @ W`, `g @ W^T`,
+`x^T @ g`: work every implementation must do). Model FLOPs are the config's `train_flops_per_token`.
+
+All contenders of one comparison are timed side by side in one process, interleaved, several rounds, the order
+rotated each round, one untimed call of each before its timed calls in every round; medians, and ratios as the
+median of per-round ratios (see `_harness.py`).
+
+    python benchmarks/dense_train_step.py             # llama3-small, qwen3-small at 1x128 and 4x128 (~15 min)
+    python benchmarks/dense_train_step.py --quick     # smoke run: llama3-tiny, 1x128, 2 rounds
+    python benchmarks/dense_train_step.py --profile   # also: where the JAX step's time goes, per HLO op
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import _harness as h
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnx_zoo import AutoConfig, AutoModelForCausalLM
+from nnx_zoo.train.step import token_cross_entropy
+
+PEAK_MATMUL = 1024  # side of the square float32 matmul timed as this box's practical FLOP/s ceiling
+LOSS_RTOL = 1e-4  # the two frameworks must agree this well on loss and gradient norm before timing
+
+
+# ------------------------------------------------------------------------------------------------------- JAX step
+def mean_next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Mean cross-entropy of predicting ``ids[:, 1:]`` from positions ``0..S-2`` (HF's ``labels=ids`` loss), via
+    the trainer's `token_cross_entropy`, so the step is what a training run computes."""
+    targets = jnp.roll(ids, -1, axis=1)
+    mask = jnp.ones(ids.shape, jnp.float32).at[:, -1].set(0.0)
+    total, count = token_cross_entropy(logits, targets, mask)
+    return total / count
+
+
+def jax_train_step(model, ids: jax.Array) -> tuple[callable, dict, object]:
+    """A compiled `value_and_grad` step over the model's nnx.Param state: (blocking call, info, compiled)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, rest, ids):
+        return mean_next_token_loss(nnx.merge(graphdef, params, rest)(ids), ids)
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss_fn)).lower(params, rest, ids).compile()
+    info = {"compile_s": time.perf_counter() - t0, "xla_flops": h.compiled_flops(compiled)}
+    loss, grads = compiled(params, rest, ids)
+    info["loss"] = float(loss)
+    info["grad_norm"] = float(jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32) ** 2) for g in jax.tree.leaves(grads))))
+
+    def call():
+        return jax.block_until_ready(compiled(params, rest, ids))
+
+    return call, info, compiled
+
+
+# ----------------------------------------------------------------------------------------------------- torch step
+def torch_model(jax_model):
+    """transformers' model of the same family on the JAX model's weights (through a checkpoint on disk)."""
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as d:
+        jax_model.save_pretrained(d)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model.train()
+    return model, {"torch_class": type(model).__name__, "attn_implementation": model.config._attn_implementation,
+                   "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def torch_train_step(model, ids_np: np.ndarray, threads: int) -> tuple[callable, dict]:
+    import torch
+
+    ids = torch.from_numpy(np.asarray(ids_np, dtype=np.int64))
+
+    def call():
+        torch.set_num_threads(threads)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = call()
+    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+    return call, {"first_step_s": time.perf_counter() - t0, "loss": float(loss.detach()), "grad_norm": grad_norm}
+
+
+def check_same_computation(jax_info: dict, torch_info: dict, log) -> dict:
+    """Relative differences of loss and gradient norm; raises when they exceed LOSS_RTOL."""
+    out = {k: abs(jax_info[k] - torch_info[k]) / abs(torch_info[k]) for k in ("loss", "grad_norm")}
+    log(f"  check: loss jax {jax_info['loss']:.7f} torch {torch_info['loss']:.7f} (rel {out['loss']:.1e}); grad "
+        f"norm jax {jax_info['grad_norm']:.7f} torch {torch_info['grad_norm']:.7f} (rel {out['grad_norm']:.1e})")
+    if max(out.values()) > LOSS_RTOL:
+        raise SystemExit(f"nnx_zoo and transformers disagree on the same weights and batch ({out}); fix that "
+                         "before timing anything")
+    return out
+
+
+# ------------------------------------------------------------------------------------ roofline reference points
+def reference_contenders(cfg, tokens: int) -> dict[str, callable]:
+    """Timed references that are not train steps (names start with '~'): the 1024^3 float32 matmul in JAX and
+    in torch (2 threads), and the step's three lm_head matmuls alone in JAX."""
+    import torch
+
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    a = jax.random.normal(k1, (PEAK_MATMUL, PEAK_MATMUL), jnp.float32)
+    ta = torch.from_numpy(np.array(a))
+    x = jax.random.normal(k1, (tokens, cfg.hidden_size), jnp.float32)
+    w = jax.random.normal(k2, (cfg.hidden_size, cfg.vocab_size), jnp.float32)
+    g = jax.random.normal(k3, (tokens, cfg.vocab_size), jnp.float32)
+    peak = jax.jit(lambda a: a @ a)
+    head = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
+
+    def torch_peak():
+        torch.set_num_threads(2)
+        return ta @ ta
+
+    return {"~peak-matmul-jax": lambda: jax.block_until_ready(peak(a)), "~peak-matmul-torch": torch_peak,
+            "~lm_head-matmuls": lambda: jax.block_until_ready(head(x, w, g))}
+
+
+def roofline(times: dict[str, list[float]], cfg, tokens: int, seq: int) -> dict:
+    """Peak, MFU of every contender, and the floor the lm_head matmuls put under any step."""
+    peaks = {n: 2 * PEAK_MATMUL**3 / min(times[n]) for n in ("~peak-matmul-jax", "~peak-matmul-torch")}
+    peak = max(peaks.values())
+    flops_per_step = cfg.train_flops_per_token(seq) * tokens
+    head_flops = 3 * 2 * tokens * cfg.hidden_size * cfg.vocab_size
+    head_s = h.median(times["~lm_head-matmuls"])
+    out = {"peak_gflops_per_s": peak / 1e9, "peaks_gflops_per_s": {k: v / 1e9 for k, v in peaks.items()},
+           "model_gflop_per_step": flops_per_step / 1e9, "lm_head_share_of_flops": head_flops / flops_per_step,
+           "lm_head_matmuls_ms": 1e3 * head_s, "lm_head_matmuls_fraction_of_peak": head_flops / head_s / peak,
+           "mfu": {}}
+    for name, ts in times.items():
+        if not name.startswith("~"):
+            out["mfu"][name] = flops_per_step / h.median(ts) / peak
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ op profile
+def op_category(op_name: str) -> str:
+    """A coarse, name-based bucket for one HLO instruction of the dense train step (see `h.profile_ops`)."""
+    in_layers = "/while/body/" in op_name
+    if not in_layers:
+        if "while" in op_name:
+            return "scan loop control"
+        return "outside layers: embedding, final norm, lm_head matmuls, loss"
+    if "dynamic_update_slice" in op_name or "dynamic_slice" in op_name:
+        return "layers: scan slice in / stack out (params, grads, residuals)"
+    if any(s in op_name for s in ("bqhd,bkhd", "bhqk,bkhd", "bqkd", "softmax", "dot_product_attention")):
+        return "layers: attention scores/softmax/mix"
+    if "dot_general" in op_name or "einsum" in op_name:
+        return "layers: projection and MLP matmuls"
+    return "layers: norms, rope, SwiGLU, masks, layout (elementwise)"
+
+
+def summarize_profile(prof: dict, top: int = 12) -> dict:
+    if "ops" not in prof:
+        return prof
+    cats: dict[str, float] = {}
+    for o in prof["ops"]:
+        cats[op_category(o["op_name"])] = cats.get(op_category(o["op_name"]), 0.0) + o["ms"]
+    return {"wall_ms_per_step": prof["wall_ms_per_step"], "op_ms_per_step": prof["op_ms_per_step"],
+            "executed_ops_per_step": sum(o["calls_per_step"] for o in prof["ops"]),
+            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top_ops": prof["ops"][:top]}
+
+
+def torch_profile(call, steps: int = 3, top: int = 12) -> dict:
+    """Self CPU time per torch op (torch.profiler), ms per step, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            call()
+    wall = (time.perf_counter() - t0) / steps
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {"wall_ms_per_step (profiled)": 1e3 * wall,
+            "top_ops": [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+                        for e in rows[:top]]}
+
+
+# ------------------------------------------------------------------------------------------------ one comparison
+def run_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
+    cfg = AutoConfig.preset(preset)
+    ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size, dtype=jnp.int32)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.create(cfg, seed=0)
+    contenders, infos = {}, {}
+    contenders["jax"], infos["jax"], compiled = jax_train_step(model, ids)
+    infos["jax"]["init_s"] = time.perf_counter() - t0 - infos["jax"]["compile_s"]
+    log(f"  jax: compile {infos['jax']['compile_s']:.1f}s, loss {infos['jax']['loss']:.6f}")
+    tmodel, tinfo = torch_model(model)
+    check = None
+    for threads in a.torch_threads:
+        name = f"torch-{threads}t"
+        contenders[name], sinfo = torch_train_step(tmodel, np.asarray(ids), threads)
+        infos[name] = {**tinfo, **sinfo, "torch_threads": threads}
+        check = check or check_same_computation(infos["jax"], sinfo, log)
+    tokens = batch * seq
+    contenders.update(reference_contenders(cfg, tokens))
+    load0 = os.getloadavg()
+    times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round,
+                          log=log)
+    out = {"preset": preset, "model": type(model).__name__, "batch": batch, "seq": seq, "tokens_per_step": tokens,
+           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "same_computation_rel_diff": check,
+           "model_train_flops_per_token": cfg.train_flops_per_token(seq),
+           "num_parameters": cfg.num_parameters().total, "contenders": {}}
+    torch_names = [n for n in times if n.startswith("torch")]
+    best_torch = min(torch_names, key=lambda n: h.median(times[n]))
+    out["best_torch"] = best_torch
+    out["roofline"] = roofline(times, cfg, tokens, seq)
+    out["reference_rounds_s"] = {n: times.pop(n) for n in list(times) if n.startswith("~")}
+    for name, ts in times.items():
+        med = h.median(ts)
+        entry = {**infos[name], "median_s": med, "tokens_per_s": tokens / med, "rounds_s": ts,
+                 "mfu": out["roofline"]["mfu"][name]}
+        if name == "jax":
+            for tn in torch_names:
+                entry[f"speedup_vs_{tn}"] = h.ratio_stats(times[tn], ts)
+            entry["speedup_vs_best_torch"] = entry[f"speedup_vs_{best_torch}"]
+            if infos[name].get("xla_flops"):
+                entry["xla_gflops_per_s"] = infos[name]["xla_flops"] / med / 1e9
+        out["contenders"][name] = entry
+    if a.profile:
+        log("  profiling jax")
+        out["contenders"]["jax"]["profile"] = summarize_profile(
+            h.profile_ops(compiled, contenders["jax"], steps=a.profile_steps))
+        log(f"  profiling {best_torch}")
+        out["contenders"][best_torch]["profile"] = torch_profile(contenders[best_torch], steps=a.profile_steps)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- report
+def render(results: list[dict], a) -> str:
+    env = h.environment()
+    rows, roof_rows = [], []
+    for s in results:
+        c = s["contenders"]
+        jx = c["jax"]
+        load = f"{s['loadavg_before'][0]:.1f}/{s['loadavg_after'][0]:.1f}"
+        rows.append([s["preset"], f"{s['batch']}x{s['seq']}", jx["tokens_per_s"],
+                     *(c[f"torch-{t}t"]["tokens_per_s"] for t in a.torch_threads),
+                     *(jx[f"speedup_vs_torch-{t}t"]["median_round_ratio"] for t in a.torch_threads),
+                     jx["speedup_vs_best_torch"]["ratio_of_medians"], 100 * jx["mfu"],
+                     100 * c[s["best_torch"]]["mfu"], f"{jx['loss']:.5f} / {c[s['best_torch']]['loss']:.5f}", load])
+        r = s["roofline"]
+        roof_rows.append([s["preset"], f"{s['batch']}x{s['seq']}", r["model_gflop_per_step"],
+                          r["peaks_gflops_per_s"]["~peak-matmul-jax"], r["peaks_gflops_per_s"]["~peak-matmul-torch"],
+                          100 * r["lm_head_share_of_flops"], r["lm_head_matmuls_ms"],
+                          100 * r["lm_head_matmuls_fraction_of_peak"], 1e3 * jx["median_s"],
+                          1e3 * c[s["best_torch"]]["median_s"]])
+    threads = [f"torch {t}t" for t in a.torch_threads]
+    parts = [f"# Dense train step (Llama 3 / Qwen3) on {env['backend']} ({env['processor']}, {env['cpu_count']} "
+             "cores)", "",
+             f"jax {env['jax']} / flax {env.get('flax')}, float32, forward+backward of the mean next-token "
+             f"cross-entropy, same weights in both; {a.rounds} interleaved rounds, medians.", "",
+             "`jax / torch Nt`: median over rounds of (torch time / nnx_zoo time), > 1 = nnx_zoo faster; `jax / best "
+             "torch`: ratio of median tokens/s against the faster torch setting. MFU: model FLOP/s "
+             "(`train_flops_per_token` x tokens / step time) over the peak below. `loss`: first-step loss nnx_zoo / "
+             "torch. `load 1m`: the 1-minute load average before/after the timed rounds.", "",
+             h.markdown_table(["preset", "batch", "jax tokens/s", *(f"{t} tokens/s" for t in threads),
+                               *(f"jax / {t}" for t in threads), "jax / best torch", "jax MFU %",
+                               "best torch MFU %", "loss", "load 1m"], rows), "",
+             "## roofline", "",
+             "`peak`: fastest round of a 1024^3 float32 matmul, JAX and torch (2 threads), timed interleaved with the "
+             "steps; MFU uses the larger. `lm_head`: share of the step's model FLOPs in the three lm_head matmuls, "
+             "their time alone at the step's shapes (JAX) and their FLOP rate as % of peak.", "",
+             h.markdown_table(["preset", "batch", "GFLOP/step", "peak jax GFLOP/s", "peak torch GFLOP/s",
+                               "lm_head % of FLOPs", "lm_head mm ms", "lm_head mm % peak", "jax step ms",
+                               "best torch step ms"], roof_rows), ""]
+    prof_rows, top_rows, torch_rows = [], [], []
+    for s in results:
+        tag = f"{s['preset']} {s['batch']}x{s['seq']}"
+        prof = s["contenders"]["jax"].get("profile")
+        if prof and "categories_ms" in prof:
+            for cat, ms in prof["categories_ms"].items():
+                prof_rows.append([tag, cat, ms, 100.0 * ms / prof["op_ms_per_step"]])
+            prof_rows.append([tag, f"all executed ops ({prof['executed_ops_per_step']:.0f} per step) / wall",
+                              prof["op_ms_per_step"], f"wall {prof['wall_ms_per_step']:.1f} ms"])
+            for o in prof["top_ops"][:8]:
+                top_rows.append([tag, o["hlo"], o["ms"], o["calls_per_step"], o["op_name"][-80:]])
+        tprof = s["contenders"][s["best_torch"]].get("profile")
+        if tprof:
+            for o in tprof["top_ops"][:8]:
+                torch_rows.append([f"{tag} {s['best_torch']}", o["op"], o["self_ms"], o["calls_per_step"]])
+    if prof_rows:
+        parts += ["## where the JAX step's time goes (jax.profiler trace, per executed HLO thunk)", "",
+                  h.markdown_table(["case", "bucket", "ms/step", "%"], prof_rows), "",
+                  h.markdown_table(["case", "HLO op", "ms/step", "runs/step", "source op_name (tail)"], top_rows),
+                  "", "## torch's top ops (torch.profiler, self CPU time)", "",
+                  h.markdown_table(["case", "op", "self ms/step", "calls/step"], torch_rows), ""]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: llama3-tiny, 1x128, 2 rounds")
+    p.add_argument("--presets", nargs="+", default=None, help="any dense preset (default: llama3-small qwen3-small)")
+    p.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
+    p.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")
+    p.add_argument("--torch-threads", type=int, nargs="+", default=[2, 1],
+                   help="torch.set_num_threads values, one torch contender each (default: 2 1)")
+    p.add_argument("--no-warm-each-round", dest="warm_each_round", action="store_false",
+                   help="skip the untimed call of each contender before its timed calls in every round")
+    p.add_argument("--profile", action="store_true", help="also profile the JAX step and the faster torch step")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--out-name", default="dense_train_step", help="results/<name>.{json,md}")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--no-write", action="store_true", help="print only")
+    a = p.parse_args(argv)
+    a.presets = a.presets or (["llama3-tiny"] if a.quick else ["llama3-small", "qwen3-small"])
+    a.batches = a.batches or (["1x128"] if a.quick else ["1x128", "4x128"])
+    a.rounds = a.rounds or (2 if a.quick else 7)
+    a.target_s = a.target_s or (0.2 if a.quick else 1.0)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    results = []
+    for preset in a.presets:
+        for bs in a.batches:
+            batch, seq = (int(v) for v in bs.lower().split("x"))
+            log(f"[step] {preset} {batch}x{seq}")
+            results.append(run_comparison(preset, batch, seq, a, log))
+    md = render(results, a)
+    print(md)
+    if not a.no_write:
+        payload = {"benchmark": "dense_train_step", "argv": sys.argv[1:] if argv is None else list(argv),
+                   "environment": h.environment(), "rounds": a.rounds, "target_s": a.target_s,
+                   "warm_each_round": a.warm_each_round, "torch_threads": a.torch_threads, "results": results}
+        jp, mp = h.write_results(a.out_name, payload, md, a.out_dir)
+        log(f"wrote {jp} and {mp}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
