@@ -231,8 +231,10 @@ class DeepSeekV3(CausalLMBase):
             run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
 
             def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _LayerRecord]:
-                split = c.batch_split_factor if layer.is_moe else 1
-                out = layer.batch_split(h, cos, sin, mask, split)
+                if layer.is_moe and c.batch_split_factor > 1:
+                    out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor)
+                else:
+                    out = layer(h, cos, sin, mask)
                 load = None
                 if with_expert_load and out.expert_indices is not None:
                     load = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),

@@ -56,7 +56,7 @@ def test_moe_block_matches_hf(routing):
         config = DeepSeekV3Config.from_hf({**kwargs, "num_nextn_predict_layers": 0}, moe_impl=impl)
         ours = DeepSeekMoE(config, rngs=nnx.Rngs(0))
         _copy_hf_weights(ours, hf, kwargs["moe_intermediate_size"])
-        out, idx = nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(x.numpy()))
+        out, idx, _, _ = nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(x.numpy()))
         assert rel_l2(out, ref) < 1e-5, impl
         np.testing.assert_array_equal(np.sort(np.asarray(idx).reshape(-1, idx.shape[-1]), -1),
                                       np.sort(chosen["idx"], -1))

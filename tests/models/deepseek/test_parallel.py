@@ -223,7 +223,7 @@ def test_seed000_batch_split_then_shard_with_size_one_context():
     @jax.jit
     def run(state, x):
         with use_rules(rules):
-            h, _ = nnx.merge(graphdef, state).batch_split(x, cos, sin, None, 2)
+            h = nnx.merge(graphdef, state).batch_split(x, cos, sin, None, 2).hidden
             return shard(h * 2.0, _BLE)
 
     with jax.set_mesh(mesh):
