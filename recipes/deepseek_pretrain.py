@@ -25,13 +25,10 @@ from pathlib import Path
 
 def _load_generic_recipe():
     """recipes/pretrain.py as a module, whether this file runs as a script or is loaded by path."""
-    name = "nnx_zoo_recipes_pretrain"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("pretrain.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    spec = importlib.util.spec_from_file_location("pretrain", Path(__file__).resolve().with_name("pretrain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 pretrain = _load_generic_recipe()

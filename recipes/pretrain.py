@@ -26,9 +26,10 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-# Make `python recipes/pretrain.py` work from a clone without installing.
+# Make `python recipes/pretrain.py` work from a clone without installing. (NamedTuples, not dataclasses, below: a
+# dataclass needs its module in sys.modules, which a module loaded by path need not be.)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EXIT_CODES = """exit codes:
@@ -44,8 +45,7 @@ EXIT_CODES = """exit codes:
 HOW_FIELDS = frozenset({"moe_impl", "batch_split_factor", "scan_layers", "remat_policy"})
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """Who runs the recipe: its program name, default preset, help text and which families it trains.
 
     >>> Entry(prog="deepseek_pretrain.py", default_model="deepseek3-tiny", model_classes=("DeepSeekV3",))
@@ -166,6 +166,11 @@ def _run_arguments(g: argparse._ArgumentGroup) -> None:
                    "$XDG_CACHE_HOME/nnx_zoo, by default ~/.cache/nnx_zoo)")
     g.add_argument("--plan", action="store_true",
                    help="print the sharding report and per-device memory for the mesh, allocate nothing, exit")
+    g.add_argument("--plan-batch", type=int, metavar="ROWS",
+                   help="--plan: rows per batch shard for the activation estimate (default: --batch split over the "
+                   "mesh's batch shards, at least 1)")
+    g.add_argument("--plan-seq-len", type=int, metavar="LEN",
+                   help="--plan: sequence length for the activation estimate (default: --seq-len)")
 
 
 def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
@@ -209,8 +214,7 @@ def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
 
 
 # ------------------------------------------------------------------------------------- which model, which family
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
+class ModelSource(NamedTuple):
     """Where the model comes from: a preset name or a checkpoint directory, and its config class."""
 
     config_cls: type
@@ -342,8 +346,7 @@ def model_config(args: argparse.Namespace, source: ModelSource) -> Any:
     return config
 
 
-@dataclasses.dataclass(frozen=True)
-class Extras:
+class Extras(NamedTuple):
     """The training extras a model has and the run uses: MTP heads, expert-load balancing."""
 
     mtp_weight: float  # 0 when the model has no MTP heads (or --mtp-weight 0): the heads do not run
@@ -370,14 +373,16 @@ def plan(args: argparse.Namespace, config: Any) -> int:
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
-    from nnx_zoo.sharding import make_abstract_mesh, sharding_report
+    from nnx_zoo.sharding import make_abstract_mesh
+    from nnx_zoo.sharding.plan import memory_plan
 
     if any(v == -1 for v in args.mesh.values()):
         raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
     model_cls = AutoModelForCausalLM.model_class(config)
-    report = sharding_report(lambda: model_cls(config, rngs=nnx.Rngs(0)), make_abstract_mesh(dict(args.mesh)),
-                             args.rules)
-    print(report.table())
+    result = memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, make_abstract_mesh(dict(args.mesh)),
+                         args.rules, seq_len=args.plan_seq_len or args.seq_len,
+                         batch_per_device=args.plan_batch, global_batch=args.batch)
+    print(result.report.table() + "\n\n" + result.table())
     return 0
 
 

@@ -1,0 +1,166 @@
+"""recipes/pretrain.py trains every family: a preset of any family by name, or continued pretraining from an HF
+checkpoint (ours or one transformers wrote). The first step's loss of a --from-pretrained run equals transformers'
+loss of that checkpoint on the same batch, so the run really starts from the checkpoint's weights."""
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("pretrain", ROOT / "recipes" / "pretrain.py")
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+
+VOCAB, SEQ, BATCH = 256, 16, 8
+SHORT = ["--batch", str(BATCH), "--seq-len", str(SEQ), "--no-progress", "--warmup-steps", "1", "--peak-flops", "1e11"]
+TINY = ["--model.num_hidden_layers", "1", "--model.vocab_size", str(VOCAB)]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_batch() -> dict[str, np.ndarray]:
+    """The recipe's first synthetic batch (its defaults: seed 0, ids below 256)."""
+    from nnx_zoo.train.data import DataConfig, make_iterator
+
+    return next(make_iterator(DataConfig(seq_len=SEQ, global_batch=BATCH, seed=0, synthetic_vocab=VOCAB), VOCAB))
+
+
+def transformers_loss(directory: Path, batch: dict[str, np.ndarray]) -> float:
+    """transformers' mean next-token cross-entropy of the checkpoint on ``batch`` (PyTorch, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.as_tensor(batch["input_ids"], dtype=torch.long)).logits
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                               torch.as_tensor(batch["targets"], dtype=torch.long).reshape(-1),
+                                               reduction="none").numpy()
+    mask = batch["loss_mask"].reshape(-1).astype(np.float64)
+    return float((losses * mask).sum() / mask.sum())
+
+
+def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert recipe.main(["--model", "llama3-tiny", *TINY, *SHORT, "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
+    assert not [k for k in records(run_dir)[0] if k.startswith(("mtp", "expert", "aux"))]  # a dense model
+    err = capsys.readouterr().err
+    assert "llama3-tiny (Llama3)" in err
+    # Resuming restores the checkpoint and checks the run's definition (training on after a resume is the same
+    # code path for every family: tests/recipes/test_pretrain_recipe.py).
+    assert recipe.main(["--model", "llama3-tiny", *TINY, *SHORT, "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    assert "this run already finished: its checkpoint is at step 2" in capsys.readouterr().out
+    assert [r["step"] for r in records(run_dir)] == [1, 2]
+    # The stored run definition is the Llama config with its overrides: a resume with another preset is refused.
+    code = recipe.main(["--model", "qwen3-tiny", *TINY, *SHORT, "--steps", "2", "--run-dir", str(run_dir)])
+    assert code == 2 and "model_type" in capsys.readouterr().err
+
+
+def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):
+    from nnx_zoo import Qwen3, Qwen3Config
+
+    checkpoint = tmp_path / "qwen3"
+    config = Qwen3Config.preset("qwen3-tiny", num_hidden_layers=1, vocab_size=VOCAB, initializer_range=0.2)
+    Qwen3.create(config, seed=7).save_pretrained(checkpoint)
+    run_dir = tmp_path / "run"
+    assert recipe.main(["--from-pretrained", str(checkpoint), *SHORT, "--steps", "1", "--shard-mode", "explicit",
+                        "--run-dir", str(run_dir)]) == 0
+    expected = transformers_loss(checkpoint, first_batch())
+    np.testing.assert_allclose(records(run_dir)[0]["loss"], expected, rtol=2e-5)
+    assert expected > 1.2 * np.log(VOCAB)  # far from a fresh random model's ~ln(vocab): the weights were loaded
+
+
+def test_continued_pretraining_from_a_transformers_llama_checkpoint(tmp_path, capsys):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "hf-llama"
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.2,
+    )).save_pretrained(checkpoint)
+    run_dir = tmp_path / "run"
+    assert recipe.main(["--from-pretrained", str(checkpoint), *SHORT, "--steps", "1",
+                        "--run-dir", str(run_dir)]) == 0
+    assert "hf-llama (Llama3)" in capsys.readouterr().err
+    np.testing.assert_allclose(records(run_dir)[0]["loss"], transformers_loss(checkpoint, first_batch()), rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt9"], "unknown preset 'gpt9'; presets are DeepSeekV3: "),
+        (["--model", "llama3-tiny", "--model.num_nextn_predict_layers", "1"],
+         "--model.num_nextn_predict_layers: not a field of Llama3Config (the config of llama3-tiny)"),
+        (["--model", "qwen3-tiny", "--from-pretrained", "x"], "give --model (a preset) or --from-pretrained"),
+        (["--model", "qwen3-tiny", "--seq-len", "100000"], "--seq-len 100000 exceeds the model's"),
+    ],
+)
+def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
+    assert recipe.main([*args, "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    if "unknown preset" in message:
+        for preset in ("deepseek3-tiny", "llama3.1-8b", "qwen3-0.6b"):
+            assert preset in err
+
+
+def test_from_pretrained_on_a_non_checkpoint_says_what_a_checkpoint_is(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert recipe.main(["--from-pretrained", str(empty)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    assert recipe.main(["--from-pretrained", str(tmp_path / "weights.bin")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    # config.json of a family we do not have; then one of ours without weights: nothing is trained either way.
+    (empty / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert recipe.main(["--from-pretrained", str(empty)]) == 2
+    assert "model_type 'gpt2' is not supported" in capsys.readouterr().err
+    from nnx_zoo import Llama3Config
+
+    (empty / "config.json").write_text(json.dumps(Llama3Config.preset("llama3-tiny").to_hf_dict()))
+    assert recipe.main(["--from-pretrained", str(empty), *SHORT, "--steps", "1",
+                        "--run-dir", str(tmp_path / "run")]) == 2
+    assert "safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_training_extras_follow_what_the_config_has():
+    from nnx_zoo import AutoConfig, AutoModelForCausalLM
+
+    args = argparse.Namespace(mtp_weight=0.3, routing_bias_rate=1e-3)
+
+    def extras(preset: str, **overrides) -> tuple:
+        config = AutoConfig.preset(preset, **overrides)
+        e = recipe.training_extras(config, AutoModelForCausalLM.model_class(config), args)
+        return e.mtp_weight, e.routing_bias_rate, e.model_kwargs
+
+    assert extras("llama3-tiny") == extras("qwen3-tiny") == (0.0, 0.0, ())
+    assert extras("deepseek3-tiny", num_nextn_predict_layers=1) == (
+        0.3, 1e-3, (("with_mtp", True), ("with_expert_load", True)))
+    assert extras("deepseek3-tiny", num_nextn_predict_layers=0) == (0.0, 1e-3, (("with_expert_load", True),))
+    # All layers dense: no experts to balance.
+    assert extras("deepseek3-tiny", num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0)[:2] \
+        == (0.0, 0.0)
+
+
+def test_help_lists_every_family_preset_and_plan_works_for_a_dense_family(capsys):
+    from nnx_zoo.models.registry import preset_names
+
+    with pytest.raises(SystemExit):
+        recipe.main(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse may wrap a name at a hyphen
+    for name in [n for names in preset_names().values() for n in names]:
+        assert name in text, name
+    assert "--model.rope_scaling" in text and "--moe-impl" not in text  # llama3-tiny's fields by default
+    assert recipe.main(["--model", "llama3.1-405b", "--mesh", "fsdp=64,tensor=8", "--plan"]) == 0
+    assert "405" in capsys.readouterr().out
