@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, unplaced_mesh_message
+from nnx_zoo.sharding.resolve import Fallback, Resolution, ShardingError, resolve, unplaced_mesh_message
 from nnx_zoo.sharding.rules import Rules, get_rules
 
 M = TypeVar("M", bound=nnx.Module)
@@ -57,31 +57,72 @@ def iter_variables(state_or_module: Any) -> Iterator[tuple[str, nnx.Variable]]:
             yield path_str(path), var
 
 
-def variable_spec(
-    path: str, variable: nnx.Variable, rules: Rules, mesh: Mesh | AbstractMesh, *, strict: bool = True
-) -> PartitionSpec:
-    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names)."""
+def variable_resolution(
+    path: str,
+    variable: nnx.Variable,
+    rules: Rules,
+    mesh: Mesh | AbstractMesh,
+    *,
+    strict: bool = True,
+    allow_partial: bool = False,
+) -> Resolution:
+    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names), with the
+    divisibility fallbacks ``allow_partial=True`` took (``nnx_zoo.sharding.resolve``)."""
     names = logical_names(variable)
     shape = tuple(variable.shape)
     if names is None:
-        return PartitionSpec()
+        return Resolution(PartitionSpec())
     if len(names) != len(shape):
         raise ShardingError(
             f"{path}: {len(names)} logical names {names} for a {len(shape)}-d value of shape {shape}; annotate "
             "one name per dimension"
         )
-    return logical_to_mesh_axes(names, rules, mesh, strict=strict, shape=shape, path=path)
+    return resolve(names, rules, mesh, strict=strict, shape=shape, path=path, allow_partial=allow_partial)
+
+
+def variable_spec(
+    path: str,
+    variable: nnx.Variable,
+    rules: Rules,
+    mesh: Mesh | AbstractMesh,
+    *,
+    strict: bool = True,
+    allow_partial: bool = False,
+) -> PartitionSpec:
+    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names)."""
+    return variable_resolution(path, variable, rules, mesh, strict=strict, allow_partial=allow_partial).spec
+
+
+def _resolve_state(
+    state: nnx.State, mesh: Mesh | AbstractMesh, rules: Rules, strict: bool, allow_partial: bool
+) -> list[Resolution]:
+    # A Variable may hold no array at all (optax's MaskedNode, in the state of an optimizer that partitions the
+    # parameters, e.g. Muon + AdamW): it has no leaf, so it gets no sharding.
+    return [variable_resolution(path, var, rules, mesh, strict=strict, allow_partial=allow_partial)
+            for path, var in iter_variables(state) if jax.tree.leaves(var.get_value())]
 
 
 def state_shardings(
-    state: nnx.State, mesh: Mesh, rules: Rules | str = "default", *, strict: bool = True
+    state: nnx.State,
+    mesh: Mesh,
+    rules: Rules | str = "default",
+    *,
+    strict: bool = True,
+    allow_partial: bool = False,
 ) -> list[NamedSharding]:
     """NamedShardings for the leaves of ``state`` (in ``jax.tree.leaves`` order)."""
-    rules = get_rules(rules)
-    # A Variable may hold no array at all (optax's MaskedNode, in the state of an optimizer that partitions the
-    # parameters, e.g. Muon + AdamW): it has no leaf, so it gets no sharding.
-    return [NamedSharding(mesh, variable_spec(path, var, rules, mesh, strict=strict)) for path, var in
-            iter_variables(state) if jax.tree.leaves(var.get_value())]
+    resolutions = _resolve_state(state, mesh, get_rules(rules), strict, allow_partial)
+    return [NamedSharding(mesh, r.spec) for r in resolutions]
+
+
+def fallback_message(fallbacks: list[Fallback] | tuple[Fallback, ...], limit: int = 10) -> str:
+    """A few lines naming the dimensions that fell back to fewer shards (for a warning or a log)."""
+    lines = [f"{len(fallbacks)} dimension(s) do not divide over their rule's mesh axes and were placed on the "
+             "longest prefix that divides them (more replication than the rule asked for):"]
+    lines += [f"  {f}" for f in fallbacks[:limit]]
+    if len(fallbacks) > limit:
+        lines.append(f"  ... and {len(fallbacks) - limit} more (sharding_report(...).fallbacks lists them all)")
+    return "\n".join(lines)
 
 
 def abstract_module(make: Callable[[], M]) -> M:
@@ -101,20 +142,31 @@ def abstract_module(make: Callable[[], M]) -> M:
 
 
 def create_sharded(
-    make: Callable[[], M], mesh: Mesh, rules: Rules | str = "default", *, strict: bool = True
+    make: Callable[[], M],
+    mesh: Mesh,
+    rules: Rules | str = "default",
+    *,
+    strict: bool = True,
+    allow_partial: bool = False,
 ) -> M:
     """Build ``make()`` with every Variable born on the sharding its logical names resolve to.
 
     >>> mesh = make_mesh({"fsdp": 8})
     >>> model = create_sharded(lambda: MyModel(rngs=nnx.Rngs(0)), mesh, "default")
 
-    Warns when ``rules`` can place nothing on a mesh of more than one device (``unplaced_mesh_message``).
+    Warns when ``rules`` can place nothing on a mesh of more than one device (``unplaced_mesh_message``). A
+    dimension that does not divide over its mesh axes is an error unless ``allow_partial=True``, which places it
+    on the longest dividing prefix of those axes and warns with the list of what was degraded.
     """
     problem = unplaced_mesh_message(rules, mesh)
     if problem is not None:
         warnings.warn(problem, stacklevel=2)
     graphdef, abstract_state = nnx.split(abstract_module(make))
-    shardings = state_shardings(abstract_state, mesh, rules, strict=strict)
+    resolutions = _resolve_state(abstract_state, mesh, get_rules(rules), strict, allow_partial)
+    fallbacks = [f for r in resolutions for f in r.fallbacks]
+    if fallbacks:
+        warnings.warn(fallback_message(fallbacks), stacklevel=2)
+    shardings = [NamedSharding(mesh, r.spec) for r in resolutions]
     treedef = jax.tree.structure(abstract_state)
 
     def init() -> list[jax.Array]:

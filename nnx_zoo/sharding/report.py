@@ -17,7 +17,8 @@ import jax
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
-from nnx_zoo.sharding.create import abstract_module, iter_variables, logical_names, variable_spec
+from nnx_zoo.sharding.create import abstract_module, iter_variables, logical_names, variable_resolution
+from nnx_zoo.sharding.resolve import Fallback
 from nnx_zoo.sharding.rules import get_rules
 
 
@@ -33,10 +34,17 @@ class VariableRow:
     per_device_shape: tuple[int, ...]
     bytes: int
     bytes_per_device: int
+    fallbacks: tuple[Fallback, ...] = ()  # dimensions placed on fewer shards than their rule asks (allow_partial)
+    wanted_bytes_per_device: int = 0  # bytes per device had every dimension divided as its rule asks
 
     @property
     def sharded(self) -> bool:
         return self.per_device_shape != self.shape
+
+    @property
+    def fallback_bytes_per_device(self) -> int:
+        """What the fallbacks cost each device: bytes held beyond the rule's ideal split (0 without fallbacks)."""
+        return max(0, self.bytes_per_device - self.wanted_bytes_per_device) if self.fallbacks else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,34 @@ class ShardingReport:
         return 2 * self.param_bytes_per_device
 
     @property
+    def fallbacks(self) -> tuple[Fallback, ...]:
+        """Every dimension placed on a dividing prefix of its rule's mesh axes (``allow_partial``)."""
+        return tuple(f for r in self.rows for f in r.fallbacks)
+
+    @property
+    def fallback_bytes_per_device(self) -> int:
+        """Bytes per device that the fallbacks add over the rules' ideal split (parameters and the rest)."""
+        return sum(r.fallback_bytes_per_device for r in self.rows)
+
+    def fallback_summary(self) -> list[str]:
+        """One line per (logical name, size, wanted axes, placed axes): how many tensors, their bytes per device
+        and what the fallback adds per device (parameters; AdamW's moments add twice that again)."""
+        groups: dict[tuple[Any, ...], list[VariableRow]] = {}
+        for r in self.rows:
+            for f in r.fallbacks:
+                groups.setdefault((f.name, f.size, f.wanted, f.placed, f.wanted_shards, f.placed_shards), []).append(r)
+        lines = []
+        for (name, size, wanted, placed, n_wanted, n_placed), rows in groups.items():
+            extra = sum(r.fallback_bytes_per_device for r in rows)
+            lines.append(
+                f"  {name!r} (size {size}) does not divide over {','.join(wanted)} ({n_wanted} shards): placed on "
+                f"{','.join(placed) or 'no axis'} ({n_placed} shards) in {len(rows)} tensor(s) holding "
+                f"{_human(sum(r.bytes_per_device for r in rows))} per device, +{_human(extra)} per device over an "
+                "even split"
+            )
+        return lines
+
+    @property
     def bytes_per_device(self) -> int:
         """Every Variable (parameters and the rest) per device."""
         return sum(r.bytes_per_device for r in self.rows)
@@ -94,13 +130,16 @@ class ShardingReport:
             "bytes_per_device": self.bytes_per_device,
             "sharded_fraction": self.sharded_fraction,
             "annotated_fraction": self.annotated_fraction,
+            "fallback_dimensions": len(self.fallbacks),
+            "fallback_bytes_per_device": self.fallback_bytes_per_device,
         }
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "mesh": self.mesh_shape,
             "variables": [
-                {**dataclasses.asdict(r), "spec": [list(a) if isinstance(a, tuple) else a for a in r.spec]}
+                {**dataclasses.asdict(r), "spec": [list(a) if isinstance(a, tuple) else a for a in r.spec],
+                 "fallbacks": [str(f) for f in r.fallbacks]}
                 for r in self.rows
             ],
             "totals": self.totals(),
@@ -133,6 +172,10 @@ class ShardingReport:
             f"per device: parameters {_human(t['param_bytes_per_device'])}, AdamW state "
             f"{_human(t['adamw_bytes_per_device'])}, together {_human(t['params_plus_adamw_bytes_per_device'])}",
         ]
+        if self.fallbacks:
+            foot += [f"fallbacks: {len(self.fallbacks)} dimension(s) do not divide over their rule's mesh axes and "
+                     "sit on the longest prefix of them that divides (more replication than the rule asks for):",
+                     *self.fallback_summary()]
         return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, body), "", *foot])
 
 
@@ -162,8 +205,14 @@ def sharding_report(
     rules: Any = "default",
     *,
     strict: bool = True,
+    allow_partial: bool = True,
 ) -> ShardingReport:
     """Describe how ``model`` (a module, abstract or real, or a function that builds one) lies on ``mesh``.
+
+    A planning tool, so by default a dimension that does not divide over its rule's mesh axes is placed on the
+    longest dividing prefix of them (``allow_partial``, see ``nnx_zoo.sharding.resolve``) and listed in
+    ``report.fallbacks`` and the table's footer; ``allow_partial=False`` raises instead, as creating a model does
+    unless asked. Unknown logical names are an error either way (``strict``).
 
     >>> mesh = make_abstract_mesh({"fsdp": 64, "expert": 8})
     >>> print(sharding_report(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), mesh).table())
@@ -174,7 +223,8 @@ def sharding_report(
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     rows = []
     for path, var in iter_variables(model):
-        spec = tuple(variable_spec(path, var, rules, mesh, strict=strict))
+        resolution = variable_resolution(path, var, rules, mesh, strict=strict, allow_partial=allow_partial)
+        spec = tuple(resolution.spec)
         shape = tuple(int(d) for d in var.shape)
         spec = spec + (None,) * (len(shape) - len(spec))
         per_device = tuple(
@@ -194,6 +244,8 @@ def sharding_report(
                 per_device_shape=per_device,
                 bytes=-(-math.prod(shape) * bits // 8),
                 bytes_per_device=-(-math.prod(per_device) * bits // 8),
+                fallbacks=resolution.fallbacks,
+                wanted_bytes_per_device=-(-math.prod(shape) * bits // (8 * resolution.wanted_shards)),
             )
         )
     return ShardingReport(mesh_shape=sizes, rows=tuple(rows))

@@ -5,10 +5,20 @@ name in the array applies when that dimension is still unassigned and none of th
 bound to another dimension of the array (otherwise the next rule for that name is tried). Then, with a mesh,
 mesh axes of size 1 (or absent from the mesh) are removed, and, with a shape, each sharded dimension is checked
 to divide evenly.
+
+Strict divisibility is the default: a dimension that its rule's mesh axes do not divide is an error naming the
+variable. With ``allow_partial=True`` (what the sharding report and the memory plan use, and what
+``create_sharded(..., allow_partial=True)`` opts into) a rule whose mesh axes do not divide the dimension is
+placed on the **longest prefix** of its (size > 1) mesh axes that does divide it; the dropped axes stay free for
+the array's later rules (so ``exp -> (expert, fsdp)`` falling back to ``expert`` lets ``embed_no_exp`` take
+``fsdp``). A rule whose every prefix fails binds nothing, and the next rule for that name is tried. Every such
+placement is returned as a ``Fallback`` by ``resolve`` (the report lists them with the bytes they replicate);
+when every dimension divides, the result equals the strict one. Unknown logical names stay an error either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -56,8 +66,13 @@ def _check_names(names: Sequence[str | None], rules: Rules, strict: bool, path: 
             )
 
 
-def _linen_resolve(names: Sequence[str | None], rules: Rules) -> list[MeshAxes]:
-    """Flax Linen's first-match-wins resolution, with already-bound mesh axes skipping a rule."""
+def _linen_resolve(
+    names: Sequence[str | None], rules: Rules, partial: tuple[Sequence[int], dict[str, int]] | None = None
+) -> list[MeshAxes]:
+    """Flax Linen's first-match-wins resolution, with already-bound mesh axes skipping a rule.
+
+    ``partial = (shape, mesh sizes)`` turns on the divisibility fallback of the module docstring.
+    """
     result: list[object] = [_UNASSIGNED if isinstance(n, str) else None for n in names]
     taken: set[str] = set()
     for logical, axes in rules:
@@ -65,10 +80,31 @@ def _linen_resolve(names: Sequence[str | None], rules: Rules) -> list[MeshAxes]:
             continue
         pos = list(names).index(logical)
         wanted = set(_axes_tuple(axes))
-        if result[pos] is _UNASSIGNED and not wanted & taken:
-            result[pos] = axes
-            taken |= wanted
+        if result[pos] is not _UNASSIGNED or wanted & taken:
+            continue
+        if partial is not None:
+            shape, sizes = partial
+            real = tuple(a for a in _axes_tuple(axes) if sizes.get(a, 1) > 1)
+            placed = _dividing_prefix(shape[pos], real, sizes)
+            if placed != real:
+                if not placed:
+                    continue  # nothing of this rule divides: try the next rule for the name
+                wanted -= set(real) - set(placed)  # the dropped axes stay free for later rules
+                axes = placed
+        result[pos] = axes
+        taken |= wanted
     return [None if r is _UNASSIGNED else r for r in result]  # type: ignore[misc]
+
+
+def _dividing_prefix(size: int, axes: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
+    """The longest prefix of ``axes`` whose sizes multiply to a divisor of ``size``."""
+    parts, n = 1, 0
+    for axis in axes:
+        if size % (parts * sizes[axis]):
+            break
+        parts *= sizes[axis]
+        n += 1
+    return axes[:n]
 
 
 def _drop_trivial_axes(axes: MeshAxes, sizes: dict[str, int]) -> MeshAxes:
@@ -108,7 +144,40 @@ def unplaced_mesh_message(rules: Rules | str, mesh: Mesh | AbstractMesh) -> str 
     )
 
 
-def logical_to_mesh_axes(
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """One dimension that its rule's mesh axes do not divide, placed on a dividing prefix instead.
+
+    ``wanted``: the mesh axes strict resolution gives the dimension (size > 1 only); ``placed``: the axes it got.
+    The array is then replicated ``shards_lost`` times more over the axes it lost, unless a later dimension of the
+    same array took them (the report compares per-device bytes with the ideal).
+    """
+
+    path: str | None
+    dim: int
+    name: str
+    size: int
+    wanted: tuple[str, ...]
+    placed: tuple[str, ...]
+    wanted_shards: int
+    placed_shards: int
+
+    def __str__(self) -> str:
+        return (f"{_where(self.path)}dimension {self.dim} (logical {self.name!r}, size {self.size}) does not divide "
+                f"over {self.wanted} ({self.wanted_shards} shards); placed on {self.placed or 'no axis'} "
+                f"({self.placed_shards} shards)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """``resolve``'s answer: the spec and the dimensions that fell back (empty when everything divides)."""
+
+    spec: PartitionSpec
+    fallbacks: tuple[Fallback, ...] = ()
+    wanted_shards: int = 1  # how many pieces strict resolution would cut the array into (shape given)
+
+
+def resolve(
     names: Sequence[str | None],
     rules: Rules | str,
     mesh: Mesh | AbstractMesh | None = None,
@@ -116,16 +185,14 @@ def logical_to_mesh_axes(
     strict: bool = True,
     shape: Sequence[int] | None = None,
     path: str | None = None,
-) -> PartitionSpec:
-    """Resolve logical dimension names to a ``PartitionSpec``.
+    allow_partial: bool = False,
+) -> Resolution:
+    """``logical_to_mesh_axes`` that also returns the divisibility fallbacks it took (``allow_partial=True``).
 
-    Without ``mesh`` the result equals ``flax.linen.logical_to_mesh_axes(names, rules)``. With ``mesh``, axes of
-    size 1, absent from it, or Manual (inside ``shard_map``) are removed. With ``shape`` (and ``mesh``), every
-    sharded dimension must divide evenly. ``rules`` is a named set or a sequence of ``(logical_name, mesh_axes)``
-    pairs (checked by ``validate_rules``). ``path`` names the variable in error messages.
-
-    >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tensor"), ("embed", "fsdp")))
-    PartitionSpec('fsdp', 'tensor')
+    >>> mesh = make_abstract_mesh({"fsdp": 256, "expert": 8})
+    >>> r = resolve(("embed", "mlp"), "default", mesh, shape=(7168, 18432), allow_partial=True)
+    >>> r.spec, r.fallbacks[0].placed
+    (PartitionSpec('fsdp', None), ('fsdp',))
     """
     rules = get_rules(rules)
     names = tuple(names)
@@ -134,24 +201,62 @@ def logical_to_mesh_axes(
     if mesh is None:
         if shape is not None:
             raise ShardingError("logical_to_mesh_axes: checking a shape needs the mesh; pass mesh=...")
-        return PartitionSpec(*resolved)
+        return Resolution(PartitionSpec(*resolved))
     sizes = _mesh_sizes(mesh)
     resolved = [_drop_trivial_axes(axes, sizes) for axes in resolved]
-    if shape is not None:
-        if len(shape) != len(names):
-            raise ShardingError(
-                f"{_where(path)}shape {tuple(shape)} has {len(shape)} dims but {len(names)} logical names "
-                f"{names}; give one name per dimension"
-            )
-        for dim, (size, name, axes) in enumerate(zip(shape, names, resolved, strict=True)):
-            parts = math.prod(sizes[a] for a in _axes_tuple(axes))
-            if size % parts:
-                raise ShardingError(
-                    f"{_where(path)}dimension {dim} (logical {name!r}, size {size}) cannot be split over mesh axes "
-                    f"{_axes_tuple(axes)} ({parts} shards): {size} is not divisible by {parts}. Change the mesh "
-                    "sizes, or use a rule set that maps this name to fewer devices."
-                )
-    return PartitionSpec(*resolved)
+    if shape is None:
+        return Resolution(PartitionSpec(*resolved))
+    if len(shape) != len(names):
+        raise ShardingError(
+            f"{_where(path)}shape {tuple(shape)} has {len(shape)} dims but {len(names)} logical names "
+            f"{names}; give one name per dimension"
+        )
+    shards = [math.prod(sizes[a] for a in _axes_tuple(axes)) for axes in resolved]
+    bad = [dim for dim, (size, parts) in enumerate(zip(shape, shards, strict=True)) if size % parts]
+    if not bad:
+        return Resolution(PartitionSpec(*resolved), wanted_shards=math.prod(shards))
+    if not allow_partial:
+        dim = bad[0]
+        raise ShardingError(
+            f"{_where(path)}dimension {dim} (logical {names[dim]!r}, size {shape[dim]}) cannot be split over mesh "
+            f"axes {_axes_tuple(resolved[dim])} ({shards[dim]} shards): {shape[dim]} is not divisible by "
+            f"{shards[dim]}. Change the mesh sizes, use a rule set that maps this name to fewer devices, or pass "
+            "allow_partial=True to place it on the longest prefix of those axes that divides it (the sharding "
+            "report and --plan do, and list what they replicated)."
+        )
+    partial = [_drop_trivial_axes(a, sizes) for a in _linen_resolve(names, rules, (tuple(shape), sizes))]
+    fallbacks = tuple(
+        Fallback(path=path, dim=dim, name=names[dim], size=shape[dim], wanted=_axes_tuple(resolved[dim]),
+                 placed=_axes_tuple(partial[dim]), wanted_shards=shards[dim],
+                 placed_shards=math.prod(sizes[a] for a in _axes_tuple(partial[dim])))
+        for dim in bad
+    )
+    return Resolution(PartitionSpec(*partial), fallbacks, math.prod(shards))
+
+
+def logical_to_mesh_axes(
+    names: Sequence[str | None],
+    rules: Rules | str,
+    mesh: Mesh | AbstractMesh | None = None,
+    *,
+    strict: bool = True,
+    shape: Sequence[int] | None = None,
+    path: str | None = None,
+    allow_partial: bool = False,
+) -> PartitionSpec:
+    """Resolve logical dimension names to a ``PartitionSpec``.
+
+    Without ``mesh`` the result equals ``flax.linen.logical_to_mesh_axes(names, rules)``. With ``mesh``, axes of
+    size 1, absent from it, or Manual (inside ``shard_map``) are removed. With ``shape`` (and ``mesh``), every
+    sharded dimension must divide evenly (a ``ShardingError`` otherwise), or, with ``allow_partial=True``, a
+    dimension that does not is placed on the longest dividing prefix of its rule's axes (module docstring;
+    ``resolve`` also returns what fell back). ``rules`` is a named set or a sequence of ``(logical_name,
+    mesh_axes)`` pairs (checked by ``validate_rules``). ``path`` names the variable in error messages.
+
+    >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tensor"), ("embed", "fsdp")))
+    PartitionSpec('fsdp', 'tensor')
+    """
+    return resolve(names, rules, mesh, strict=strict, shape=shape, path=path, allow_partial=allow_partial).spec
 
 
 def named_sharding(
@@ -162,6 +267,8 @@ def named_sharding(
     strict: bool = True,
     shape: Sequence[int] | None = None,
     path: str | None = None,
+    allow_partial: bool = False,
 ) -> NamedSharding:
     """``NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, ...))``."""
-    return NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, strict=strict, shape=shape, path=path))
+    return NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, strict=strict, shape=shape, path=path,
+                                                    allow_partial=allow_partial))

@@ -158,4 +158,14 @@ def test_report_on_an_abstract_module_and_divisibility_errors():
     report = sharding_report(model, make_abstract_mesh({"fsdp": 16, "expert": 4, "tensor": 8}), "default")
     assert {r.path: r.spec for r in report.rows}["table"] == (("fsdp", "expert"), "tensor")
     with pytest.raises(ShardingError, match=r"table: dimension 0 \(logical 'embed', size 1000000\)"):
-        sharding_report(model, make_abstract_mesh({"fsdp": 512}), "default")
+        sharding_report(model, make_abstract_mesh({"fsdp": 512}), "default", allow_partial=False)
+    # By default the report plans instead: 512 does not divide 10**6 and neither does any prefix of (fsdp,), so
+    # the table is replicated, and the footer says so with the bytes it costs each device.
+    report = sharding_report(model, make_abstract_mesh({"fsdp": 512}), "default")
+    table = {r.path: r for r in report.rows}["table"]
+    assert table.spec == (None, None)
+    assert [(f.path, f.dim, f.name, f.wanted, f.placed) for f in report.fallbacks] == [
+        ("table", 0, "embed", ("fsdp",), ())]
+    assert table.fallback_bytes_per_device == 400_000_000_000 - 400_000_000_000 // 512
+    assert report.totals()["fallback_bytes_per_device"] == table.fallback_bytes_per_device
+    assert "'embed' (size 1000000) does not divide over fsdp (512 shards): placed on no axis" in report.table()

@@ -1,0 +1,330 @@
+"""The memory plan: what one device holds to train a model on a mesh, before renting the mesh.
+
+``memory_plan`` adds to the sharding report (parameters per device, with the divisibility fallbacks it took) the
+gradients, the optimizer state and an estimate of the activations that the backward pass keeps, for a per-device
+batch and a sequence length, with and without rematerialization. Nothing is allocated.
+
+Assumptions, each stated in the printed plan:
+- Parameters and gradients in the model's ``param_dtype``, sharded like the parameters; AdamW's two moments in
+  float32 (``2 x 4`` bytes per parameter, sharded like it).
+- Activations in the compute ``dtype``; router logits and scores, the softmax probabilities and everything of the
+  cross-entropy in float32. Attention materializes its ``[batch, heads, q, k]`` scores (no flash attention: the
+  layers here use ``jnp.einsum`` + softmax), with all keys local (context parallelism splits queries only).
+- ``remat='none'`` keeps every intermediate of every layer for the backward pass; ``remat='full'`` keeps only each
+  layer's input and recomputes one layer at a time, so its peak adds one layer's intermediates once. The other
+  policies (``dots_saveable``, ...) lie between; the plan shows the two ends.
+
+Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
+the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
+- MLA attention: ``T*a*(3e + 2*q_lora + 4*H*(nope+rope) + H*rope + kv_lora+rope + kv_lora + rope
+  + H*(nope+v) + 2*H*v) + b*H*s*S*(a + 4)``: input, normed input, output; query latent and its norm; ``q_b``
+  output, the concatenated query and key; roped query part; ``kv_a`` output, normed latent, roped shared key;
+  ``kv_b`` output; values and the attention output; scores (compute dtype) and probabilities (float32) over
+  ``S`` keys.
+- GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + b*H*s*S*(a + 4)`` (``K`` key/value heads of width ``d``):
+  queries and keys before and after rope, values, attention output.
+- dense SwiGLU MLP: ``T*a*(3e + 4*I)``: residual, normed input, output; gate, up, silu(gate), their product.
+- MoE: ``T*a*3e + T*4*(2E + 2k)`` (float32 router logits and scores, top-k ids and weights) plus the experts:
+  dropless grouped matmul (``gmm``/``ep``) ``T*k*a*(2e + 4*I)`` (the dispatched copy of each token, expert
+  outputs, gate, up, silu, product), or the dense reference path ``T*E*a*4*I``; shared experts ``T*a*(e + 4*I_s)``.
+- embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``T*V*(a + 8 [+4 when a != 4])``: the
+  logits, their float32 log-softmax and its gradient (and the float32 copy of bf16 logits). An MTP head adds a
+  MoE layer, ``T*a*4e`` for its inputs and its own logits term.
+Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh
+
+from nnx_zoo.sharding.report import ShardingReport, _human, sharding_report
+from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
+from nnx_zoo.sharding.rules import Rules, get_rules
+
+REMATS = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShapes:
+    """The sizes the activation estimate needs, read from any config with Hugging Face field names.
+
+    >>> shapes = DecoderShapes.from_config(config)   # hidden_size, num_attention_heads, kv_lora_rank, ...
+    """
+
+    hidden: int
+    vocab: int
+    heads: int
+    dense_layers: int
+    moe_layers: int
+    mtp_layers: int
+    intermediate: int  # dense MLP width
+    dtype_bytes: int
+    # attention: MLA when kv_lora > 0, else grouped-query attention with kv_heads x head_dim
+    kv_lora: int = 0
+    q_lora: int = 0
+    nope: int = 0
+    rope: int = 0
+    v_head: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    # MoE
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    moe_impl: str = "gmm"
+
+    @classmethod
+    def from_config(cls, config: Any) -> DecoderShapes:
+        """From a model config with HF names (a dense decoder or an MLA/MoE one)."""
+        get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
+        layers = get("num_hidden_layers")
+        experts = get("n_routed_experts") or get("num_experts")
+        dense = get("first_k_dense_replace") if experts else layers
+        impl = get("moe_impl", "gmm")
+        return cls(
+            hidden=config.hidden_size, vocab=config.vocab_size, heads=config.num_attention_heads,
+            dense_layers=dense, moe_layers=layers - dense, mtp_layers=get("num_nextn_predict_layers"),
+            intermediate=get("intermediate_size"), dtype_bytes=jnp.dtype(get("dtype", "float32")).itemsize,
+            kv_lora=get("kv_lora_rank"), q_lora=get("q_lora_rank"), nope=get("qk_nope_head_dim"),
+            rope=get("qk_rope_head_dim"), v_head=get("v_head_dim"),
+            kv_heads=get("num_key_value_heads", config.num_attention_heads),
+            head_dim=get("head_dim") or config.hidden_size // config.num_attention_heads,
+            experts=experts, top_k=get("num_experts_per_tok"), moe_intermediate=get("moe_intermediate_size"),
+            shared_intermediate=get("moe_intermediate_size") * get("n_shared_experts"),
+            moe_impl="gmm" if impl in ("auto", "ep") else impl,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """Per-device sizes after the activation rules split them: batch rows, query positions, keys, widths."""
+
+    batch: int
+    seq: int
+    keys: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    moe_mlp: int
+    vocab: int
+    experts: int  # for the dense MoE path
+    shared_mlp: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def _shards(name: str, rules: Rules, mesh: Mesh | AbstractMesh) -> int:
+    spec = logical_to_mesh_axes((name,), rules, mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in axes)
+
+
+def _split(size: int, parts: int) -> int:
+    return -(-size // parts)
+
+
+def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rules: Rules,
+                mesh: Mesh | AbstractMesh) -> Local:
+    """Per-device activation sizes: the sequence splits over the context-parallel axes (``activation_length``),
+    widths over their tensor-parallel axes; ``batch_per_device`` rows per batch shard."""
+    cp = _shards("activation_length", rules, mesh)
+    if seq_len % cp:
+        raise ShardingError(f"sequence length {seq_len} does not divide over the {cp} context-parallel shards of "
+                            "this mesh and rule set; choose a multiple of it")
+    s = shapes
+    return Local(
+        batch=batch_per_device, seq=seq_len // cp, keys=seq_len,
+        heads=_split(s.heads, _shards("activation_heads", rules, mesh)),
+        kv_heads=_split(s.kv_heads, _shards("activation_kv_heads", rules, mesh)),
+        mlp=_split(s.intermediate, _shards("activation_mlp", rules, mesh)),
+        moe_mlp=_split(s.moe_intermediate, _shards("activation_moe_mlp", rules, mesh)),
+        vocab=_split(s.vocab, _shards("activation_vocab", rules, mesh)),
+        experts=_split(s.experts, _shards("activation_exp", rules, mesh)),
+        shared_mlp=_split(s.shared_intermediate, _shards("activation_mlp", rules, mesh)),
+    )
+
+
+def attention_bytes(s: DecoderShapes, n: Local) -> int:
+    """What one attention layer keeps for its backward pass (module docstring's formula)."""
+    a, t, e, h = s.dtype_bytes, n.tokens, s.hidden, n.heads
+    scores = n.batch * h * n.seq * n.keys * (a + 4)
+    if s.kv_lora:
+        per_token = (3 * e + 2 * s.q_lora + 4 * h * (s.nope + s.rope) + h * s.rope + 2 * s.kv_lora + 2 * s.rope
+                     + h * (s.nope + s.v_head) + 2 * h * s.v_head)
+    else:
+        d = s.head_dim
+        per_token = 3 * e + 2 * h * d + 4 * n.kv_heads * d + h * d
+    return t * a * per_token + scores
+
+
+def mlp_bytes(s: DecoderShapes, n: Local) -> int:
+    """A dense SwiGLU MLP block: residual, normed input, output, and four ``[T, I]`` intermediates."""
+    return n.tokens * s.dtype_bytes * (3 * s.hidden + 4 * n.mlp)
+
+
+def moe_bytes(s: DecoderShapes, n: Local) -> int:
+    """A MoE block: router in float32, routed experts (dispatch buffers), shared experts."""
+    a, t, e = s.dtype_bytes, n.tokens, s.hidden
+    router = t * 4 * (2 * s.experts + 2 * s.top_k)
+    if s.moe_impl == "dense":
+        experts = t * n.experts * a * 4 * n.moe_mlp
+    else:
+        experts = t * s.top_k * a * (2 * e + 4 * n.moe_mlp)
+    shared = t * a * (e + 4 * n.shared_mlp) if s.shared_intermediate else 0
+    return t * a * 3 * e + router + experts + shared
+
+
+def output_bytes(s: DecoderShapes, n: Local) -> int:
+    """Embedding lookup, final norm, and the logits with their float32 log-softmax and gradient."""
+    a = s.dtype_bytes
+    return n.tokens * a * 3 * s.hidden + n.tokens * n.vocab * (a + 8 + (4 if a != 4 else 0))
+
+
+# Logical names of the dimensions that FSDP shards and that are all-gathered when a weight is used (the others,
+# tensor-parallel and expert dims, stay split while computing).
+GATHERED_NAMES = frozenset({"embed", "embed_no_exp", "q_lora", "kv_lora", "mtp_embed"})
+
+
+def gathered_weight_bytes(report: ShardingReport) -> int:
+    """Bytes per device that FSDP's all-gathers add while weights are in use: one layer of the largest stack plus
+    the largest other parameter (embedding table or output head), each gathered over its FSDP-sharded dims minus
+    the shard the device already holds. Zero when nothing is FSDP-sharded."""
+    stacks: dict[str, int] = {}
+    others = [0]
+    for r in report.params:
+        if r.names is None:
+            continue
+        shape = list(r.per_device_shape)
+        for dim, (name, axes) in enumerate(zip(r.names, r.spec, strict=True)):
+            if name in GATHERED_NAMES and axes is not None:
+                shape[dim] = r.shape[dim]
+        extra = (math.prod(shape) - math.prod(r.per_device_shape)) * r.bytes_per_device // max(
+            1, math.prod(r.per_device_shape))
+        stack = r.names[0] if r.names[0] is not None and r.names[0].endswith("layers") else None
+        if stack is None:
+            others.append(extra)
+        else:
+            stacks[stack] = stacks.get(stack, 0) + extra // r.shape[0]
+    return max(stacks.values(), default=0) + max(others)
+
+
+def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, int]:
+    """Bytes per device by part for ``remat`` 'none' or 'full' (module docstring)."""
+    if remat not in REMATS:
+        raise ValueError(f"the estimate covers remat 'none' and 'full', got {remat!r}")
+    dense_layer = attention_bytes(s, n) + mlp_bytes(s, n)
+    moe_layer = attention_bytes(s, n) + moe_bytes(s, n)
+    layer_input = n.tokens * s.dtype_bytes * s.hidden
+    # An MTP head: its inputs (embedding, hidden, their norms), one MoE layer (remat like the stacks) and logits.
+    mtp_layer = moe_layer if remat == "none" else layer_input
+    mtp = s.mtp_layers * (mtp_layer + n.tokens * s.dtype_bytes * 4 * s.hidden + output_bytes(s, n))
+    if remat == "none":
+        layers = {"dense layers": s.dense_layers * dense_layer, "moe layers": s.moe_layers * moe_layer}
+    else:
+        largest = max(dense_layer if s.dense_layers else 0, moe_layer if s.moe_layers else 0)
+        layers = {"layer inputs": (s.dense_layers + s.moe_layers) * layer_input,
+                  "one layer recomputed": largest}
+    return {**layers, "embeddings and logits": output_bytes(s, n), **({"mtp heads": mtp} if mtp else {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device memory of a training run: ``print(plan.table())``, ``plan.to_dict()``."""
+
+    report: ShardingReport
+    shapes: DecoderShapes
+    local: Local
+    global_batch: int
+    seq_len: int
+    activations: dict[str, dict[str, int]]  # remat -> part -> bytes
+
+    @property
+    def param_bytes(self) -> int:
+        return self.report.param_bytes_per_device
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW: two float32 moments per parameter, sharded like it."""
+        return sum(8 * math.prod(r.per_device_shape) for r in self.report.params)
+
+    def total(self, remat: str) -> int:
+        """Parameters + gradients (same size) + optimizer state + activations."""
+        return 2 * self.param_bytes + self.optimizer_bytes + sum(self.activations[remat].values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mesh": self.report.mesh_shape, "global_batch": self.global_batch, "seq_len": self.seq_len,
+                "local": dataclasses.asdict(self.local), "param_bytes_per_device": self.param_bytes,
+                "gradient_bytes_per_device": self.param_bytes, "adamw_bytes_per_device": self.optimizer_bytes,
+                "activations": self.activations, "total_bytes_per_device": {r: self.total(r) for r in REMATS},
+                "fallback_bytes_per_device": self.report.fallback_bytes_per_device}
+
+    def table(self) -> str:
+        s, n = self.shapes, self.local
+        dtype = {4: "float32", 2: "bfloat16"}.get(s.dtype_bytes, f"{s.dtype_bytes}-byte")
+        lines = [
+            f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
+            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention scores "
+            "materialized (no flash attention)",
+            f"  parameters                  {_human(self.param_bytes)}",
+            f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
+            f"  AdamW state                 {_human(self.optimizer_bytes)}  (2 moments in float32)",
+        ]
+        for remat in REMATS:
+            parts = self.activations[remat]
+            detail = ", ".join(f"{k} {_human(v)}" for k, v in parts.items())
+            lines.append(f"  activations, remat {remat:<5}   {_human(sum(parts.values()))}  ({detail})")
+        lines.append("  total                       " + ", ".join(
+            f"remat {r}: {_human(self.total(r))}" for r in REMATS))
+        if self.report.fallbacks:
+            lines.append(f"  (parameters include {_human(self.report.fallback_bytes_per_device)} per device "
+                         "replicated by divisibility fallbacks; see above)")
+        return "\n".join(lines)
+
+
+def memory_plan(
+    model: nnx.Module | Callable[[], nnx.Module],
+    config: Any,
+    mesh: Mesh | AbstractMesh,
+    rules: Rules | str = "default",
+    *,
+    seq_len: int,
+    batch_per_device: int | None = None,
+    global_batch: int | None = None,
+    allow_partial: bool = True,
+) -> MemoryPlan:
+    """The per-device memory plan of training ``model`` (built from ``config``) on ``mesh``.
+
+    >>> mesh = make_abstract_mesh({"data": 4, "fsdp": 256, "expert": 8})
+    >>> plan = memory_plan(lambda: Model(config, rngs=nnx.Rngs(0)), config, mesh, "default", seq_len=4096)
+    >>> print(plan.report.table()); print(plan.table())
+
+    ``batch_per_device`` rows per batch shard (the global batch is that times the mesh's batch shards, those
+    of ``activation_batch``), or ``global_batch`` split over them (at least one row each; default one row per
+    shard); ``seq_len`` is the whole sequence (context parallelism splits it). Divisibility fallbacks as in
+    ``sharding_report`` (``allow_partial``).
+    """
+    rules = get_rules(rules)
+    batch_shards = _shards("activation_batch", rules, mesh)
+    if batch_per_device is None:
+        batch_per_device = max(1, -(-(global_batch or batch_shards) // batch_shards))
+    if batch_per_device < 1 or seq_len < 1:
+        raise ValueError(f"the batch per device and seq_len must be positive, got {batch_per_device} and {seq_len}")
+    report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
+    shapes = DecoderShapes.from_config(config)
+    local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
+    gathered = gathered_weight_bytes(report)
+    activations = {remat: {**activation_breakdown(shapes, local, remat), "gathered weights": gathered}
+                   for remat in REMATS}
+    return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=batch_per_device * batch_shards,
+                      seq_len=seq_len, activations=activations)
