@@ -127,10 +127,9 @@ def test_create_sharded_is_strict_unless_asked_and_then_warns():
 # estimate / XLA: 0.86-1.04 on one device, 0.75-1.04 on 8 (README, sharding section). Tolerance 0.7-1.3: the
 # formulas count the intermediates autodiff saves, not XLA's fusion and buffer reuse, which move the total by
 # up to ~25% here (the gmm path's sort buffers and whole-gathered expert weights are the largest gap).
-CASES = [  # (devices, layers, remat, moe_impl)
-    (1, 4, "none", "dense"),
-    (8, 4, "none", "dense"),
-    (8, 4, "full", "dense"),
+CASES = [  # (devices, layers, remat, moe_impl): one end of each axis, 2 layers to keep the compiles short in CI
+    (1, 2, "none", "dense"),
+    (8, 2, "full", "dense"),
 ]
 
 
