@@ -34,15 +34,22 @@ def _recipe():
     return module
 
 
-def _recipe_commands() -> list[tuple[str, list[str]]]:
-    """(XLA_FLAGS or '', arguments) of every recipe command in the README's bash blocks."""
+def _generic_recipe():
+    spec = importlib.util.spec_from_file_location("pretrain", ROOT / "recipes" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recipe_commands(script: str = "recipes/deepseek_pretrain.py") -> list[tuple[str, list[str]]]:
+    """(XLA_FLAGS or '', arguments) of every command of recipe ``script`` in the README's bash blocks."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
         for command in block.replace("\\\n", " ").splitlines():
             words = shlex.split(command, comments=True)
-            if "recipes/deepseek_pretrain.py" in words:
+            if script in words:
                 flags = next((w.split("=", 1)[1] for w in words if w.startswith("XLA_FLAGS=")), "")
-                commands.append((flags, words[words.index("recipes/deepseek_pretrain.py") + 1:]))
+                commands.append((flags, words[words.index(script) + 1:]))
     return commands
 
 
@@ -88,3 +95,41 @@ def test_readme_python_blocks_with_meshes_say_how_many_devices():
     for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
         if "make_mesh(" in block:
             assert "xla_force_host_platform_device_count" in block, block[:200]
+
+
+def test_readme_generic_recipe_commands_parse_and_plan(capsys):
+    import math
+
+    from nnx_zoo.sharding import RULE_SETS
+
+    recipe = _generic_recipe()
+    commands = _recipe_commands("recipes/pretrain.py")
+    assert len(commands) >= 3
+    python = "".join(re.findall(r"```python\n(.*?)```", README, flags=re.S))
+    for flags, argv in commands:
+        if "--from-pretrained" in argv:  # a checkpoint that a README Python block writes
+            directory = argv[argv.index("--from-pretrained") + 1]
+            assert f'save_pretrained("{directory}")' in python, directory
+            continue
+        source = recipe.model_source(argv)
+        args = recipe.build_parser(source.config_cls, entry=recipe.GENERIC).parse_args(argv)
+        assert args.rules in RULE_SETS, argv
+        if args.plan:
+            assert recipe.main(argv) == 0, argv
+            assert "parameters" in capsys.readouterr().out
+            continue
+        devices = math.prod(args.mesh.values())
+        if devices > 1:
+            assert f"--xla_force_host_platform_device_count={devices}" in flags, argv
+    run_dirs = [a[a.index("--run-dir") + 1] if "--run-dir" in a else None for _, a in
+                [*_recipe_commands(), *commands]]
+    named = [d for d in run_dirs if d]
+    assert len(set(named)) == len(named), named
+
+
+def test_readme_family_table_names_tests_that_exist():
+    section = README[README.index("## Families"):README.index("## Pretraining")]
+    cells = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", section)
+    assert len(cells) >= 18, cells  # six features x three families
+    for path, name in cells:
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), flags=re.M), f"{path}::{name}"

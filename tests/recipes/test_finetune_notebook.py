@@ -1,6 +1,7 @@
 """recipes/deepseek_finetune.ipynb runs top to bottom headless (its code cells, in order, in one namespace, in a
 temporary directory) and does what it says: the loss falls, the fine-tuned model answers the training prompts,
-and the merged, saved and reloaded model gives the same logits and the same answers."""
+and the merged, saved and reloaded model gives the same logits and the same answers. A Llama checkpoint that
+transformers wrote goes through the same cells (CHECKPOINT_DIR), and its merged output loads in transformers."""
 
 from __future__ import annotations
 
@@ -13,19 +14,30 @@ import pytest
 NOTEBOOK = Path(__file__).resolve().parents[2] / "recipes" / "deepseek_finetune.ipynb"
 
 
-@pytest.fixture(scope="module")
-def namespace(tmp_path_factory) -> dict:
+def run_notebook(directory: Path, checkpoint_dir: Path | None = None, **settings) -> dict:
+    """Execute the notebook's code cells in ``directory``; ``settings`` replace the first cell's values."""
     notebook = json.loads(NOTEBOOK.read_text())
     assert notebook["nbformat"] == 4
     cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
     assert all(not c["outputs"] for c in cells), "commit the notebook without outputs"
     namespace: dict = {"__name__": "__main__"}
     with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path_factory.mktemp("notebook"))
+        patch.chdir(directory)
+        if checkpoint_dir is None:
+            patch.delenv("CHECKPOINT_DIR", raising=False)
+        else:
+            patch.setenv("CHECKPOINT_DIR", str(checkpoint_dir))
         for i, cell in enumerate(cells):
             exec(compile("".join(cell["source"]), f"{NOTEBOOK.name} code cell {i}", "exec"), namespace)
+            if i == 0:
+                namespace.update(settings)
         namespace["cwd"] = Path.cwd()
     return namespace
+
+
+@pytest.fixture(scope="module")
+def namespace(tmp_path_factory) -> dict:
+    return run_notebook(tmp_path_factory.mktemp("notebook"))
 
 
 def test_the_loss_falls_on_response_tokens(namespace):
@@ -52,3 +64,31 @@ def test_the_merged_checkpoint_reloads_and_generates(namespace):
                 if "lora" in p]
     np.testing.assert_allclose(namespace["logits_reloaded"], namespace["logits_before_save"], rtol=1e-6, atol=1e-6)
     assert namespace["reloaded_answers"] == namespace["after"]
+
+
+def test_a_transformers_llama_checkpoint_goes_through_load_lora_train_merge_save(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nnx_zoo import Llama3
+    from nnx_zoo.train.tokenize import ByteTokenizer
+
+    torch.manual_seed(0)
+    base = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )).save_pretrained(base)
+    ns = run_notebook(tmp_path, base, STEPS=3, BATCH=4)
+    assert isinstance(ns["model"], Llama3) and isinstance(ns["reloaded"], Llama3)
+    assert len(ns["adapted"]) == 7  # the family's default: q/k/v/o and gate/up/down of the one layer
+    assert len(ns["losses"]) == 3 and all(np.isfinite(ns["losses"]))
+    # The merged checkpoint is a plain Llama one: transformers loads it and computes the notebook's logits, which
+    # training changed (the adapters were trained and merged, not dropped).
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / ns["MERGED_DIR"], dtype=torch.float32).eval()
+    original = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    probe = torch.as_tensor(np.array(ns["probe"]), dtype=torch.long)
+    with torch.no_grad():
+        merged_logits, original_logits = merged(probe).logits.numpy(), original(probe).logits.numpy()
+    np.testing.assert_allclose(ns["logits_before_save"], merged_logits, rtol=1e-4, atol=1e-5)
+    assert np.abs(merged_logits - original_logits).max() > 1e-3
