@@ -401,26 +401,20 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
     shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
 
     def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
-        before = jax.tree.map(lambda x: x, values)  # new Variables: merge shares `values`' own, updated in place
         live = nnx.merge(graphdef, values)
         metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
         updated = nnx.state(live)
-        # A step whose loss, gradient norm or update is not finite is not applied: the state stays the last
-        # finite one, so it can still be checkpointed (a finite loss can come with an overflowing update).
-        finite = _all_finite((metrics["loss"], metrics["grad_norm"], updated))
-        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old) if _selectable(new) else new,
-                            updated, before)
-        return kept, {**metrics, "finite": finite}
+        # A finite loss can come with an overflowing update, so the whole updated state is checked.
+        return updated, {**metrics, "finite": _all_finite((metrics["loss"], metrics["grad_norm"], updated))}
 
     compiled = jax.jit(step, out_shardings=(shardings, None))
 
     def run(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         values, metrics = compiled(nnx.state(state), batch)
-        nnx.update(state, values)
+        # A step that is not finite is not applied: the state (not donated to the step) stays the last finite
+        # one, so it can still be checkpointed. The loop waits for this step's loss right after anyway.
+        if bool(metrics["finite"]):
+            nnx.update(state, values)
         return metrics
 
     return run
-
-
-def _selectable(x: jax.Array) -> bool:
-    return not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
