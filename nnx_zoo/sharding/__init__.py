@@ -2,10 +2,12 @@
 
 Model code annotates every Variable with logical names (``nnx.Param(v, out_sharding=("embed", "mlp"))``) and
 every activation it lays out with ``shard(x, names)``; a rule set (data, chosen by name) maps names to the mesh
-axes of ``make_mesh``; ``logical_to_mesh_axes`` is the one resolver. This package imports nothing else of nnx_zoo.
+axes of ``make_mesh``; ``logical_to_mesh_axes`` is the one resolver. A family declares a name of its own with
+``declare_axis(name, like=shared_name, doc=...)`` in its folder; every rule set places it like ``like``.
+This package imports nothing else of nnx_zoo.
 """
 
-from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES
+from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES, STACK_AXES, declare_axis, declared_axes, describe
 from nnx_zoo.sharding.constrain import current_rules, record_shardings, restore_sharding, shard, sharding_of, use_rules
 from nnx_zoo.sharding.create import (
     abstract_module,
@@ -18,19 +20,24 @@ from nnx_zoo.sharding.create import (
 from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
 from nnx_zoo.sharding.report import ShardingReport, sharding_report
 from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, named_sharding
-from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, get_rules, validate_rules
+from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, expand_rules, get_rules, validate_rules
 
 __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
     "RULE_SETS",
+    "STACK_AXES",
     "Rules",
     "ShardingError",
     "ShardingReport",
     "abstract_module",
     "context_axes",
     "create_sharded",
+    "expand_rules",
     "current_rules",
+    "declare_axis",
+    "declared_axes",
+    "describe",
     "get_rules",
     "iter_variables",
     "logical_names",

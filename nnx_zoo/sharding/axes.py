@@ -1,11 +1,20 @@
-"""The vocabulary: every mesh axis and every logical axis name the package uses.
+"""The vocabulary: every mesh axis, the family-neutral logical axis names, and the names families declare.
 
-Model code names dimensions with the logical names below; rule sets (``rules.py``) map them to the mesh axes.
-A logical name that is neither declared here nor mentioned by the rule set in use is a typo, and the resolver
-rejects it in strict mode, so that a misspelt name cannot silently replicate a large tensor.
+Model code names dimensions with logical names; rule sets (``rules.py``) map them to the mesh axes. The shared
+names below are family-neutral (any decoder has heads, an embedding width, MLP widths, experts...). A family that
+needs a name of its own declares it in its own folder with ``declare_axis(name, like=shared_name, doc=...)``:
+every rule set that does not mention the name itself places it with the rules of its ``like`` name, so no rule
+set is edited per family. A logical name that is neither shared, nor declared, nor mentioned by the rule set in
+use is a typo, and the resolver rejects it in strict mode, so that a misspelt name cannot silently replicate a
+large tensor.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator, Mapping, Set
+from types import MappingProxyType
 
 # Physical mesh axes, in mesh order (outermost first).
 MESH_AXES: tuple[str, ...] = (
@@ -18,6 +27,7 @@ MESH_AXES: tuple[str, ...] = (
     "expert",  # expert parallelism
 )
 
+# Family-neutral logical names (what the shared layers and every rule set use).
 LOGICAL_AXES: dict[str, str] = {
     # ---- parameters ----
     "vocab": "vocabulary rows of the token embedding and the output head",
@@ -30,16 +40,10 @@ LOGICAL_AXES: dict[str, str] = {
     "heads": "attention heads",
     "kv_heads": "key/value heads of grouped-query attention weights (num_key_value_heads; heads when MHA)",
     "kv": "per-head feature width (query/key width or value width)",
-    "q_lora": "MLA query low-rank latent width",
-    "kv_lora": "MLA key/value low-rank latent width (plus the shared rope key in the down-projection)",
-    "mtp_embed": "input width of a multi-token-prediction projection (two hidden states concatenated)",
     "norm": "RMSNorm scale vectors",
     "bias": "bias vectors",
     "lora_rank": "rank of a LoRA adapter",
-    "layers": "leading stack axis of the scanned decoder layers of a dense model (Llama, Qwen3)",
-    "dense_layers": "leading stack axis of the scanned dense decoder layers",
-    "moe_layers": "leading stack axis of the scanned MoE decoder layers",
-    "mtp_layers": "leading stack axis of the multi-token-prediction heads",
+    "layers": "leading stack axis of scanned decoder layers (one entry per layer)",
     # ---- activations ----
     "activation_batch": "batch dim of activations",
     "activation_length": "sequence dim of activations (the context-parallel dim)",
@@ -48,8 +52,6 @@ LOGICAL_AXES: dict[str, str] = {
     "activation_heads": "attention-head dim of activations",
     "activation_kv_heads": "key/value-head dim of grouped-query attention's keys, values and scores",
     "activation_kv": "per-head feature dim of activations",
-    "activation_q_lora": "query latent dim of activations",
-    "activation_kv_lora": "key/value latent dim of activations",
     "activation_mlp": "hidden dim of dense-MLP activations",
     "activation_vocab": "vocabulary dim of logits",
     "activation_exp": "expert dim of activations inside the MoE block",
@@ -64,11 +66,140 @@ LOGICAL_AXES: dict[str, str] = {
     "cache_kv_heads": "key/value-head dim of a grouped-query attention decoding cache",
 }
 
-# The names above that are leading layer-stack axes (the ``axis_name`` of ``nnx_zoo.layers.scan.create_stack``):
-# one entry per layer, never a matrix dim, so per-matrix optimizers (Muon) treat them as batch dims.
-STACK_AXES: frozenset[str] = frozenset({"layers", "dense_layers", "moe_layers", "mtp_layers"})
+# Shared names that are leading layer-stack axes (one entry per layer, never a matrix dim). A declared name
+# placed like one of them is a stack axis too (``STACK_AXES``).
+_SHARED_STACK_AXES = frozenset({"layers"})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredAxis:
+    """A logical name a model family declared (``declare_axis``): placed like ``like`` unless a rule set names it.
+
+    ``like=None``: replicated unless a rule set names it. ``where``: the ``file:line`` of the declaration.
+    """
+
+    name: str
+    like: str | None
+    doc: str
+    where: str
+
+    def same_meaning(self, other: DeclaredAxis) -> bool:
+        return (self.like, self.doc) == (other.like, other.doc)
+
+
+_DECLARED: dict[str, DeclaredAxis] = {}
+_version = 0  # bumped by every new declaration; rules.py caches expanded rule sets against it
+
+
+def declare_axis(name: str, *, like: str | None, doc: str) -> str:
+    """Declare a family's own logical name, placed by every rule set like the known name ``like``.
+
+    A rule set that mentions ``name`` itself places it by its own rules; any other rule set (the named ones and
+    a user's own) uses the rules of ``like`` (or of ``like``'s ``like``, for a chain of declared names) at their
+    position, after ``like`` itself: in an array that has both names, ``like`` picks its mesh axes first.
+    ``like=None`` replicates the name unless a rule set names it. A name placed like a stack axis (``layers``) is
+    a stack axis. Declaring the same name again with the same ``like`` and ``doc`` is a no-op (module reloads);
+    with another meaning it is an error naming both places. Returns ``name``.
+
+    >>> Q_LORA = declare_axis("q_lora", like="embed", doc="MLA query low-rank latent width")
+    >>> placed_like("q_lora")
+    'embed'
+    """
+    global _version
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"declare_axis: a logical name must be an identifier-like string, got {name!r}")
+    if not doc:
+        raise ValueError(f"declare_axis({name!r}): give doc=, one line on what the dimension is")
+    if name in LOGICAL_AXES:
+        raise ValueError(
+            f"declare_axis({name!r}): {name!r} is a shared logical name (nnx_zoo/sharding/axes.py: "
+            f"{LOGICAL_AXES[name]!r}); use it as it is, or declare a name of your own"
+        )
+    if like is not None and not is_known(like):
+        raise ValueError(
+            f"declare_axis({name!r}, like={like!r}): {like!r} is not a known logical name; `like` must be a shared "
+            f"name (nnx_zoo/sharding/axes.py) or one declared before, e.g. like='embed'"
+        )
+    frame = sys._getframe(1)
+    new = DeclaredAxis(name, like, doc, f"{frame.f_code.co_filename}:{frame.f_lineno}")
+    old = _DECLARED.get(name)
+    if old is not None:
+        if old.same_meaning(new):
+            return name
+        raise ValueError(
+            f"logical name {name!r} declared twice with different meanings: at {old.where} like={old.like!r} "
+            f"({old.doc!r}), and at {new.where} like={new.like!r} ({new.doc!r}). Use one declaration (import it) "
+            "or give one of them another name"
+        )
+    _DECLARED[name] = new
+    _version += 1
+    return name
+
+
+def declared_axes() -> Mapping[str, DeclaredAxis]:
+    """The family-declared names so far (read-only), in declaration order."""
+    return MappingProxyType(_DECLARED)
+
+
+def declarations_version() -> int:
+    """A number that changes whenever a name is declared (for caches of expanded rule sets)."""
+    return _version
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` is a shared or a declared logical name."""
+    return name in LOGICAL_AXES or name in _DECLARED
+
+
+def like_chain(name: str) -> tuple[str, ...]:
+    """``name`` then each ``like`` it is placed by, ending at a shared name (or at a ``like=None`` name).
+
+    >>> like_chain("dense_layers")  # after DeepSeek declared it like 'layers'
+    ('dense_layers', 'layers')
+    """
+    chain = [name]
+    while chain[-1] in _DECLARED and _DECLARED[chain[-1]].like is not None:
+        chain.append(_DECLARED[chain[-1]].like)  # acyclic: `like` must be known when a name is declared
+    return tuple(chain)
+
+
+def placed_like(name: str) -> str | None:
+    """The shared name whose rules place ``name`` (``name`` itself when shared; None when it is replicated)."""
+    root = like_chain(name)[-1]
+    return root if root in LOGICAL_AXES else None
 
 
 def describe(name: str) -> str:
     """One line on what a logical axis name means (KeyError for unknown names)."""
-    return LOGICAL_AXES[name]
+    if name in LOGICAL_AXES:
+        return LOGICAL_AXES[name]
+    decl = _DECLARED[name]
+    placed = f"placed like {decl.like!r}" if decl.like else "replicated unless a rule set names it"
+    return f"{decl.doc} ({placed}; declared at {decl.where})"
+
+
+class _StackAxes(Set):
+    """Live set of the stack-axis names: the shared ones and every declared name placed like one of them."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and is_known(name) and placed_like(name) in _SHARED_STACK_AXES
+
+    def __iter__(self) -> Iterator[str]:
+        yield from sorted(_SHARED_STACK_AXES)
+        yield from (n for n in _DECLARED if n in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @classmethod
+    def _from_iterable(cls, it: object) -> frozenset[str]:  # set operators (STACK_AXES | {...}) give a snapshot
+        return frozenset(it)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"STACK_AXES({sorted(self)})"
+
+
+# Leading layer-stack axes (the ``axis_name`` of ``nnx_zoo.layers.scan.create_stack``): one entry per layer,
+# never a matrix dim, so per-matrix optimizers (Muon) treat them as batch dims. Live: includes names declared
+# later.
+STACK_AXES: Set[str] = _StackAxes()

@@ -81,16 +81,11 @@ def variable_resolution(
 
 
 def variable_spec(
-    path: str,
-    variable: nnx.Variable,
-    rules: Rules,
-    mesh: Mesh | AbstractMesh,
-    *,
-    strict: bool = True,
-    allow_partial: bool = False,
+    path: str, variable: nnx.Variable, rules: Rules, mesh: Mesh | AbstractMesh, **options: bool
 ) -> PartitionSpec:
-    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names)."""
-    return variable_resolution(path, variable, rules, mesh, strict=strict, allow_partial=allow_partial).spec
+    """The resolved, divisibility-checked spec of one Variable (replicated when it carries no names);
+    ``variable_resolution``'s spec, same keyword options (``strict``, ``allow_partial``)."""
+    return variable_resolution(path, variable, rules, mesh, **options).spec
 
 
 def _resolve_state(

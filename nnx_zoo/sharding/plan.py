@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
+from nnx_zoo.sharding.axes import STACK_AXES, placed_like
 from nnx_zoo.sharding.report import ShardingReport, _human, sharding_report
 from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import Rules, get_rules
@@ -192,8 +193,9 @@ def output_bytes(s: DecoderShapes, n: Local) -> int:
 
 
 # Logical names of the dimensions that FSDP shards and that are all-gathered when a weight is used (the others,
-# tensor-parallel and expert dims, stay split while computing).
-GATHERED_NAMES = frozenset({"embed", "embed_no_exp", "q_lora", "kv_lora", "mtp_embed"})
+# tensor-parallel and expert dims, stay split while computing); a family-declared name placed like one of them
+# (e.g. an attention latent declared like="embed") is gathered too.
+GATHERED_NAMES = frozenset({"embed", "embed_no_exp"})
 
 
 def gathered_weight_bytes(report: ShardingReport) -> int:
@@ -207,11 +209,11 @@ def gathered_weight_bytes(report: ShardingReport) -> int:
             continue
         shape = list(r.per_device_shape)
         for dim, (name, axes) in enumerate(zip(r.names, r.spec, strict=True)):
-            if name in GATHERED_NAMES and axes is not None:
+            if name is not None and placed_like(name) in GATHERED_NAMES and axes is not None:
                 shape[dim] = r.shape[dim]
         extra = (math.prod(shape) - math.prod(r.per_device_shape)) * r.bytes_per_device // max(
             1, math.prod(r.per_device_shape))
-        stack = r.names[0] if r.names[0] is not None and r.names[0].endswith("layers") else None
+        stack = r.names[0] if r.names[0] in STACK_AXES else None
         if stack is None:
             others.append(extra)
         else:

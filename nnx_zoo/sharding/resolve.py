@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TypedDict, Unpack
 
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES
-from nnx_zoo.sharding.rules import MeshAxes, Rules, get_rules
+from nnx_zoo.sharding.axes import MESH_AXES, is_known
+from nnx_zoo.sharding.rules import MeshAxes, Rules, expand_rules, get_rules
 
 
 class ShardingError(ValueError):
@@ -56,13 +57,14 @@ def _check_names(names: Sequence[str | None], rules: Rules, strict: bool, path: 
             "its own name"
         )
     if strict:
-        known = LOGICAL_AXES.keys() | {rule_name for rule_name, _ in rules}
-        unknown = [n for n in names if n is not None and n not in known]
+        unknown = [n for n in names if n is not None and not is_known(n) and all(n != r for r, _ in rules)]
         if unknown:
             raise ShardingError(
                 f"{_where(path)}unknown logical axis name {unknown[0]!r} in {tuple(names)}: it is neither in the "
-                "vocabulary (nnx_zoo/sharding/axes.py) nor mentioned by the rule set. Fix the spelling, declare it "
-                "in axes.py, add a rule for it, or pass strict=False to replicate unknown names."
+                "shared vocabulary (nnx_zoo/sharding/axes.py), nor declared by a model family "
+                "(nnx_zoo.sharding.declare_axis), nor mentioned by the rule set. Fix the spelling, declare it in "
+                "your family's folder with declare_axis(name, like=<shared name>, doc=...), add a rule for it, or "
+                "pass strict=False to replicate unknown names."
             )
 
 
@@ -144,6 +146,15 @@ def unplaced_mesh_message(rules: Rules | str, mesh: Mesh | AbstractMesh) -> str 
     )
 
 
+class ResolveOptions(TypedDict, total=False):
+    """The keyword options of ``resolve`` (and of every function that passes them on to it)."""
+
+    strict: bool
+    shape: Sequence[int] | None
+    path: str | None
+    allow_partial: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class Fallback:
     """One dimension that its rule's mesh axes do not divide, placed on a dividing prefix instead.
@@ -194,7 +205,7 @@ def resolve(
     >>> r.spec, r.fallbacks[0].placed
     (PartitionSpec('fsdp', None), ('fsdp',))
     """
-    rules = get_rules(rules)
+    rules = expand_rules(get_rules(rules))
     names = tuple(names)
     _check_names(names, rules, strict, path)
     resolved = _linen_resolve(names, rules)
@@ -238,37 +249,26 @@ def logical_to_mesh_axes(
     names: Sequence[str | None],
     rules: Rules | str,
     mesh: Mesh | AbstractMesh | None = None,
-    *,
-    strict: bool = True,
-    shape: Sequence[int] | None = None,
-    path: str | None = None,
-    allow_partial: bool = False,
+    **options: Unpack[ResolveOptions],
 ) -> PartitionSpec:
-    """Resolve logical dimension names to a ``PartitionSpec``.
+    """Resolve logical dimension names to a ``PartitionSpec`` (``resolve``'s spec; same keyword options).
 
-    Without ``mesh`` the result equals ``flax.linen.logical_to_mesh_axes(names, rules)``. With ``mesh``, axes of
-    size 1, absent from it, or Manual (inside ``shard_map``) are removed. With ``shape`` (and ``mesh``), every
-    sharded dimension must divide evenly (a ``ShardingError`` otherwise), or, with ``allow_partial=True``, a
-    dimension that does not is placed on the longest dividing prefix of its rule's axes (module docstring;
-    ``resolve`` also returns what fell back). ``rules`` is a named set or a sequence of ``(logical_name,
-    mesh_axes)`` pairs (checked by ``validate_rules``). ``path`` names the variable in error messages.
+    Without ``mesh`` the result equals ``flax.linen.logical_to_mesh_axes(names, rules)`` (family-declared names
+    placed by ``expand_rules``). With ``mesh``, axes of size 1, absent from it, or Manual (inside ``shard_map``)
+    are removed. With ``shape`` (and ``mesh``), every sharded dimension must divide evenly (a ``ShardingError``
+    otherwise), or, with ``allow_partial=True``, a dimension that does not is placed on the longest dividing
+    prefix of its rule's axes (module docstring; ``resolve`` also returns what fell back). ``rules`` is a named
+    set or a sequence of ``(logical_name, mesh_axes)`` pairs (checked by ``validate_rules``). ``path`` names the
+    variable in error messages; ``strict=False`` replicates unknown names instead of rejecting them.
 
     >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tensor"), ("embed", "fsdp")))
     PartitionSpec('fsdp', 'tensor')
     """
-    return resolve(names, rules, mesh, strict=strict, shape=shape, path=path, allow_partial=allow_partial).spec
+    return resolve(names, rules, mesh, **options).spec
 
 
 def named_sharding(
-    names: Sequence[str | None],
-    rules: Rules | str,
-    mesh: Mesh,
-    *,
-    strict: bool = True,
-    shape: Sequence[int] | None = None,
-    path: str | None = None,
-    allow_partial: bool = False,
+    names: Sequence[str | None], rules: Rules | str, mesh: Mesh, **options: Unpack[ResolveOptions]
 ) -> NamedSharding:
-    """``NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, ...))``."""
-    return NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, strict=strict, shape=shape, path=path,
-                                                    allow_partial=allow_partial))
+    """``NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, **options))``."""
+    return NamedSharding(mesh, logical_to_mesh_axes(names, rules, mesh, **options))

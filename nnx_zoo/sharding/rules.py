@@ -3,8 +3,10 @@
 A rule set is an ordered tuple of ``(logical_name, mesh_axes)`` pairs; ``mesh_axes`` is one mesh axis, a tuple
 of them, or ``None`` for replicated. A logical name may appear several times: later entries are fallbacks, tried
 (in order) when an earlier entry's mesh axes are already bound to another dimension of the same array. A rule may
-name a mesh axis the current mesh lacks or has at size 1; the resolver drops it. A declared logical name that a
-rule set does not mention is replicated.
+name a mesh axis the current mesh lacks or has at size 1; the resolver drops it. A shared logical name that a
+rule set does not mention is replicated. Rule sets name only the family-neutral vocabulary of ``axes.py``; a name
+a family declared (``declare_axis(name, like=...)``) and that a rule set does not mention is placed by copies of
+its ``like`` name's rules (``expand_rules``), so no rule set is edited per family.
 
 Switching parallelism strategy is choosing another set by name: ``get_rules("ep-as-cp")``.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Union
 
-from nnx_zoo.sharding.axes import MESH_AXES
+from nnx_zoo.sharding.axes import MESH_AXES, declarations_version, declared_axes, like_chain
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rule = tuple[str, MeshAxes]
@@ -35,11 +37,6 @@ _EMBED_NO_EXP = (
     ("embed_no_exp", ("fsdp", "fsdp_transpose", "context")),
     ("embed_no_exp", ("fsdp", "context")),
 )
-_LORA = tuple(
-    (name, axes)
-    for name in ("q_lora", "kv_lora", "mtp_embed")
-    for axes in (("fsdp", "fsdp_transpose", "tensor_transpose", "context", "expert"), ("fsdp", "context", "expert"))
-)
 _TENSOR_PARAMS = (
     ("vocab", ("tensor", "tensor_transpose")),
     ("mlp", ("fsdp_transpose", "tensor")),
@@ -56,9 +53,6 @@ _REPLICATED = (
     ("exp_router", None),
     ("lora_rank", None),
     ("layers", None),
-    ("dense_layers", None),
-    ("moe_layers", None),
-    ("mtp_layers", None),
 )
 _ACT_COMMON = (
     ("activation_embed", "tensor_transpose"),
@@ -74,8 +68,6 @@ _ACT_COMMON = (
     ("activation_vocab", "tensor"),
     ("activation_kv", None),
     ("activation_kv_length", None),
-    ("activation_q_lora", None),
-    ("activation_kv_lora", None),
     ("activation_topk", None),
     ("activation_stack", None),
     ("activation_microbatch", None),
@@ -96,7 +88,6 @@ DEFAULT: Rules = (
     ("exp", "expert"),
     *_EMBED,
     *_EMBED_NO_EXP,
-    *_LORA,
     *_REPLICATED,
 )
 
@@ -107,9 +98,6 @@ PURE_FSDP: Rules = (
     ("cache_batch", ("data", "fsdp")),
     ("embed", "fsdp"),
     ("embed_no_exp", "fsdp"),
-    ("q_lora", "fsdp"),
-    ("kv_lora", "fsdp"),
-    ("mtp_embed", "fsdp"),
     ("vocab", "fsdp"),
     ("mlp", "fsdp"),
     ("moe_mlp", "fsdp"),
@@ -132,7 +120,6 @@ EP_AS_CP: Rules = (
     ("exp", "expert"),
     *_EMBED,
     *_EMBED_NO_EXP,
-    *_LORA,
     *_REPLICATED,
 )
 
@@ -152,7 +139,6 @@ CP_AS_EP: Rules = (
     ("embed_no_exp", ("fsdp", "tensor_transpose")),
     ("embed_no_exp", ("fsdp", "fsdp_transpose")),
     ("embed_no_exp", "fsdp"),
-    *_LORA,
     *_REPLICATED,
 )
 
@@ -171,7 +157,6 @@ EP_AS_DP: Rules = (
     ("embed_no_exp", ("fsdp", "tensor_transpose", "context", "expert")),
     ("embed_no_exp", ("fsdp", "fsdp_transpose", "context", "expert")),
     ("embed_no_exp", ("fsdp", "context", "expert")),
-    *_LORA,
     *_REPLICATED,
 )
 
@@ -190,7 +175,6 @@ SHARD_EXP_ON_FSDP: Rules = (
     *_TENSOR_PARAMS,
     *_EMBED,
     *_EMBED_NO_EXP,
-    *_LORA,
     *_REPLICATED,
 )
 
@@ -274,3 +258,38 @@ def context_axes(rules: Rules) -> tuple[str, ...]:
                 return ()
             return (axes,) if isinstance(axes, str) else tuple(axes)
     return ()
+
+
+_EXPANDED: dict[int, tuple[Rules, int, Rules]] = {}  # id(rules) -> (rules, declarations version, expanded)
+
+
+def expand_rules(rules: Rules) -> Rules:
+    """``rules`` with rules added for the family-declared names it does not mention (``axes.declare_axis``).
+
+    Each such name gets a copy of every rule of the first name of its ``like`` chain that ``rules`` mentions,
+    placed right after the rule it copies (names with the same anchor follow in declaration order). The result
+    resolves an array holding both a declared name and its ``like`` exactly as Linen's first match would with
+    hand-written rules listed after the ``like``'s: the ``like`` name picks its mesh axes first. A declared name
+    whose chain reaches no mentioned name gets no rule (replicated, as any known name the set does not mention).
+
+    >>> _ = declare_axis("q_lora", like="embed", doc="MLA query latent width")
+    >>> [r for r in expand_rules((("embed", "fsdp"), ("mlp", "tensor"))) if r[0] == "q_lora"]
+    [('q_lora', 'fsdp')]
+    """
+    version = declarations_version()
+    cached = _EXPANDED.get(id(rules))
+    if cached is not None and cached[0] is rules and cached[1] == version:
+        return cached[2]
+    mentioned = {name for name, _ in rules}
+    followers: dict[str, list[str]] = {}
+    for name in declared_axes():
+        if name not in mentioned:
+            anchor = next((n for n in like_chain(name)[1:] if n in mentioned), None)
+            if anchor is not None:
+                followers.setdefault(anchor, []).append(name)
+    expanded = tuple(rule for name, axes in rules
+                     for rule in ((name, axes), *((f, axes) for f in followers.get(name, ()))))
+    if len(_EXPANDED) > 64:  # user rule sets built on the fly: keep the cache bounded
+        _EXPANDED.clear()
+    _EXPANDED[id(rules)] = (rules, version, expanded)
+    return expanded

@@ -124,7 +124,7 @@ def muon_dimension_numbers(
         raise ValueError(f"{path}: Muon needs a logical name on every dim to find its matrix view, got {names}")
     groups: list[list[int]] = []  # runs of dims that form one side of the matrix
     for axis, name in enumerate(names):
-        if name in MUON_BATCH_NAMES:
+        if name in MUON_BATCH_NAMES or name in STACK_AXES:  # STACK_AXES is live: stacks declared after import
             continue
         joins = groups and names[groups[-1][-1]] in MUON_JOINED_NAMES.get(name, ()) and groups[-1][-1] == axis - 1
         if joins:
@@ -138,7 +138,7 @@ def muon_dimension_numbers(
             f"{path}: cannot tell the input dims from the output dims of a weight with logical names {names} "
             f"(shape {shape}): Muon expects [batch..., inputs..., outputs...] with multi-dim sides joined as in "
             f"{MUON_JOINED_NAMES}; extend MUON_JOINED_NAMES in nnx_zoo/train/optim.py (or, for a layer-stack axis, "
-            "STACK_AXES in nnx_zoo/sharding/axes.py), or use "
+            "declare_axis(name, like='layers', ...) in the family's axes.py), or use "
             "--optimizer adamw"
         )
     return MuonDimensionNumbers(reduction_axis=tuple(groups[0]), output_axis=tuple(groups[1]))

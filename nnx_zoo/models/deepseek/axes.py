@@ -1,0 +1,26 @@
+"""DeepSeek's own logical axis names, declared for the sharding resolver.
+
+Each is placed by every rule set like the shared name it is declared ``like`` (unless a rule set names it), so no
+rule set lists DeepSeek's names. Importing this module (the package ``__init__`` does) declares them.
+"""
+
+from __future__ import annotations
+
+from nnx_zoo.sharding import declare_axis
+
+# MLA's low-rank latents are FSDP-sharded model-width-like dims of the down/up projections (MaxText: q_lora and
+# kv_lora follow embed's rules in base.yml).
+Q_LORA = declare_axis("q_lora", like="embed", doc="MLA query low-rank latent width (q_lora_rank)")
+KV_LORA = declare_axis(
+    "kv_lora", like="embed", doc="MLA key/value low-rank latent width (plus the shared rope key in kv_a_proj)"
+)
+MTP_EMBED = declare_axis(
+    "mtp_embed", like="embed", doc="input width of a multi-token-prediction projection (two hidden states concatenated)"
+)
+# The latents of activations are small (512-1536 wide) and feed a per-head up-projection: kept whole.
+ACTIVATION_Q_LORA = declare_axis("activation_q_lora", like=None, doc="query latent dim of MLA activations")
+ACTIVATION_KV_LORA = declare_axis("activation_kv_lora", like=None, doc="key/value latent dim of MLA activations")
+# Layer stacks: one entry per layer (stack axes for the optimizer), replicated like the shared 'layers'.
+DENSE_LAYERS = declare_axis("dense_layers", like="layers", doc="stack axis of the first_k_dense_replace dense layers")
+MOE_LAYERS = declare_axis("moe_layers", like="layers", doc="stack axis of the MoE decoder layers")
+MTP_LAYERS = declare_axis("mtp_layers", like="layers", doc="stack axis of the multi-token-prediction heads")
