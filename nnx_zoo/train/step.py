@@ -24,22 +24,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.sharding import shard_mode_of
+from nnx_zoo.train.loss import token_cross_entropy
 
 Batch = dict[str, jax.Array]
-
-
-def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross-entropy over the positions where ``mask`` is 1, and their count.
-
-    The target logit is picked by comparison with an iota rather than a gather, so vocab-sharded logits work
-    under Explicit meshes too; XLA fuses the compare-select-reduce into one pass.
-    """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-    mask = mask.astype(jnp.float32)
-    return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
 
 
 def shift_left(x: jax.Array, shift: int) -> jax.Array:
