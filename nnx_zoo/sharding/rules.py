@@ -142,21 +142,21 @@ CP_AS_EP: Rules = (
     *_REPLICATED,
 )
 
-# ep-as-dp: the expert axis is one more data/FSDP axis; experts are not split across devices.
+# ep-as-dp (MaxText's ep-as-dp.yml): outside the MoE core the expert axis is pure data parallelism: it splits the
+# batch, and non-expert weights are replicated over it (FSDP over fsdp/fsdp_transpose only), so no weight of
+# attention or the dense MLP is cut 'fsdp x expert' ways (MaxText: "removes the constraint where FSDPxEP is limited
+# by specific model dimensions"). Inside the MoE core the routed experts stay split over expert.
 EP_AS_DP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
     ("activation_length", "context"),
-    ("activation_exp", None),
+    ("activation_exp", "expert"),
     ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
     *_ACT_COMMON,
     *_TENSOR_PARAMS,
-    ("exp", None),
-    *_EMBED,
-    ("embed_no_exp", ("fsdp", "fsdp_transpose", "tensor_transpose", "context", "expert")),
-    ("embed_no_exp", ("fsdp", "tensor_transpose", "context", "expert")),
-    ("embed_no_exp", ("fsdp", "fsdp_transpose", "context", "expert")),
-    ("embed_no_exp", ("fsdp", "context", "expert")),
+    ("exp", "expert"),
+    *((("embed", axes) for _, axes in _EMBED_NO_EXP)),  # embed's ladder without expert
+    *_EMBED_NO_EXP,
     *_REPLICATED,
 )
 
@@ -175,6 +175,10 @@ SHARD_EXP_ON_FSDP: Rules = (
     *_TENSOR_PARAMS,
     *_EMBED,
     *_EMBED_NO_EXP,
+    # MaxText: embed_moe -> context here. With exp on (expert, fsdp) every rule above is blocked by fsdp; the expert
+    # weights' width still takes the axes fsdp does not use.
+    ("embed_no_exp", ("tensor_transpose", "context")),
+    ("embed_no_exp", "context"),
     *_REPLICATED,
 )
 

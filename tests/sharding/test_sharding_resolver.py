@@ -335,9 +335,10 @@ def test_strategy_switch_is_one_word():
     wi = ("exp", "embed_no_exp", "moe_mlp")
     assert tuple(logical_to_mesh_axes(wi, "default", mesh)) == ("expert", ("fsdp", "context"), None)
     assert tuple(logical_to_mesh_axes(wi, "pure-fsdp", mesh)) == (None, "fsdp", None)
-    # whole expert matrices per device: the model width of expert weights is not split
-    assert tuple(logical_to_mesh_axes(wi, "shard-exp-on-fsdp", mesh)) == (("expert", "fsdp"), None, None)
-    assert tuple(logical_to_mesh_axes(wi, "ep-as-dp", mesh)) == (None, ("fsdp", "context", "expert"), None)
+    # fsdp moves from the width to the expert dim; the width keeps only context (MaxText: embed_moe -> context)
+    assert tuple(logical_to_mesh_axes(wi, "shard-exp-on-fsdp", mesh)) == (("expert", "fsdp"), "context", None)
+    # experts split over expert; expert is data parallelism outside the MoE, never FSDP for the weights
+    assert tuple(logical_to_mesh_axes(wi, "ep-as-dp", mesh)) == ("expert", ("fsdp", "context"), None)
     assert tuple(logical_to_mesh_axes(wi, "cp-as-ep", mesh)) == (("expert", "context"), "fsdp", None)
     act = ("activation_batch", "activation_length", "activation_embed")
     assert tuple(logical_to_mesh_axes(act, "default", mesh)) == (("fsdp", "expert"), "context", None)

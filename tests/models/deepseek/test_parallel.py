@@ -36,7 +36,7 @@ from tests.models.deepseek.small import small_config
 BATCH, SEQ = 16, 8
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 
-# (mesh sizes, rule sets that make sense there). ep-as-dp has no EP axis: 'ep' falls back to the local path.
+# (mesh sizes, rule sets that make sense there). ep-as-dp splits experts over expert (data parallel outside the MoE).
 MESHES = [
     ({"fsdp": 4, "expert": 2}, ("default", "shard-exp-on-fsdp")),
     ({"data": 2, "fsdp": 2, "expert": 2}, ("default", "ep-as-dp")),
@@ -128,7 +128,7 @@ def test_ep_axes_follow_the_rules():
     assert resolve["default"] == "expert" and resolve["ep-as-cp"] == "expert"
     assert resolve["cp-as-ep"] == ("expert", "context")
     assert resolve["shard-exp-on-fsdp"] == ("expert", "fsdp")
-    assert resolve["ep-as-dp"] is None and resolve["pure-fsdp"] is None
+    assert resolve["ep-as-dp"] == "expert" and resolve["pure-fsdp"] is None
 
 
 def test_capacity_factor_drops_and_reports_tokens():
@@ -143,7 +143,7 @@ def test_capacity_factor_drops_and_reports_tokens():
 
 
 def test_capacity_factor_without_ep_axes_is_local():
-    # ep-as-dp: 'exp' maps to no mesh axis, so the capacity applies per token shard (and without a mesh, to all).
+    # pure-fsdp: 'exp' maps to no mesh axis, so the capacity applies per token shard (and without a mesh, to all).
     config = _config(moe_impl="ep", moe_capacity_factor=0.5)
     moe = DeepSeekMoE(config, rngs=nnx.Rngs(1))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(BATCH, SEQ, config.hidden_size)), jnp.float32)
@@ -151,13 +151,13 @@ def test_capacity_factor_without_ep_axes_is_local():
 
     @jax.jit
     def dropped(state, x):
-        with use_rules("ep-as-dp"):
+        with use_rules("pure-fsdp"):
             return nnx.merge(graphdef, state)(x).dropped_tokens
 
     assert dropped(state, x) > 0
     mesh = make_mesh({"fsdp": 4, "expert": 2}, shard_mode="explicit")
     with jax.set_mesh(mesh):
-        assert dropped(_place(state, mesh, "ep-as-dp"), x) > 0
+        assert dropped(_place(state, mesh, "pure-fsdp"), x) > 0
 
 
 def test_batch_split_equals_unsplit():
