@@ -21,6 +21,9 @@ _BLE = ("activation_batch", "activation_length", "activation_embed")
 _BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _BLND = ("activation_batch", "activation_length", "activation_kv_heads", "activation_kv")
 _BKND = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_kv")
+_QUERY_SIDE = ("activation_batch", "activation_length")
+_KEY_SIDE = ("activation_batch", "activation_kv_length")
+_MASK_NAMES = ("activation_batch", None, "activation_length", "activation_kv_length")
 
 
 def causal_mask(
@@ -31,14 +34,20 @@ def causal_mask(
 
     ``attention_mask`` is the usual ``[batch, k]`` 1/0 padding mask (1 = real token); ``segment_ids [batch, s]``
     number the documents packed into a row, so attention never crosses a document boundary.
+
+    On a mesh the mask is laid out like the attention scores it masks: queries split like
+    ``activation_length`` (context parallelism), keys whole (``activation_kv_length``). An input split over
+    the sequence (``[activation_batch, activation_length]``) is gathered along it for its key side first: its
+    query and key sides cannot both sit on the context axis of one ``[b, 1, q, k]`` array.
     """
     pos = jnp.arange(seq_len)
     mask = (pos[None, :] <= pos[:, None])[None, None]
     if attention_mask is not None:
-        mask = mask & attention_mask.astype(bool)[:, None, None, :]
+        mask = mask & shard(attention_mask.astype(bool), _KEY_SIDE)[:, None, None, :]
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    return mask
+        query_side = shard(segment_ids, _QUERY_SIDE)[:, None, :, None]
+        mask = mask & (query_side == shard(segment_ids, _KEY_SIDE)[:, None, None, :])
+    return mask if mask.shape[0] == 1 else shard(mask, _MASK_NAMES)
 
 
 def dot_product_attention(
