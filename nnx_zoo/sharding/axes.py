@@ -33,6 +33,7 @@ LOGICAL_AXES: dict[str, str] = {
     "vocab": "vocabulary rows of the token embedding and the output head",
     "embed": "model width (hidden_size) of non-expert weights",
     "embed_no_exp": "model width of routed-expert weights (never bound to the axes that shard experts)",
+    "latent": "low-rank latent width of a factorized projection (the input dim of its up-projection)",
     "mlp": "hidden width of a dense (SwiGLU) MLP, including the shared experts",
     "moe_mlp": "hidden width of one routed expert",
     "exp": "routed-expert index of the stacked expert weights",
@@ -65,6 +66,10 @@ LOGICAL_AXES: dict[str, str] = {
     "cache_kv": "feature dim of a decoding cache",
     "cache_kv_heads": "key/value-head dim of a grouped-query attention decoding cache",
 }
+
+# Shared names that a rule set which does not mention them places like another shared name (as a declared name's
+# ``like``): a user's own rule set written before ``latent`` existed still FSDP-shards latents like the width.
+SHARED_LIKE: Mapping[str, str] = MappingProxyType({"latent": "embed"})
 
 # Shared names that are leading layer-stack axes (one entry per layer, never a matrix dim). A declared name
 # placed like one of them is a stack axis too (``STACK_AXES``).
@@ -151,20 +156,30 @@ def is_known(name: str) -> bool:
     return name in LOGICAL_AXES or name in _DECLARED
 
 
+def _like(name: str) -> str | None:
+    if name in _DECLARED:
+        return _DECLARED[name].like
+    return SHARED_LIKE.get(name)
+
+
 def like_chain(name: str) -> tuple[str, ...]:
-    """``name`` then each ``like`` it is placed by, ending at a shared name (or at a ``like=None`` name).
+    """``name`` then each ``like`` it is placed by (declared names, then ``SHARED_LIKE``), ending at a shared
+    name without one (or at a ``like=None`` name). A rule set places ``name`` by the first of these it mentions.
 
     >>> like_chain("dense_layers")  # after DeepSeek declared it like 'layers'
     ('dense_layers', 'layers')
+    >>> like_chain("q_lora")  # declared like 'latent', which a set that does not mention it places like 'embed'
+    ('q_lora', 'latent', 'embed')
     """
     chain = [name]
-    while chain[-1] in _DECLARED and _DECLARED[chain[-1]].like is not None:
-        chain.append(_DECLARED[chain[-1]].like)  # acyclic: `like` must be known when a name is declared
+    while (like := _like(chain[-1])) is not None:
+        chain.append(like)  # acyclic: `like` must be known when a name is declared
     return tuple(chain)
 
 
 def placed_like(name: str) -> str | None:
-    """The shared name whose rules place ``name`` (``name`` itself when shared; None when it is replicated)."""
+    """The shared name at the root of ``name``'s like chain (``name`` itself when it is a shared name without a
+    ``SHARED_LIKE``; None when it is replicated). ``placed_like("q_lora") == "embed"``: an FSDP-gathered width."""
     root = like_chain(name)[-1]
     return root if root in LOGICAL_AXES else None
 

@@ -4,9 +4,10 @@ A rule set is an ordered tuple of ``(logical_name, mesh_axes)`` pairs; ``mesh_ax
 of them, or ``None`` for replicated. A logical name may appear several times: later entries are fallbacks, tried
 (in order) when an earlier entry's mesh axes are already bound to another dimension of the same array. A rule may
 name a mesh axis the current mesh lacks or has at size 1; the resolver drops it. A shared logical name that a
-rule set does not mention is replicated. Rule sets name only the family-neutral vocabulary of ``axes.py``; a name
-a family declared (``declare_axis(name, like=...)``) and that a rule set does not mention is placed by copies of
-its ``like`` name's rules (``expand_rules``), so no rule set is edited per family.
+rule set does not mention is replicated, except one with a ``SHARED_LIKE`` (``latent``: placed like ``embed``).
+Rule sets name only the family-neutral vocabulary of ``axes.py``; a name a family declared (``declare_axis(name,
+like=...)``) and that a rule set does not mention is placed by copies of its ``like`` name's rules
+(``expand_rules``), so no rule set is edited per family.
 
 Switching parallelism strategy is choosing another set by name: ``get_rules("ep-as-cp")``.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Union
 
-from nnx_zoo.sharding.axes import MESH_AXES, declarations_version, declared_axes, like_chain
+from nnx_zoo.sharding.axes import MESH_AXES, SHARED_LIKE, declarations_version, declared_axes, like_chain
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rule = tuple[str, MeshAxes]
@@ -37,6 +38,19 @@ _EMBED_NO_EXP = (
     ("embed_no_exp", ("fsdp", "fsdp_transpose", "context")),
     ("embed_no_exp", ("fsdp", "context")),
 )
+
+
+def _latent(drop: tuple[str, ...] = ()) -> Rules:
+    """The ``latent`` rules: embed's ladder without the mesh axes ``drop`` (repeats after the drop removed).
+
+    Listed after ``embed``'s rules, so a down-projection ``[embed, latent]`` gives ``embed`` its axes first and the
+    latent keeps what is left (nothing: every rung has ``fsdp``), as MaxText's ``*_lora_up_proj -> []``. Sets drop
+    axes where MaxText keeps latents (512-1536 wide) on fewer axes than the width, so that they divide at scale.
+    """
+    rungs = (tuple(a for a in axes if a not in drop) for _, axes in _EMBED)
+    return tuple(("latent", axes) for axes in dict.fromkeys(rungs))
+
+
 _TENSOR_PARAMS = (
     ("vocab", ("tensor", "tensor_transpose")),
     ("mlp", ("fsdp_transpose", "tensor")),
@@ -87,6 +101,7 @@ DEFAULT: Rules = (
     *_TENSOR_PARAMS,
     ("exp", "expert"),
     *_EMBED,
+    *_latent(),
     *_EMBED_NO_EXP,
     *_REPLICATED,
 )
@@ -97,6 +112,7 @@ PURE_FSDP: Rules = (
     ("activation_tokens", ("data", "fsdp")),
     ("cache_batch", ("data", "fsdp")),
     ("embed", "fsdp"),
+    ("latent", "fsdp"),
     ("embed_no_exp", "fsdp"),
     ("vocab", "fsdp"),
     ("mlp", "fsdp"),
@@ -119,6 +135,8 @@ EP_AS_CP: Rules = (
     *_TENSOR_PARAMS,
     ("exp", "expert"),
     *_EMBED,
+    # MaxText: q_lora/kv_lora -> fsdp only. fsdp x expert (2,048 at 256 x 8) does not divide a 512-wide latent.
+    *_latent(drop=("expert",)),
     *_EMBED_NO_EXP,
     *_REPLICATED,
 )
@@ -135,6 +153,7 @@ CP_AS_EP: Rules = (
     ("exp", ("expert", "context")),
     ("exp", "expert"),
     *_EMBED,
+    *_latent(),
     ("embed_no_exp", ("fsdp", "fsdp_transpose", "tensor_transpose")),
     ("embed_no_exp", ("fsdp", "tensor_transpose")),
     ("embed_no_exp", ("fsdp", "fsdp_transpose")),
@@ -156,6 +175,9 @@ EP_AS_DP: Rules = (
     *_TENSOR_PARAMS,
     ("exp", "expert"),
     *((("embed", axes) for _, axes in _EMBED_NO_EXP)),  # embed's ladder without expert
+    # MaxText: q_lora/kv_lora -> fsdp only (embed also takes fsdp_transpose): the latent divides however large
+    # fsdp x fsdp_transpose grows.
+    *_latent(drop=("expert", "fsdp_transpose")),
     *_EMBED_NO_EXP,
     *_REPLICATED,
 )
@@ -174,6 +196,8 @@ SHARD_EXP_ON_FSDP: Rules = (
     *_ACT_COMMON,
     *_TENSOR_PARAMS,
     *_EMBED,
+    # MaxText: q_lora/kv_lora -> (fsdp, fsdp_transpose, expert), without the context axis embed also takes.
+    *_latent(drop=("context",)),
     *_EMBED_NO_EXP,
     # MaxText: embed_moe -> context here. With exp on (expert, fsdp) every rule above is blocked by fsdp; the expert
     # weights' width still takes the axes fsdp does not use.
@@ -268,7 +292,8 @@ _EXPANDED: dict[int, tuple[Rules, int, Rules]] = {}  # id(rules) -> (rules, decl
 
 
 def expand_rules(rules: Rules) -> Rules:
-    """``rules`` with rules added for the family-declared names it does not mention (``axes.declare_axis``).
+    """``rules`` with rules added for the family-declared names it does not mention (``axes.declare_axis``), and
+    for the shared names with a ``SHARED_LIKE`` (``latent``) it does not mention.
 
     Each such name gets a copy of every rule of the first name of its ``like`` chain that ``rules`` mentions,
     placed right after the rule it copies (names with the same anchor follow in declaration order). The result
@@ -286,7 +311,7 @@ def expand_rules(rules: Rules) -> Rules:
         return cached[2]
     mentioned = {name for name, _ in rules}
     followers: dict[str, list[str]] = {}
-    for name in declared_axes():
+    for name in (*SHARED_LIKE, *declared_axes()):
         if name not in mentioned:
             anchor = next((n for n in like_chain(name)[1:] if n in mentioned), None)
             if anchor is not None:

@@ -91,6 +91,19 @@ def test_a_users_own_rule_set_places_declared_names_without_edits():
     assert logical_to_mesh_axes((TOY_LATENT, "mlp"), (("mlp", "tensor"),)) == P(None, "tensor")
 
 
+def test_shared_latent_is_placed_like_embed_by_a_set_that_does_not_mention_it():
+    """DeepSeek's latents are declared like the shared 'latent'; a user's set written without 'latent' still
+    FSDP-shards them like the width, and one that names 'latent' places them by its own rule."""
+    assert like_chain("q_lora") == ("q_lora", "latent", "embed") and placed_like("kv_lora") == "embed"
+    without = get_rules([("embed", ("fsdp", "expert")), ("heads", "tensor")])
+    for name in ("latent", "q_lora", "kv_lora"):
+        assert logical_to_mesh_axes((name, "heads"), without, MOE_MESH) == P(("fsdp", "expert"), "tensor")
+    named = get_rules([("embed", ("fsdp", "expert")), ("latent", "fsdp"), ("heads", "tensor")])
+    for name in ("latent", "q_lora", "kv_lora"):
+        assert logical_to_mesh_axes((name, "heads"), named, MOE_MESH) == P("fsdp", "tensor")
+    assert logical_to_mesh_axes(("q_lora",), (("mlp", "tensor"),)) == P(None)  # neither named: replicated
+
+
 def test_a_typo_is_still_rejected_with_the_way_to_declare_it():
     with pytest.raises(ShardingError) as info:
         logical_to_mesh_axes(("toy_latnet", "mlp"), "default", path="toy.attn.w")

@@ -4,9 +4,10 @@ where routed experts, non-expert weights, the router, MLA latents, the embedding
 from __future__ import annotations
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import nnx_zoo  # noqa: F401  (declares DeepSeek's q_lora / kv_lora)
-from nnx_zoo.sharding import RULE_SETS, logical_to_mesh_axes, make_abstract_mesh
+from nnx_zoo.sharding import RULE_SETS, ShardingError, logical_to_mesh_axes, make_abstract_mesh
 
 EXPERTS = ("exp", "embed_no_exp", "moe_mlp")  # routed expert wi [E, embed, moe_mlp]
 DENSE = ("embed", "mlp")  # dense MLP / shared expert wi
@@ -49,6 +50,7 @@ def test_ep_as_cp_expert_splits_the_sequence_outside_the_moe_and_experts_inside(
     assert axes(EXPERTS, "ep-as-cp", mesh)[:2] == [{"expert"}, {"fsdp"}]
     assert axes(DENSE, "ep-as-cp", mesh)[0] == {"fsdp", "expert"}  # MaxText: embed -> [fsdp, expert]
     assert axes(EMBEDDING, "ep-as-cp", mesh) == [set(), {"fsdp", "expert"}]
+    assert axes(LATENT_UP, "ep-as-cp", mesh)[0] == {"fsdp"}  # MaxText: q_lora -> [fsdp]
     # The MoE core's tokens are split over expert too (the dispatch exchanges them over it).
     assert axes(("activation_tokens", "activation_embed"), "ep-as-cp", mesh)[0] == {"fsdp", "expert"}
 
@@ -85,6 +87,39 @@ def test_shard_exp_on_fsdp_splits_the_expert_dim_over_expert_and_fsdp():
     # MaxText: embed_moe -> context (the axis fsdp leaves free).
     assert axes(EXPERTS, "shard-exp-on-fsdp", {"fsdp": 2, "context": 2, "expert": 2})[:2] == [
         {"expert", "fsdp"}, {"context"}]
+
+
+# MaxText's q_lora/kv_lora rules per file (e591f30), on a mesh with every axis its file can name: the latent of
+# an up-projection [latent, heads, kv] is FSDP-sharded like the width, but on fewer axes in three sets.
+LATENT_MESH = {"fsdp": 2, "fsdp_transpose": 2, "context": 2, "expert": 2}
+LATENT_PLACEMENT = {
+    "default": {"fsdp", "fsdp_transpose", "context", "expert"},  # = embed
+    "cp-as-ep": {"fsdp", "fsdp_transpose", "context", "expert"},  # = embed
+    "pure-fsdp": {"fsdp"},  # = embed
+    "ep-as-cp": {"fsdp", "fsdp_transpose", "context"},  # embed's without expert (MaxText's mesh: fsdp only)
+    "ep-as-dp": {"fsdp", "context"},  # embed's without fsdp_transpose (MaxText's mesh: fsdp only)
+    "shard-exp-on-fsdp": {"fsdp", "fsdp_transpose", "expert"},  # embed's without context (= MaxText)
+}
+
+
+@pytest.mark.parametrize("rules", sorted(RULE_SETS))
+@pytest.mark.parametrize("latent", ["latent", "q_lora", "kv_lora"])
+def test_latent_of_an_up_projection(rules, latent):
+    assert axes((latent, "heads", "kv"), rules, LATENT_MESH)[0] == LATENT_PLACEMENT[rules]
+    # The down-projection [embed, latent]: embed picks first; the latent gets nothing (MaxText *_lora_up_proj: []).
+    embed_alone = axes(("embed", None), rules, LATENT_MESH)[0]
+    assert axes(("embed", latent), rules, LATENT_MESH) == [embed_alone, set()]
+
+
+def test_latents_divide_at_scale_where_maxtext_keeps_them_off_expert():
+    """deepseek3-671b's 512-wide kv latent on fsdp=256 x expert=8 (2,048 devices): strict resolution places it
+    under ep-as-cp and ep-as-dp (fsdp only), while the sets whose latent rule has expert cannot split it."""
+    mesh = make_abstract_mesh({"fsdp": 256, "expert": 8})
+    kv_b = (("kv_lora", "heads", "kv"), (512, 128, 256))
+    for rules in ("ep-as-cp", "ep-as-dp"):
+        assert logical_to_mesh_axes(kv_b[0], rules, mesh, shape=kv_b[1]) == P("fsdp", None, None)
+    with pytest.raises(ShardingError, match="kv_lora"):
+        logical_to_mesh_axes(kv_b[0], "default", mesh, shape=kv_b[1])
 
 
 def test_every_named_set_is_checked_here():

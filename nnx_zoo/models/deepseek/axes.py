@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from nnx_zoo.sharding import declare_axis
 
-# MLA's low-rank latents are FSDP-sharded model-width-like dims of the down/up projections (MaxText: q_lora and
-# kv_lora follow embed's rules in base.yml).
-Q_LORA = declare_axis("q_lora", like="embed", doc="MLA query low-rank latent width (q_lora_rank)")
+# MLA's low-rank latents: the shared 'latent' (FSDP-sharded like the width, on fewer axes where MaxText's q_lora/
+# kv_lora rules are narrower than its embed, so 512-wide latents divide at scale).
+Q_LORA = declare_axis("q_lora", like="latent", doc="MLA query low-rank latent width (q_lora_rank)")
 KV_LORA = declare_axis(
-    "kv_lora", like="embed", doc="MLA key/value low-rank latent width (plus the shared rope key in kv_a_proj)"
+    "kv_lora", like="latent", doc="MLA key/value low-rank latent width (plus the shared rope key in kv_a_proj)"
 )
+# MaxText's MTP projection kernel is ("embed", None): its 2 x hidden input is placed like the width.
 MTP_EMBED = declare_axis(
     "mtp_embed", like="embed", doc="input width of a multi-token-prediction projection (two hidden states concatenated)"
 )
