@@ -218,3 +218,144 @@ def profile_ops(compiled, call: Callable[[], object], steps: int = 3) -> dict:
     ops = [{"hlo": k, "op_name": meta[k], "ms": v / steps / 1e3, "calls_per_step": count[k] / steps}
            for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
     return {"wall_ms_per_step": 1e3 * wall, "op_ms_per_step": sum(o["ms"] for o in ops), "ops": ops}
+
+
+# ------------------------------------------------------------------- train-step comparisons against PyTorch
+PEAK_MATMUL = 1024  # side of the square float32 matmul timed as the box's practical FLOP/s ceiling
+
+
+def torch_train_step(model, ids_np, threads: int) -> tuple[Callable[[], object], dict]:
+    """A blocking torch train step (``zero_grad``, ``model(ids, labels=ids).loss.backward()``) at ``threads``
+    intra-op threads, run once: (call, info with the first step's seconds, loss and gradient norm)."""
+    import numpy as np
+    import torch
+
+    ids = torch.from_numpy(np.asarray(ids_np, dtype=np.int64))
+
+    def call():
+        torch.set_num_threads(threads)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = call()
+    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+    return call, {"first_step_s": time.perf_counter() - t0, "loss": float(loss.detach()), "grad_norm": grad_norm}
+
+
+def matmul_references(hidden: int, vocab: int, tokens: int, torch_peak: bool = False) -> dict[str, Callable]:
+    """Timed references that are not train steps (names start with '~'): ``~peak-matmul-jax`` (and
+    ``~peak-matmul-torch`` at 2 threads), a 1024^3 float32 matmul, the box's practical matmul FLOP/s; and
+    ``~lm_head-matmuls``, the three lm_head matmuls of a train step at its shapes (logits ``x @ W``,
+    ``dx = g @ W^T``, ``dW = x^T @ g``) in JAX: work every implementation must do."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    a = jax.random.normal(k1, (PEAK_MATMUL, PEAK_MATMUL), jnp.float32)
+    x = jax.random.normal(k1, (tokens, hidden), jnp.float32)
+    w = jax.random.normal(k2, (hidden, vocab), jnp.float32)
+    g = jax.random.normal(k3, (tokens, vocab), jnp.float32)
+    peak = jax.jit(lambda a: a @ a)
+    head = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
+    out = {"~peak-matmul-jax": lambda: jax.block_until_ready(peak(a)),
+           "~lm_head-matmuls": lambda: jax.block_until_ready(head(x, w, g))}
+    if torch_peak:
+        import torch
+
+        ta = torch.from_numpy(np.array(a))
+
+        def torch_peak_call():
+            torch.set_num_threads(2)
+            return ta @ ta
+
+        out["~peak-matmul-torch"] = torch_peak_call
+    return out
+
+
+def peak_flops(times: dict[str, list[float]]) -> dict[str, float]:
+    """FLOP/s of each ``~peak-matmul-*`` reference in ``times``, from its fastest round (the most generous
+    ceiling)."""
+    return {n: 2 * PEAK_MATMUL**3 / min(ts) for n, ts in times.items() if n.startswith("~peak-matmul")}
+
+
+def time_step_contenders(contenders: dict[str, Callable], infos: dict[str, dict], tokens: int, a, log) -> dict:
+    """Times ``contenders`` interleaved (``a.rounds``, ``a.target_s``, ``a.warm_each_round``) and builds the
+    common part of a comparison's record: load averages, the faster torch setting, every step contender's median,
+    tokens/s and rounds (with ``infos[name]``), and each JAX contender's speedups over every torch one.
+    ``reference_rounds_s`` holds the rounds of the '~' references; ``times`` all rounds (dropped before
+    writing)."""
+    load0 = os.getloadavg()
+    times = interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round, log=log)
+    torch_names = [n for n in times if n.startswith("torch")]
+    best_torch = min(torch_names, key=lambda n: median(times[n])) if torch_names else None
+    out = {"tokens_per_step": tokens, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+           "best_torch": best_torch, "times": times,
+           "reference_rounds_s": {n: ts for n, ts in times.items() if n.startswith("~")}, "contenders": {}}
+    for name, ts in times.items():
+        if name.startswith("~"):
+            continue
+        med = median(ts)
+        entry = {**infos[name], "median_s": med, "tokens_per_s": tokens / med, "rounds_s": ts}
+        if name.startswith("jax"):
+            for tn in torch_names:
+                entry[f"speedup_vs_{tn}"] = ratio_stats(times[tn], ts)
+            if best_torch:
+                entry["speedup_vs_best_torch"] = entry[f"speedup_vs_{best_torch}"]
+            if infos[name].get("xla_flops"):
+                entry["xla_gflops_per_s"] = infos[name]["xla_flops"] / med / 1e9
+        out["contenders"][name] = entry
+    return out
+
+
+def summarize_profile(prof: dict, category: Callable[[str], str], top: int = 12) -> dict:
+    """`profile_ops`' result with its ops' ms summed per ``category(op_name)`` bucket, and the ``top`` ops."""
+    if "ops" not in prof:
+        return prof
+    cats: dict[str, float] = {}
+    for o in prof["ops"]:
+        cats[category(o["op_name"])] = cats.get(category(o["op_name"]), 0.0) + o["ms"]
+    return {"wall_ms_per_step": prof["wall_ms_per_step"], "op_ms_per_step": prof["op_ms_per_step"],
+            "executed_ops_per_step": sum(o["calls_per_step"] for o in prof["ops"]),
+            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top_ops": prof["ops"][:top]}
+
+
+def add_step_args(parser, presets: list[str], quick_presets: list[str], rounds: int) -> None:
+    """The options every train-step comparison takes; `fill_step_defaults` fills what a run leaves unset (a
+    ``--quick`` smoke run is ``quick_presets`` at 1x128, 2 rounds of 0.2 s; a full run ``presets`` at 1x128 and
+    4x128, ``rounds`` rounds of 1 s)."""
+    quick = " ".join(quick_presets)
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}, 1x128, 2 rounds")
+    parser.add_argument("--presets", nargs="+", default=None, help=f"default: {' '.join(presets)}")
+    parser.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
+    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {rounds})")
+    parser.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=[2, 1],
+                        help="torch.set_num_threads values, one torch contender each (default: 2 1)")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--out-dir", default=None, help="where to write results (default: benchmarks/results)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.set_defaults(default_presets=presets, quick_presets=quick_presets, default_rounds=rounds)
+
+
+def batch_shapes(entries: Sequence[str]) -> list[tuple[int, int]]:
+    """``["1x128", "4x128"]`` -> ``[(1, 128), (4, 128)]``."""
+    return [tuple(int(v) for v in e.lower().split("x")) for e in entries]
+
+
+def log(msg: str) -> None:
+    """Progress to stderr (stdout carries the markdown)."""
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fill_step_defaults(a) -> None:
+    """Sets what ``a`` (parsed with `add_step_args`' options) left unset."""
+    a.presets = a.presets or (a.quick_presets if a.quick else a.default_presets)
+    a.batches = a.batches or (["1x128"] if a.quick else ["1x128", "4x128"])
+    a.rounds = a.rounds or (2 if a.quick else a.default_rounds)
+    a.target_s = a.target_s or (0.2 if a.quick else 1.0)

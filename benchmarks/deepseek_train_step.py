@@ -6,7 +6,6 @@ same config and same batch, tokens/s = batch * seq / seconds per step. Contender
   jax-gmm     nnx_zoo, moe_impl='gmm' (sort + jax.lax.ragged_dot)
   jax-tiled   nnx_zoo with RoutedExperts' gmm path replaced, inside this script only, by a prototype dropless
               grouped matmul built from batched einsums over fixed-size row tiles (see moe_kernels.py)
-  jax-dense+ce  jax-dense with a cross-entropy with a hand-written one-pass backward (custom_vjp, prototype)
   torch-Nt    transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(N)
               (N = 2, the brief's setting, and 1: on a shared, oversubscribed 2-core box torch's 2-thread
               OpenMP regions can stall badly), default experts implementation (grouped_mm) and sdpa attention
@@ -75,41 +74,12 @@ def tiled_gmm_patch():
         moe_mod.RoutedExperts._gmm = original
 
 
-@jax.custom_vjp
-def fused_token_cross_entropy(logits, targets, mask):
-    """Summed token cross-entropy with a hand-written backward: one pass `mask * (softmax - onehot)` writes the
-    logits' gradient. The trainer's autodiff version materializes two cotangents of the [B, S, V] logits (from
-    logsumexp and from the iota==target pick), broadcasts and adds them: several extra full passes over the
-    largest tensor of the step (16.5M floats per 128 tokens at vocab 129280)."""
-    return _fused_ce_fwd(logits, targets, mask)[0]
-
-
-def _fused_ce_fwd(logits, targets, mask):
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.sum((log_z - target_logit) * mask), (logits, log_z, targets, mask)
-
-
-def _fused_ce_bwd(res, g):
-    logits, log_z, targets, mask = res
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    onehot = (vocab_ids == targets[..., None]).astype(logits.dtype)
-    dlogits = (jnp.exp(logits - log_z[..., None]) - onehot) * (g * mask)[..., None]
-    return dlogits, None, None
-
-
-fused_token_cross_entropy.defvjp(_fused_ce_fwd, _fused_ce_bwd)
-
-
 # ------------------------------------------------------------------------------------------------------ JAX steps
-# name -> (config.moe_impl, patch context, use the fused cross-entropy)
+# name -> (config.moe_impl, patch context)
 JAX_IMPLS = {
-    "jax-dense": ("dense", contextlib.nullcontext, False),
-    "jax-gmm": ("gmm", contextlib.nullcontext, False),
-    "jax-tiled": ("gmm", tiled_gmm_patch, False),
-    "jax-dense+ce": ("dense", contextlib.nullcontext, True),
+    "jax-dense": ("dense", contextlib.nullcontext),
+    "jax-gmm": ("gmm", contextlib.nullcontext),
+    "jax-tiled": ("gmm", tiled_gmm_patch),
 }
 
 
@@ -121,26 +91,23 @@ def make_model(cfg: DeepSeekV3Config) -> DeepSeekV3:
     return nnx.jit(lambda: DeepSeekV3(cfg, rngs=nnx.Rngs(0)))()
 
 
-def cross_entropy(logits, ids, fused: bool = False):
+def cross_entropy(logits, ids):
     """Mean next-token cross-entropy over positions 0..S-2 (HF's `labels=ids` loss), via the trainer's own
-    `token_cross_entropy` (so the step is what a training run does), or the fused-backward prototype."""
-    from nnx_zoo.train.step import token_cross_entropy
+    `token_cross_entropy` (so the step is what a training run does)."""
+    from nnx_zoo.train.loss import token_cross_entropy
 
     targets = jnp.roll(ids, -1, axis=1)
     mask = jnp.ones(ids.shape, jnp.float32).at[:, -1].set(0.0)
-    if fused:
-        return fused_token_cross_entropy(logits, targets, mask) / jnp.sum(mask)
     total, count = token_cross_entropy(logits, targets, mask)
     return total / count
 
 
-def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch, fused_ce: bool = False
-                   ) -> tuple[callable, dict, object]:
+def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch) -> tuple[callable, dict, object]:
     """A compiled `value_and_grad` step over the model's nnx.Param state; returns (blocking call, info)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(params, rest, ids):
-        return cross_entropy(nnx.merge(graphdef, params, rest)(ids), ids, fused=fused_ce)
+        return cross_entropy(nnx.merge(graphdef, params, rest)(ids), ids)
 
     step = jax.jit(jax.value_and_grad(loss_fn))
     t0 = time.perf_counter()
@@ -162,37 +129,14 @@ def jax_train_step(model: DeepSeekV3, ids: jax.Array, patch, fused_ce: bool = Fa
 
 
 # ------------------------------------------------------------------------------------ roofline reference points
-PEAK_MATMUL = 1024  # side of the square float32 matmul timed as this box's practical FLOP/s ceiling
-
-
-def roofline_contenders(cfg: DeepSeekV3Config, tokens: int) -> dict[str, callable]:
-    """Two timed references that are not train steps (names start with '~'):
-
-    ``~peak-matmul``: a 1024^3 float32 matmul, this box's practical matmul FLOP/s: the measurement of
-    `nnx_zoo.train.metrics.measure_cpu_peak_flops`, here as a callable so that it is timed interleaved with the
-    steps, under the same load. ``~lm_head-matmuls``: only the three lm_head matmuls of a
-    train step at its shapes (logits ``x @ W``, ``dx = g @ W^T``, ``dW = x^T @ g``): a floor under any
-    implementation's step time, since every framework must do these three.
-    """
-    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
-    a = jax.random.normal(k1, (PEAK_MATMUL, PEAK_MATMUL), jnp.float32)
-    x = jax.random.normal(k1, (tokens, cfg.hidden_size), jnp.float32)
-    w = jax.random.normal(k2, (cfg.hidden_size, cfg.vocab_size), jnp.float32)
-    g = jax.random.normal(k3, (tokens, cfg.vocab_size), jnp.float32)
-    peak = jax.jit(lambda a: a @ a)
-    head = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
-    return {"~peak-matmul": lambda: jax.block_until_ready(peak(a)),
-            "~lm_head-matmuls": lambda: jax.block_until_ready(head(x, w, g))}
-
-
 def roofline(times: dict[str, list[float]], cfg: DeepSeekV3Config, tokens: int, seq: int,
              best_torch: str | None) -> dict:
-    """What the >= 2x-PyTorch target asks of this box, from the reference timings of `roofline_contenders`.
+    """What the >= 2x-PyTorch target asks of this box, from the reference timings of `h.matmul_references`.
 
     The peak is the fastest round of the 1024^3 matmul (the most generous ceiling); the model's FLOPs are the
     config's own `train_flops_per_token` (6 x active matmul parameters + attention; `dense`'s extra expert work
     is not counted, so this is what any implementation must do)."""
-    peak = 2 * PEAK_MATMUL**3 / min(times["~peak-matmul"])
+    peak = h.peak_flops(times)["~peak-matmul-jax"]
     flops_per_step = cfg.train_flops_per_token(seq) * tokens
     head_s = h.median(times["~lm_head-matmuls"])
     out = {"peak_gflops_per_s": peak / 1e9, "model_gflop_per_step": flops_per_step / 1e9,
@@ -234,16 +178,6 @@ def op_category(op_name: str) -> str:
     return "layers: elementwise/layout/sort/gather (incl. ragged_dot masks)"
 
 
-def summarize_profile(prof: dict, top: int = 12) -> dict:
-    if "ops" not in prof:
-        return prof
-    cats: dict[str, float] = {}
-    for o in prof["ops"]:
-        cats[op_category(o["op_name"])] = cats.get(op_category(o["op_name"]), 0.0) + o["ms"]
-    return {"wall_ms_per_step": prof["wall_ms_per_step"], "op_ms_per_step": prof["op_ms_per_step"],
-            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top_ops": prof["ops"][:top]}
-
-
 # ---------------------------------------------------------------------------------------------------- torch steps
 def torch_model(config: DeepSeekV3Config, jax_model: DeepSeekV3 | None, log):
     import torch
@@ -271,23 +205,6 @@ def torch_model(config: DeepSeekV3Config, jax_model: DeepSeekV3 | None, log):
     return model, info
 
 
-def torch_train_step(model, ids_np: np.ndarray, threads: int) -> tuple[callable, dict]:
-    import torch
-
-    ids = torch.from_numpy(np.asarray(ids_np, dtype=np.int64))
-
-    def call():
-        torch.set_num_threads(threads)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss
-
-    t0 = time.perf_counter()
-    loss = call()
-    return call, {"first_step_s": time.perf_counter() - t0, "loss": float(loss.detach())}
-
-
 # ------------------------------------------------------------------------------------------------ part 1: the step
 def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     cfg = bench_config(preset)
@@ -295,50 +212,34 @@ def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     contenders, infos, profiled = {}, {}, {}
     model = None
     for name in a.impls:
-        impl, patch, fused_ce = JAX_IMPLS[name]
+        impl, patch = JAX_IMPLS[name]
         t0 = time.perf_counter()
         model = make_model(cfg.with_overrides(moe_impl=impl))
         init_s = time.perf_counter() - t0
-        contenders[name], infos[name], profiled[name] = jax_train_step(model, ids, patch, fused_ce)
+        contenders[name], infos[name], profiled[name] = jax_train_step(model, ids, patch)
         infos[name]["init_s"] = init_s
         log(f"  {name}: init {init_s:.1f}s, compile {infos[name]['compile_s']:.1f}s, loss {infos[name]['loss']:.5f}")
     if not a.no_torch:
         tmodel, tinfo = torch_model(cfg, model, log)
         for threads in a.torch_threads:
             name = f"torch-{threads}t"
-            contenders[name], sinfo = torch_train_step(tmodel, np.asarray(ids), threads)
+            contenders[name], sinfo = h.torch_train_step(tmodel, np.asarray(ids), threads)
             infos[name] = {**tinfo, **sinfo, "torch_threads": threads}
             log(f"  {name}: {tinfo['weights']}, first step {sinfo['first_step_s']:.1f}s, loss {sinfo['loss']:.5f}")
     tokens = batch * seq
-    contenders.update(roofline_contenders(cfg, tokens))
-    load0 = os.getloadavg()
-    times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round,
-                          log=log)
-    out = {"preset": preset, "batch": batch, "seq": seq, "tokens_per_step": tokens, "loadavg_before": load0,
-           "loadavg_after": os.getloadavg(), "contenders": {}}
-    torch_names = [n for n in times if n.startswith("torch")]
-    best_torch = min(torch_names, key=lambda n: h.median(times[n])) if torch_names else None
-    out["best_torch"] = best_torch
-    out["roofline"] = roofline(times, cfg, tokens, seq, best_torch)
-    out["roofline_rounds_s"] = {n: times.pop(n) for n in list(times) if n.startswith("~")}
-    for name, ts in times.items():
-        med = h.median(ts)
-        entry = {**infos[name], "median_s": med, "tokens_per_s": tokens / med, "rounds_s": ts}
-        if name.startswith("jax"):
-            for tn in torch_names:
-                entry[f"speedup_vs_{tn}"] = h.ratio_stats(times[tn], ts)
-            if best_torch:
-                entry["speedup_vs_best_torch"] = entry[f"speedup_vs_{best_torch}"]
-            if infos[name].get("xla_flops"):
-                entry["xla_gflops_per_s"] = infos[name]["xla_flops"] / med / 1e9
-        out["contenders"][name] = entry
+    contenders.update(h.matmul_references(cfg.hidden_size, cfg.vocab_size, tokens))
+    timed = h.time_step_contenders(contenders, infos, tokens, a, log)
+    times = timed.pop("times")
+    out = {"preset": preset, "batch": batch, "seq": seq, **timed}
+    out["roofline_rounds_s"] = out.pop("reference_rounds_s")
+    out["roofline"] = roofline(times, cfg, tokens, seq, out["best_torch"])
     out["model_train_flops_per_token"] = cfg.train_flops_per_token(seq)
     if a.profile:
         for name in times:
             if name.startswith("jax"):
                 log(f"  profiling {name}")
-                out["contenders"][name]["profile"] = summarize_profile(
-                    h.profile_ops(profiled[name], contenders[name], steps=a.profile_steps))
+                out["contenders"][name]["profile"] = h.summarize_profile(
+                    h.profile_ops(profiled[name], contenders[name], steps=a.profile_steps), op_category)
     return out
 
 
@@ -368,9 +269,7 @@ def run_moe_block_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
 
     contenders, flops = {}, {}
     for name in a.impls:
-        impl, patch, fused_ce = JAX_IMPLS[name]
-        if fused_ce:  # the loss does not enter the block benchmark
-            continue
+        impl, patch = JAX_IMPLS[name]
         moe = DeepSeekMoE(cfg.with_overrides(moe_impl=impl), rngs=nnx.Rngs(0))
         contenders[f"{name} moe"], flops[f"{name} moe"] = compile_block(moe, lambda m, x: m(x)[0], patch)
     mlp = SwiGLU(cfg.hidden_size, width, rngs=nnx.Rngs(0))
@@ -492,35 +391,21 @@ def render(steps: list[dict], blocks: list[dict], a) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: deepseek3-small, 1x128, 2 rounds")
-    p.add_argument("--presets", nargs="+", default=None, help="default: deepseek3-tiny deepseek3-small")
-    p.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
+    h.add_step_args(p, ["deepseek3-tiny", "deepseek3-small"], ["deepseek3-small"], rounds=5)
     p.add_argument("--impls", nargs="+", default=list(JAX_IMPLS), choices=list(JAX_IMPLS))
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch contenders")
     p.add_argument("--warm-each-round", action="store_true",
                    help="one untimed step of each contender before its timed steps in every round (the JAX step "
                    "ran up to 1.6x slower right after torch's)")
     p.add_argument("--parts", nargs="+", default=["step", "moe"], choices=["step", "moe"])
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
-    p.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")
-    p.add_argument("--torch-threads", type=int, nargs="+", default=[2, 1],
-                   help="torch.set_num_threads values, one torch contender each (default: 2 1)")
     p.add_argument("--profile", action="store_true", help="also trace each JAX step and report where its time goes")
-    p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--out-dir", default=None, help="where to write deepseek_train_step.{json,md}")
-    p.add_argument("--no-write", action="store_true", help="print only")
     a = p.parse_args(argv)
-    a.presets = a.presets or (["deepseek3-small"] if a.quick else ["deepseek3-tiny", "deepseek3-small"])
-    a.batches = a.batches or (["1x128"] if a.quick else ["1x128", "4x128"])
-    a.rounds = a.rounds or (2 if a.quick else 5)
-    a.target_s = a.target_s or (0.2 if a.quick else 1.0)
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
+    h.fill_step_defaults(a)
+    log = h.log
 
     steps, blocks = [], []
     for preset in a.presets:
-        for bs in a.batches:
-            batch, seq = (int(v) for v in bs.lower().split("x"))
+        for batch, seq in h.batch_shapes(a.batches):
             if "step" in a.parts:
                 log(f"[step] {preset} {batch}x{seq}")
                 steps.append(run_step_comparison(preset, batch, seq, a, log))

@@ -29,7 +29,6 @@ median of per-round ratios (see `_harness.py`).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -41,9 +40,8 @@ import numpy as np
 from flax import nnx
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM
-from nnx_zoo.train.step import token_cross_entropy
+from nnx_zoo.train.loss import token_cross_entropy
 
-PEAK_MATMUL = 1024  # side of the square float32 matmul timed as this box's practical FLOP/s ceiling
 LOSS_RTOL = 1e-4  # the two frameworks must agree this well on loss and gradient norm before timing
 
 
@@ -91,24 +89,6 @@ def torch_model(jax_model):
                    "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def torch_train_step(model, ids_np: np.ndarray, threads: int) -> tuple[callable, dict]:
-    import torch
-
-    ids = torch.from_numpy(np.asarray(ids_np, dtype=np.int64))
-
-    def call():
-        torch.set_num_threads(threads)
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss
-
-    t0 = time.perf_counter()
-    loss = call()
-    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
-    return call, {"first_step_s": time.perf_counter() - t0, "loss": float(loss.detach()), "grad_norm": grad_norm}
-
-
 def check_same_computation(jax_info: dict, torch_info: dict, log) -> dict:
     """Relative differences of loss and gradient norm; raises when they exceed LOSS_RTOL."""
     out = {k: abs(jax_info[k] - torch_info[k]) / abs(torch_info[k]) for k in ("loss", "grad_norm")}
@@ -121,31 +101,9 @@ def check_same_computation(jax_info: dict, torch_info: dict, log) -> dict:
 
 
 # ------------------------------------------------------------------------------------ roofline reference points
-def reference_contenders(cfg, tokens: int) -> dict[str, callable]:
-    """Timed references that are not train steps (names start with '~'): the 1024^3 float32 matmul in JAX and
-    in torch (2 threads), and the step's three lm_head matmuls alone in JAX."""
-    import torch
-
-    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
-    a = jax.random.normal(k1, (PEAK_MATMUL, PEAK_MATMUL), jnp.float32)
-    ta = torch.from_numpy(np.array(a))
-    x = jax.random.normal(k1, (tokens, cfg.hidden_size), jnp.float32)
-    w = jax.random.normal(k2, (cfg.hidden_size, cfg.vocab_size), jnp.float32)
-    g = jax.random.normal(k3, (tokens, cfg.vocab_size), jnp.float32)
-    peak = jax.jit(lambda a: a @ a)
-    head = jax.jit(lambda x, w, g: (x @ w, g @ w.T, x.T @ g))
-
-    def torch_peak():
-        torch.set_num_threads(2)
-        return ta @ ta
-
-    return {"~peak-matmul-jax": lambda: jax.block_until_ready(peak(a)), "~peak-matmul-torch": torch_peak,
-            "~lm_head-matmuls": lambda: jax.block_until_ready(head(x, w, g))}
-
-
 def roofline(times: dict[str, list[float]], cfg, tokens: int, seq: int) -> dict:
     """Peak, MFU of every contender, and the floor the lm_head matmuls put under any step."""
-    peaks = {n: 2 * PEAK_MATMUL**3 / min(times[n]) for n in ("~peak-matmul-jax", "~peak-matmul-torch")}
+    peaks = h.peak_flops(times)
     peak = max(peaks.values())
     flops_per_step = cfg.train_flops_per_token(seq) * tokens
     head_flops = 3 * 2 * tokens * cfg.hidden_size * cfg.vocab_size
@@ -175,17 +133,6 @@ def op_category(op_name: str) -> str:
     if "dot_general" in op_name or "einsum" in op_name:
         return "layers: projection and MLP matmuls"
     return "layers: norms, rope, SwiGLU, masks, layout (elementwise)"
-
-
-def summarize_profile(prof: dict, top: int = 12) -> dict:
-    if "ops" not in prof:
-        return prof
-    cats: dict[str, float] = {}
-    for o in prof["ops"]:
-        cats[op_category(o["op_name"])] = cats.get(op_category(o["op_name"]), 0.0) + o["ms"]
-    return {"wall_ms_per_step": prof["wall_ms_per_step"], "op_ms_per_step": prof["op_ms_per_step"],
-            "executed_ops_per_step": sum(o["calls_per_step"] for o in prof["ops"]),
-            "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "top_ops": prof["ops"][:top]}
 
 
 def torch_profile(call, steps: int = 3, top: int = 12) -> dict:
@@ -218,38 +165,24 @@ def run_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     check = None
     for threads in a.torch_threads:
         name = f"torch-{threads}t"
-        contenders[name], sinfo = torch_train_step(tmodel, np.asarray(ids), threads)
+        contenders[name], sinfo = h.torch_train_step(tmodel, np.asarray(ids), threads)
         infos[name] = {**tinfo, **sinfo, "torch_threads": threads}
         check = check or check_same_computation(infos["jax"], sinfo, log)
     tokens = batch * seq
-    contenders.update(reference_contenders(cfg, tokens))
-    load0 = os.getloadavg()
-    times = h.interleaved(contenders, rounds=a.rounds, target_s=a.target_s, warm_each_round=a.warm_each_round,
-                          log=log)
-    out = {"preset": preset, "model": type(model).__name__, "batch": batch, "seq": seq, "tokens_per_step": tokens,
-           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "same_computation_rel_diff": check,
-           "model_train_flops_per_token": cfg.train_flops_per_token(seq),
-           "num_parameters": cfg.num_parameters().total, "contenders": {}}
-    torch_names = [n for n in times if n.startswith("torch")]
-    best_torch = min(torch_names, key=lambda n: h.median(times[n]))
-    out["best_torch"] = best_torch
+    contenders.update(h.matmul_references(cfg.hidden_size, cfg.vocab_size, tokens, torch_peak=True))
+    timed = h.time_step_contenders(contenders, infos, tokens, a, log)
+    times = timed.pop("times")
+    out = {"preset": preset, "model": type(model).__name__, "batch": batch, "seq": seq, **timed,
+           "same_computation_rel_diff": check, "model_train_flops_per_token": cfg.train_flops_per_token(seq),
+           "num_parameters": cfg.num_parameters().total}
+    best_torch = out["best_torch"]
     out["roofline"] = roofline(times, cfg, tokens, seq)
-    out["reference_rounds_s"] = {n: times.pop(n) for n in list(times) if n.startswith("~")}
-    for name, ts in times.items():
-        med = h.median(ts)
-        entry = {**infos[name], "median_s": med, "tokens_per_s": tokens / med, "rounds_s": ts,
-                 "mfu": out["roofline"]["mfu"][name]}
-        if name == "jax":
-            for tn in torch_names:
-                entry[f"speedup_vs_{tn}"] = h.ratio_stats(times[tn], ts)
-            entry["speedup_vs_best_torch"] = entry[f"speedup_vs_{best_torch}"]
-            if infos[name].get("xla_flops"):
-                entry["xla_gflops_per_s"] = infos[name]["xla_flops"] / med / 1e9
-        out["contenders"][name] = entry
+    for name, entry in out["contenders"].items():
+        entry["mfu"] = out["roofline"]["mfu"][name]
     if a.profile:
         log("  profiling jax")
-        out["contenders"]["jax"]["profile"] = summarize_profile(
-            h.profile_ops(compiled, contenders["jax"], steps=a.profile_steps))
+        out["contenders"]["jax"]["profile"] = h.summarize_profile(
+            h.profile_ops(compiled, contenders["jax"], steps=a.profile_steps), op_category)
         log(f"  profiling {best_torch}")
         out["contenders"][best_torch]["profile"] = torch_profile(contenders[best_torch], steps=a.profile_steps)
     return out
@@ -319,33 +252,19 @@ def render(results: list[dict], a) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: llama3-tiny, 1x128, 2 rounds")
-    p.add_argument("--presets", nargs="+", default=None, help="any dense preset (default: llama3-small qwen3-small)")
-    p.add_argument("--batches", nargs="+", default=None, help="BxS entries (default: 1x128 4x128)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
-    p.add_argument("--target-s", type=float, default=None, help="seconds per contender per round (default 1.0)")
-    p.add_argument("--torch-threads", type=int, nargs="+", default=[2, 1],
-                   help="torch.set_num_threads values, one torch contender each (default: 2 1)")
+    h.add_step_args(p, ["llama3-small", "qwen3-small"], ["llama3-tiny"], rounds=7)
     p.add_argument("--no-warm-each-round", dest="warm_each_round", action="store_false",
                    help="skip the untimed call of each contender before its timed calls in every round")
     p.add_argument("--profile", action="store_true", help="also profile the JAX step and the faster torch step")
-    p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--out-name", default="dense_train_step", help="results/<name>.{json,md}")
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--no-write", action="store_true", help="print only")
     a = p.parse_args(argv)
-    a.presets = a.presets or (["llama3-tiny"] if a.quick else ["llama3-small", "qwen3-small"])
-    a.batches = a.batches or (["1x128"] if a.quick else ["1x128", "4x128"])
-    a.rounds = a.rounds or (2 if a.quick else 7)
-    a.target_s = a.target_s or (0.2 if a.quick else 1.0)
+    h.fill_step_defaults(a)
 
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
+    log = h.log
 
     results = []
     for preset in a.presets:
-        for bs in a.batches:
-            batch, seq = (int(v) for v in bs.lower().split("x"))
+        for batch, seq in h.batch_shapes(a.batches):
             log(f"[step] {preset} {batch}x{seq}")
             results.append(run_comparison(preset, batch, seq, a, log))
     md = render(results, a)
