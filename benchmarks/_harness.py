@@ -99,6 +99,7 @@ def environment() -> dict[str, object]:
         "machine": platform.machine(),
         "processor": _cpu_model(),
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", ""),
     }
     try:
         import flax

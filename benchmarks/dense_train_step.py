@@ -161,6 +161,11 @@ def run_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     contenders["jax"], infos["jax"], compiled = jax_train_step(model, ids)
     infos["jax"]["init_s"] = time.perf_counter() - t0 - infos["jax"]["compile_s"]
     log(f"  jax: compile {infos['jax']['compile_s']:.1f}s, loss {infos['jax']['loss']:.6f}")
+    if a.unrolled:  # the same model with its layer stack unrolled: what the scan's slicing and stacking cost
+        unrolled = AutoModelForCausalLM.create(cfg.with_overrides(scan_layers=False), seed=0)
+        contenders["jax-unrolled"], infos["jax-unrolled"], _ = jax_train_step(unrolled, ids)
+        log(f"  jax-unrolled: compile {infos['jax-unrolled']['compile_s']:.1f}s, loss "
+            f"{infos['jax-unrolled']['loss']:.6f}")
     tmodel, tinfo = torch_model(model)
     check = None
     for threads in a.torch_threads:
@@ -226,6 +231,13 @@ def render(results: list[dict], a) -> str:
              h.markdown_table(["preset", "batch", "GFLOP/step", "peak jax GFLOP/s", "peak torch GFLOP/s",
                                "lm_head % of FLOPs", "lm_head mm ms", "lm_head mm % peak", "jax step ms",
                                "best torch step ms"], roof_rows), ""]
+    variant_rows = [[s["preset"], f"{s['batch']}x{s['seq']}", name, c["tokens_per_s"],
+                     c["speedup_vs_best_torch"]["ratio_of_medians"], s["contenders"]["jax"]["median_s"] / c["median_s"]]
+                    for s in results for name, c in s["contenders"].items() if name.startswith("jax-")]
+    if variant_rows:
+        parts += ["## nnx_zoo variants (`jax-unrolled`: `scan_layers=False`)", "",
+                  h.markdown_table(["preset", "batch", "variant", "tokens/s", "vs best torch", "vs jax (scanned)"],
+                                   variant_rows), ""]
     prof_rows, top_rows, torch_rows = [], [], []
     for s in results:
         tag = f"{s['preset']} {s['batch']}x{s['seq']}"
@@ -256,6 +268,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-warm-each-round", dest="warm_each_round", action="store_false",
                    help="skip the untimed call of each contender before its timed calls in every round")
     p.add_argument("--profile", action="store_true", help="also profile the JAX step and the faster torch step")
+    p.add_argument("--unrolled", action="store_true",
+                   help="also time the model with scan_layers=False (jax-unrolled), to measure the scan's cost")
     p.add_argument("--out-name", default="dense_train_step", help="results/<name>.{json,md}")
     a = p.parse_args(argv)
     h.fill_step_defaults(a)
