@@ -318,12 +318,13 @@ KEPT = {
     "fsdp8": {"default": "dense", "shard-exp-on-fsdp": "ep"},
     "fsdp4+tensor2": {"default": "dense", "pure-fsdp": "dense", "shard-exp-on-fsdp": "ep"},
     "fsdp4+tensor_transpose2": {"default": "dense", "pure-fsdp": "dense", "shard-exp-on-fsdp": "ep"},
-    "fsdp4+expert2": {"default": "ep", "pure-fsdp": "dense", "ep-as-cp": "ep", "ep-as-dp": "dense",
+    # ep-as-dp splits the routed experts over expert (MaxText's meaning), so it runs expert parallelism: "ep".
+    "fsdp4+expert2": {"default": "ep", "pure-fsdp": "dense", "ep-as-cp": "ep", "ep-as-dp": "ep",
                       "shard-exp-on-fsdp": "ep"},
-    "data2+fsdp2+expert2": {"default": "ep", "pure-fsdp": "dense", "ep-as-cp": "ep", "ep-as-dp": "dense",
+    "data2+fsdp2+expert2": {"default": "ep", "pure-fsdp": "dense", "ep-as-cp": "ep", "ep-as-dp": "ep",
                             "shard-exp-on-fsdp": "ep"},
     "fsdp2+context2+expert2": {"default": "ep", "pure-fsdp": "dense", "ep-as-cp": "ep", "cp-as-ep": "ep",
-                               "ep-as-dp": "dense", "shard-exp-on-fsdp": "ep"},
+                               "ep-as-dp": "ep", "shard-exp-on-fsdp": "ep"},
 }
 
 
