@@ -106,9 +106,9 @@ def declare_axis(name: str, *, like: str | None, doc: str) -> str:
     a stack axis. Declaring the same name again with the same ``like`` and ``doc`` is a no-op (module reloads);
     with another meaning it is an error naming both places. Returns ``name``.
 
-    >>> Q_LORA = declare_axis("q_lora", like="embed", doc="MLA query low-rank latent width")
-    >>> placed_like("q_lora")
-    'embed'
+    >>> MY_LATENT = declare_axis("my_latent", like="latent", doc="my family's attention latent width")
+    >>> like_chain("my_latent"), placed_like("my_latent")
+    (('my_latent', 'latent', 'embed'), 'embed')
     """
     global _version
     if not isinstance(name, str) or not name.isidentifier():

@@ -301,9 +301,9 @@ def expand_rules(rules: Rules) -> Rules:
     hand-written rules listed after the ``like``'s: the ``like`` name picks its mesh axes first. A declared name
     whose chain reaches no mentioned name gets no rule (replicated, as any known name the set does not mention).
 
-    >>> _ = declare_axis("q_lora", like="embed", doc="MLA query latent width")
-    >>> [r for r in expand_rules((("embed", "fsdp"), ("mlp", "tensor"))) if r[0] == "q_lora"]
-    [('q_lora', 'fsdp')]
+    >>> _ = declare_axis("my_latent", like="latent", doc="my family's attention latent width")
+    >>> [r for r in expand_rules((("embed", "fsdp"), ("mlp", "tensor"))) if r[0] == "my_latent"]  # via latent
+    [('my_latent', 'fsdp')]
     """
     version = declarations_version()
     cached = _EXPANDED.get(id(rules))
