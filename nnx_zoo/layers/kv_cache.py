@@ -9,7 +9,7 @@ positions count only its real tokens.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +48,10 @@ class KVCache(NamedTuple):
     def zeros(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
               dtype: jnp.dtype) -> KVCache:
         """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names."""
-        for name, value in (("batch", batch), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"a cache needs a positive integer {name}, got {value!r}")
+        slots = empty_slots(batch, max_len)
         shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-        return cls(
-            k=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES),
-            v=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES),
-            valid=shard(jnp.zeros((batch, max_len), bool), _SLOT_NAMES),
-            next_position=shard(jnp.zeros((batch,), jnp.int32), _SLOT_NAMES[:1]),
-            length=jnp.zeros((), jnp.int32),
-        )
+        return cls(k=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES), v=shard(jnp.zeros(shape, dtype), KV_CACHE_NAMES),
+                   **slots)
 
     @property
     def max_len(self) -> int:
@@ -73,9 +66,32 @@ class KVCache(NamedTuple):
         """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next
         ``t`` slots: ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)`` (see
         ``advance_slots``). The keys and values are written per layer by ``Attention.decode``."""
-        positions, mask, valid, next_position, length = advance_slots(
-            self.valid, self.next_position, self.length, token_mask)
-        return positions, mask, self._replace(valid=valid, next_position=next_position, length=length)
+        return advance_cache(self, token_mask)
+
+
+_Cache = TypeVar("_Cache")  # a cache NamedTuple with the slot fields
+
+
+def empty_slots(batch: int, max_len: int) -> dict[str, jax.Array]:
+    """The slot bookkeeping of an empty fixed-size cache (``valid``, ``next_position``, ``length``; see
+    ``KVCache``), laid out on the ambient mesh; a cache's ``zeros`` adds its own per-token arrays:
+
+    >>> cache = KVCache(k=k, v=v, **empty_slots(batch=2, max_len=64))
+    """
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"a cache needs a positive integer {name}, got {value!r}")
+    return dict(valid=shard(jnp.zeros((batch, max_len), bool), _SLOT_NAMES),
+                next_position=shard(jnp.zeros((batch,), jnp.int32), _SLOT_NAMES[:1]),
+                length=jnp.zeros((), jnp.int32))
+
+
+def advance_cache(cache: _Cache, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, _Cache]:
+    """``cache.advance`` of any cache NamedTuple with the slot fields ``valid``, ``next_position`` and ``length``:
+    ``(positions, mask, cache)`` with the bookkeeping moved on by ``advance_slots``."""
+    positions, mask, valid, next_position, length = advance_slots(
+        cache.valid, cache.next_position, cache.length, token_mask)
+    return positions, mask, cache._replace(valid=valid, next_position=next_position, length=length)
 
 
 def advance_slots(valid: jax.Array, next_position: jax.Array, length: jax.Array, token_mask: jax.Array

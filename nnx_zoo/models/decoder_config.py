@@ -1,16 +1,18 @@
 """``DecoderConfig``: the hyper-parameters of a dense pre-norm decoder (GQA attention + SwiGLU), shared by the
 families built on ``nnx_zoo.models.causal_lm`` (Llama 3, Qwen3).
 
-Fields carry Hugging Face ``config.json`` names. A family subclasses it to set its ``model_type``, its
-architecture name, whether its attention normalizes queries and keys per head (``QK_NORM``), its presets, and
-the defaults of its flagship size; it may refuse HF settings it does not implement (``_hf_problems``). Fields
-after ``initializer_range`` are nnx_zoo's own (compute/parameter dtype, layer scanning, rematerialization) and
-are not written to HF.
+Fields carry Hugging Face ``config.json`` names. A family's config is only what differs: a subclass names, as
+class keywords, its ``model_type``, its architecture name, whether its attention normalizes queries and keys per
+head (``qk_norm``), its presets (``cpu_presets`` gives the two small CPU ones every family has), the field values
+of its flagship size (which become the subclass's defaults) and constant HF keys; it may refuse HF settings it
+does not implement (``_hf_problems``). Fields after ``initializer_range`` are nnx_zoo's own (compute/parameter
+dtype, layer scanning, rematerialization) and are not written to HF.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Self
@@ -85,6 +87,32 @@ class DecoderConfig(FamilyConfig):
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
     HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
+
+    def __init_subclass__(cls, *, model_type: str | None = None, architecture: str | None = None,
+                          qk_norm: bool | None = None, presets: Mapping[str, dict[str, Any]] | None = None,
+                          defaults: Mapping[str, Any] | None = None, hf_extras: Mapping[str, Any] | None = None,
+                          **kwargs: Any) -> None:
+        """A family's class keywords (those not given are inherited):
+
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class MyConfig(DecoderConfig, model_type="my", architecture="MyForCausalLM", qk_norm=True,
+        ...                presets=cpu_presets("my", head_dim=32), defaults=dict(vocab_size=50000)):
+        ...     pass
+        """
+        super().__init_subclass__(**kwargs)
+        for attr, value in (("MODEL_TYPE", model_type), ("ARCHITECTURE", architecture), ("QK_NORM", qk_norm),
+                            ("PRESETS", presets), ("HF_EXTRAS", hf_extras)):
+            if value is not None:
+                setattr(cls, attr, dict(value) if isinstance(value, Mapping) else value)
+        # The flagship's values become field defaults: the dataclass decorator, which runs after this hook,
+        # reads a field's default from an annotated class attribute.
+        types = typing.get_type_hints(DecoderConfig)  # the evaluated types, not this module's annotation strings
+        fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+        for name, value in (defaults or {}).items():
+            if name not in fields:
+                raise TypeError(f"{cls.__name__}: default for unknown field {name!r}; fields are {sorted(fields)}")
+            cls.__annotations__[name] = types[name]
+            setattr(cls, name, value)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -238,6 +266,26 @@ class DecoderConfig(FamilyConfig):
         matmul = counts.total - (0 if self.tie_word_embeddings else counts.embedding)
         attention = 3 * seq_len * self.num_attention_heads * 2 * self.head_dim * self.num_hidden_layers
         return float(6 * matmul + attention)
+
+
+def cpu_presets(family: str, *, head_dim: int, **fields: Any) -> dict[str, dict[str, Any]]:
+    """The two CPU presets of a dense family, for tests and quick recipe runs: ``<family>-tiny`` (4 layers of
+    width 128, 4 heads over 2 kv heads, tied embedding; ~5M parameters, 4.1M of them the embedding) and
+    ``<family>-small`` (6 layers of width 256, 8 heads over 2 kv heads, its own output head; ~21M parameters,
+    16M of them embedding and head), both on a 32,000-token vocabulary. ``fields`` add the family's own
+    settings (rope) to both.
+
+    >>> cpu_presets("llama3", head_dim=32, rope_theta=500000.0)["llama3-tiny"]["hidden_size"]
+    128
+    """
+    common = dict(vocab_size=32000, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
+                  num_key_value_heads=2, head_dim=head_dim, **fields)
+    return {
+        f"{family}-tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                               tie_word_embeddings=True, **common),
+        f"{family}-small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                                **common),
+    }
 
 
 def _positive_int(value: Any) -> bool:

@@ -17,13 +17,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nnx_zoo.layers.kv_cache import advance_slots, write_slots
+from nnx_zoo.layers.kv_cache import advance_cache, empty_slots, write_slots
 from nnx_zoo.sharding import shard
 
 # Logical names: the cache is laid out like the activations it replaces (batch split like activation_batch).
 LAYER_CACHE_NAMES = ("cache_batch", "cache_length", "cache_kv")
 CACHE_NAMES = ("activation_stack", *LAYER_CACHE_NAMES)
-_SLOT_NAMES = ("cache_batch", "cache_length")
 
 
 class MLACache(NamedTuple):
@@ -50,16 +49,9 @@ class MLACache(NamedTuple):
     def zeros(cls, *, num_layers: int, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
               dtype: jnp.dtype) -> MLACache:
         """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names."""
-        for name, value in (("batch", batch), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"a cache needs a positive integer {name}, got {value!r}")
-        return cls(
-            latent=shard(jnp.zeros((num_layers, batch, max_len, kv_lora_rank), dtype), CACHE_NAMES),
-            k_rope=shard(jnp.zeros((num_layers, batch, max_len, rope_dim), dtype), CACHE_NAMES),
-            valid=shard(jnp.zeros((batch, max_len), bool), _SLOT_NAMES),
-            next_position=shard(jnp.zeros((batch,), jnp.int32), _SLOT_NAMES[:1]),
-            length=jnp.zeros((), jnp.int32),
-        )
+        slots = empty_slots(batch, max_len)
+        return cls(latent=shard(jnp.zeros((num_layers, batch, max_len, kv_lora_rank), dtype), CACHE_NAMES),
+                   k_rope=shard(jnp.zeros((num_layers, batch, max_len, rope_dim), dtype), CACHE_NAMES), **slots)
 
     @property
     def max_len(self) -> int:
@@ -76,9 +68,7 @@ class MLACache(NamedTuple):
         ``t`` slots: ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)`` (the shared slot
         bookkeeping, ``nnx_zoo.layers.kv_cache.advance_slots``). The latent and rope key are written per layer by
         ``MLA.decode`` (``write``)."""
-        positions, mask, valid, next_position, length = advance_slots(
-            self.valid, self.next_position, self.length, token_mask)
-        return positions, mask, self._replace(valid=valid, next_position=next_position, length=length)
+        return advance_cache(self, token_mask)
 
 
 def write(layer_cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
