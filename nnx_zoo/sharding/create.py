@@ -110,6 +110,11 @@ def state_shardings(
     return [NamedSharding(mesh, r.spec) for r in resolutions]
 
 
+class ShardingFallbackWarning(UserWarning):
+    """``create_sharded(..., allow_partial=True)`` placed some dimensions on fewer shards than their rules ask
+    (the message lists them); a trainer filters on this category to print them its own way."""
+
+
 def fallback_message(fallbacks: list[Fallback] | tuple[Fallback, ...], limit: int = 10) -> str:
     """A few lines naming the dimensions that fell back to fewer shards (for a warning or a log)."""
     lines = [f"{len(fallbacks)} dimension(s) do not divide over their rule's mesh axes and were placed on the "
@@ -160,7 +165,7 @@ def create_sharded(
     resolutions = _resolve_state(abstract_state, mesh, get_rules(rules), strict, allow_partial)
     fallbacks = [f for r in resolutions for f in r.fallbacks]
     if fallbacks:
-        warnings.warn(fallback_message(fallbacks), stacklevel=2)
+        warnings.warn(fallback_message(fallbacks), ShardingFallbackWarning, stacklevel=2)
     shardings = [NamedSharding(mesh, r.spec) for r in resolutions]
     treedef = jax.tree.structure(abstract_state)
 
