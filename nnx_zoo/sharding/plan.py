@@ -30,6 +30,10 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
 - embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``T*V*(a + 8 [+4 when a != 4])``: the
   logits, their float32 log-softmax and its gradient (and the float32 copy of bf16 logits). An MTP head adds a
   MoE layer, ``T*a*4e`` for its inputs and its own logits term.
+- gathered weights (transient, one layer at a time): each weight of one layer of the largest stack, and the
+  largest other parameter, whole over its FSDP dims, minus the shard held. The routed experts' weights go as the
+  MoE path gathers them: ``gmm`` all of a layer's experts whole on every device (``3*E*e*I`` elements), ``ep``
+  this device's ``E / n_ep`` experts whole, ``dense`` their FSDP dims only (``EXPERT_GATHERS``).
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
 
@@ -80,7 +84,9 @@ class DecoderShapes:
     top_k: int = 0
     moe_intermediate: int = 0
     shared_intermediate: int = 0
-    moe_impl: str = "gmm"
+    moe_impl: str = "gmm"  # the activation formula: 'gmm' (dropless grouped matmul, also 'ep') or 'dense'
+    # What the MoE path gathers of its expert weights while a layer runs (EXPERT_GATHERS).
+    expert_gather: str = "all"
 
     @classmethod
     def from_config(cls, config: Any) -> DecoderShapes:
@@ -101,6 +107,7 @@ class DecoderShapes:
             experts=experts, top_k=get("num_experts_per_tok"), moe_intermediate=get("moe_intermediate_size"),
             shared_intermediate=get("moe_intermediate_size") * get("n_shared_experts"),
             moe_impl="gmm" if impl in ("auto", "ep") else impl,
+            expert_gather={"dense": "fsdp", "ep": "all-but-exp"}.get(impl, "all"),
         )
 
 
@@ -198,18 +205,38 @@ def output_bytes(s: DecoderShapes, n: Local) -> int:
 GATHERED_NAMES = frozenset({"embed", "embed_no_exp"})
 
 
-def gathered_weight_bytes(report: ShardingReport) -> int:
-    """Bytes per device that FSDP's all-gathers add while weights are in use: one layer of the largest stack plus
+# What a MoE path gathers of the routed experts' weights ([exp, embed, moe_mlp] per layer) while a layer runs:
+# 'fsdp': their FSDP dims only, like every weight (the dense path); 'all': every dim, each device holding all the
+# experts whole (gmm: each token shard runs every expert); 'all-but-exp': every dim but the expert one, which
+# stays split over the EP axes (ep: each device runs its E / n_ep experts whole).
+EXPERT_GATHERS = ("fsdp", "all", "all-but-exp")
+
+
+def _gathered_dims(names: tuple[str | None, ...], expert_gather: str) -> list[bool]:
+    """Which dims of a weight with logical ``names`` are whole on each device while it is in use."""
+    placed = [None if n is None else placed_like(n) for n in names]
+    experts = "exp" in placed and "moe_mlp" in placed and expert_gather != "fsdp"
+    return [p in GATHERED_NAMES or (experts and n not in STACK_AXES and (expert_gather == "all" or p != "exp"))
+            for n, p in zip(names, placed, strict=True)]
+
+
+def gathered_weight_bytes(report: ShardingReport, expert_gather: str = "fsdp") -> int:
+    """Bytes per device that the all-gathers add while weights are in use: one layer of the largest stack plus
     the largest other parameter (embedding table or output head), each gathered over its FSDP-sharded dims minus
-    the shard the device already holds. Zero when nothing is FSDP-sharded."""
+    the shard the device already holds. The routed experts' weights are gathered as the MoE path does
+    (``expert_gather``, one of ``EXPERT_GATHERS``; the gmm path gathers all of a layer's experts whole onto every
+    device). Zero when nothing is sharded that is gathered."""
+    if expert_gather not in EXPERT_GATHERS:
+        raise ValueError(f"expert_gather must be one of {EXPERT_GATHERS}, got {expert_gather!r}")
     stacks: dict[str, int] = {}
     others = [0]
     for r in report.params:
         if r.names is None:
             continue
         shape = list(r.per_device_shape)
-        for dim, (name, axes) in enumerate(zip(r.names, r.spec, strict=True)):
-            if name is not None and placed_like(name) in GATHERED_NAMES and axes is not None:
+        gathered = _gathered_dims(r.names, expert_gather)
+        for dim, axes in enumerate(r.spec):
+            if gathered[dim] and axes is not None:
                 shape[dim] = r.shape[dim]
         extra = (math.prod(shape) - math.prod(r.per_device_shape)) * r.bytes_per_device // max(
             1, math.prod(r.per_device_shape))
@@ -325,7 +352,7 @@ def memory_plan(
     report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
     shapes = DecoderShapes.from_config(config)
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
-    gathered = gathered_weight_bytes(report)
+    gathered = gathered_weight_bytes(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
     activations = {remat: {**activation_breakdown(shapes, local, remat), "gathered weights": gathered}
                    for remat in REMATS}
     return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=batch_per_device * batch_shards,
