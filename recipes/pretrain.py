@@ -181,6 +181,10 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--shard-mode", choices=("auto", "explicit"), default="auto")
     g.add_argument("--rules", default="default",
                    help=f"rule set name: {', '.join(RULE_SETS)} (default: %(default)s)")
+    g.add_argument("--allow-partial", action="store_true",
+                   help="a parameter dimension that does not divide over its rule's mesh axes goes on the longest "
+                   "prefix of them that divides it (more replication, each one printed at start) instead of "
+                   "failing; --plan lists them with the bytes they replicate")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)))
@@ -383,6 +387,9 @@ def plan(args: argparse.Namespace, config: Any) -> int:
                          args.rules, seq_len=args.plan_seq_len or args.seq_len,
                          batch_per_device=args.plan_batch, global_batch=args.batch)
     print(result.report.table() + "\n\n" + result.table())
+    if result.report.fallbacks:
+        print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(result.report.fallbacks)} "
+              "dimension(s) above do not divide over their rule's mesh axes (strict placement refuses them).")
     return 0
 
 
@@ -396,6 +403,7 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
         mesh=args.mesh,
         shard_mode=args.shard_mode,
         rules=args.rules,
+        allow_partial=args.allow_partial,
         accum_steps=args.accum_steps,
         mtp_weight=extras.mtp_weight,
         model_kwargs=extras.model_kwargs,

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zoo.sharding import create_sharded, get_rules, logical_to_mesh_axes, make_mesh
+from nnx_zoo.sharding import ShardingError, create_sharded, get_rules, logical_to_mesh_axes, make_mesh
+from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, peak_flops_per_device
@@ -42,6 +44,9 @@ class TrainConfig:
     mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"fsdp": -1})
     shard_mode: str = "auto"
     rules: str = "default"
+    # A parameter dimension that does not divide over its rule's mesh axes goes on the longest dividing prefix of
+    # them (more replication; every fallback printed at start) instead of failing (nnx_zoo.sharding.resolve).
+    allow_partial: bool = False
     accum_steps: int = 1
     mtp_weight: float = 0.3
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
@@ -85,6 +90,30 @@ class TrainConfig:
                             f"{self.peak_flops_per_device}")
         if problems:
             raise ValueError("invalid training settings: " + "; ".join(problems))
+
+
+def _create_state(make_state: Callable[[], TrainState], mesh: Mesh, rules: Any, allow_partial: bool,
+                  primary: bool) -> TrainState:
+    """``create_sharded`` of the train state. A dimension that does not divide fails naming ``allow_partial``;
+    with it, the fallbacks taken are printed once, at start (other warnings pass through unchanged)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            state = create_sharded(make_state, mesh, rules, allow_partial=allow_partial)
+        except ShardingError as err:
+            if allow_partial:
+                raise
+            raise ShardingError(
+                f"{err}\nTo train on this mesh anyway, set TrainConfig(allow_partial=True) (recipes: "
+                "--allow-partial): such dimensions go on the longest dividing prefix of their mesh axes, and --plan "
+                "lists each one with the bytes it replicates.") from err
+    for w in caught:
+        if issubclass(w.category, ShardingFallbackWarning):
+            if primary:
+                print(f"nnx_zoo: allow_partial: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return state
 
 
 def _batch_spec(config: TrainConfig, rules: Any, mesh: Any) -> Any:
@@ -224,7 +253,7 @@ def train(
         model = make_model()
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps))
 
-    state = create_sharded(make_state, mesh, rules)
+    state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)

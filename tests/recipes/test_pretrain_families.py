@@ -164,3 +164,24 @@ def test_help_lists_every_family_preset_and_plan_works_for_a_dense_family(capsys
     assert "--model.rope_scaling" in text and "--moe-impl" not in text  # llama3-tiny's fields by default
     assert recipe.main(["--model", "llama3.1-405b", "--mesh", "fsdp=64,tensor=8", "--plan"]) == 0
     assert "405" in capsys.readouterr().out
+
+
+def test_a_mesh_that_does_not_divide_needs_allow_partial_and_then_trains_the_same(tmp_path, capsys):
+    """llama3-tiny's 2 key/value heads do not divide over tensor=4: strict placement refuses the mesh and names
+    --allow-partial (so does --plan); with it, the k/v projections are replicated over 'tensor', that fallback is
+    printed at start, and the losses equal those of FSDP 8, where everything divides (and which equals one device:
+    tests/models/test_dense_sharding.py)."""
+    args = ["--model", "llama3-tiny", *TINY, *SHORT, "--steps", "2", "--mesh", "fsdp=2,tensor=4"]
+    assert recipe.main([*args, "--run-dir", str(tmp_path / "strict")]) == 2
+    assert "--allow-partial" in capsys.readouterr().err
+    assert recipe.main([*args, "--plan"]) == 0
+    assert "needs --allow-partial" in capsys.readouterr().out
+
+    assert recipe.main([*args, "--allow-partial", "--run-dir", str(tmp_path / "partial")]) == 0
+    err = capsys.readouterr().err
+    assert "allow_partial:" in err and "layers.attn.k_proj.kernel: dimension 2 (logical 'kv_heads', size 2)" in err, err
+    fsdp = ["--model", "llama3-tiny", *TINY, *SHORT, "--steps", "2", "--mesh", "fsdp=8"]
+    assert recipe.main([*fsdp, "--run-dir", str(tmp_path / "fsdp")]) == 0
+    want = [r["loss"] for r in records(tmp_path / "fsdp")]
+    got = [r["loss"] for r in records(tmp_path / "partial")]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
