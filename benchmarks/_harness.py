@@ -250,7 +250,8 @@ def matmul_references(hidden: int, vocab: int, tokens: int, torch_peak: bool = F
     """Timed references that are not train steps (names start with '~'): ``~peak-matmul-jax`` (and
     ``~peak-matmul-torch`` at 2 threads), a 1024^3 float32 matmul, the box's practical matmul FLOP/s; and
     ``~lm_head-matmuls``, the three lm_head matmuls of a train step at its shapes (logits ``x @ W``,
-    ``dx = g @ W^T``, ``dW = x^T @ g``) in JAX: work every implementation must do."""
+    ``dx = g @ W^T``, ``dW = x^T @ g``) in JAX (and ``~lm_head-matmuls-torch``, the same in torch at 1 thread):
+    work every implementation must do."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -274,6 +275,13 @@ def matmul_references(hidden: int, vocab: int, tokens: int, torch_peak: bool = F
             return ta @ ta
 
         out["~peak-matmul-torch"] = torch_peak_call
+        tx, tw, tg = (torch.from_numpy(np.array(v)) for v in (x, w, g))
+
+        def torch_head_call():
+            torch.set_num_threads(1)  # the faster torch setting on the shared box (section 5)
+            return tx @ tw, tg @ tw.T, tx.T @ tg
+
+        out["~lm_head-matmuls-torch"] = torch_head_call
     return out
 
 

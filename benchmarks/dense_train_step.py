@@ -112,6 +112,10 @@ def roofline(times: dict[str, list[float]], cfg, tokens: int, seq: int) -> dict:
            "model_gflop_per_step": flops_per_step / 1e9, "lm_head_share_of_flops": head_flops / flops_per_step,
            "lm_head_matmuls_ms": 1e3 * head_s, "lm_head_matmuls_fraction_of_peak": head_flops / head_s / peak,
            "mfu": {}}
+    if "~lm_head-matmuls-torch" in times:
+        out["lm_head_matmuls_torch_ms"] = 1e3 * h.median(times["~lm_head-matmuls-torch"])
+        out["lm_head_matmuls_jax_over_torch"] = h.ratio_stats(times["~lm_head-matmuls"],
+                                                              times["~lm_head-matmuls-torch"])["median_round_ratio"]
     for name, ts in times.items():
         if not name.startswith("~"):
             out["mfu"][name] = flops_per_step / h.median(ts) / peak
@@ -210,7 +214,8 @@ def render(results: list[dict], a) -> str:
         roof_rows.append([s["preset"], f"{s['batch']}x{s['seq']}", r["model_gflop_per_step"],
                           r["peaks_gflops_per_s"]["~peak-matmul-jax"], r["peaks_gflops_per_s"]["~peak-matmul-torch"],
                           100 * r["lm_head_share_of_flops"], r["lm_head_matmuls_ms"],
-                          100 * r["lm_head_matmuls_fraction_of_peak"], 1e3 * jx["median_s"],
+                          100 * r["lm_head_matmuls_fraction_of_peak"], r.get("lm_head_matmuls_torch_ms", "-"),
+                          r.get("lm_head_matmuls_jax_over_torch", "-"), 1e3 * jx["median_s"],
                           1e3 * c[s["best_torch"]]["median_s"]])
     threads = [f"torch {t}t" for t in a.torch_threads]
     parts = [f"# Dense train step (Llama 3 / Qwen3) on {env['backend']} ({env['processor']}, {env['cpu_count']} "
@@ -227,9 +232,11 @@ def render(results: list[dict], a) -> str:
              "## roofline", "",
              "`peak`: fastest round of a 1024^3 float32 matmul, JAX and torch (2 threads), timed interleaved with the "
              "steps; MFU uses the larger. `lm_head`: share of the step's model FLOPs in the three lm_head matmuls, "
-             "their time alone at the step's shapes (JAX) and their FLOP rate as % of peak.", "",
+             "their time alone at the step's shapes (JAX) and their FLOP rate as % of peak; the same three in torch (1 "
+             "thread) and JAX's time over torch's (median of per-round ratios).", "",
              h.markdown_table(["preset", "batch", "GFLOP/step", "peak jax GFLOP/s", "peak torch GFLOP/s",
-                               "lm_head % of FLOPs", "lm_head mm ms", "lm_head mm % peak", "jax step ms",
+                               "lm_head % of FLOPs", "lm_head mm ms", "lm_head mm % peak", "torch 1t lm_head mm ms",
+                               "lm_head mm jax / torch time", "jax step ms",
                                "best torch step ms"], roof_rows), ""]
     variant_rows = [[s["preset"], f"{s['batch']}x{s['seq']}", name, c["tokens_per_s"],
                      c["speedup_vs_best_torch"]["ratio_of_medians"], s["contenders"]["jax"]["median_s"] / c["median_s"]]
