@@ -52,6 +52,7 @@ class Linear(nnx.Module):
         if len(kernel_names) != len(shape):
             raise ValueError(f"kernel of shape {shape} needs {len(shape)} logical names, got {tuple(kernel_names)}")
         self.dtype = dtype
+        self.kernel_names = tuple(kernel_names)  # the resolver's names, also for weight_einsum under Auto meshes
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), shape, param_dtype), out_sharding=tuple(kernel_names), eager_sharding=False
         )
@@ -76,7 +77,8 @@ class Linear(nnx.Module):
         x, kernel = x.astype(self.dtype), self.kernel[...].astype(self.dtype)
         if out_names is None:
             return self._add_bias(jnp.einsum(equation, x, kernel))
-        return shard(self._add_bias(weight_einsum(equation, x, kernel, out_names)), out_names)
+        return shard(self._add_bias(weight_einsum(equation, x, kernel, out_names, weight_names=self.kernel_names)),
+                     out_names)
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)

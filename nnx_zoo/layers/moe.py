@@ -37,6 +37,7 @@ from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.spec import (
     ambient_mesh_or_none,
     explicit_spec,
+    gather_fsdp_axes,
     resolve_activation,
     weight_einsum,
     weight_einsum_to_spec,
@@ -46,6 +47,8 @@ from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
 MoeImpl = Literal["auto", "dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
 _TOKENS_TOPK = ("activation_tokens", "activation_topk")
+_WI_NAMES = ("exp", "embed_no_exp", "moe_mlp")
+_WO_NAMES = ("exp", "moe_mlp", "embed_no_exp")
 
 
 class RoutedExperts(nnx.Module):
@@ -74,9 +77,9 @@ class RoutedExperts(nnx.Module):
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)
 
-        self.wi_gate = param((num_experts, features, hidden), ("exp", "embed_no_exp", "moe_mlp"))
-        self.wi_up = param((num_experts, features, hidden), ("exp", "embed_no_exp", "moe_mlp"))
-        self.wo = param((num_experts, hidden, features), ("exp", "moe_mlp", "embed_no_exp"))
+        self.wi_gate = param((num_experts, features, hidden), _WI_NAMES)
+        self.wi_up = param((num_experts, features, hidden), _WI_NAMES)
+        self.wo = param((num_experts, hidden, features), _WO_NAMES)
 
     def __call__(
         self,
@@ -113,10 +116,12 @@ class RoutedExperts(nnx.Module):
         combine = jnp.sum(jax.nn.one_hot(expert_idx, self.num_experts, dtype=weights.dtype) * weights[..., None], -2)
         h_names = ("activation_tokens", "activation_exp", "activation_moe_mlp")
         x = x.astype(self.dtype)
+        # Under Auto meshes the expert weights are first gathered over their FSDP axes only (gather_fsdp_axes).
+        wi_gate, wi_up = (gather_fsdp_axes("th,ehi->tei", x, w, _WI_NAMES, h_names) for w in (wi_gate, wi_up))
         gate = _expert_in_proj(x, wi_gate, h_names)
         up = _expert_in_proj(x, wi_up, h_names)
         h = shard(jax.nn.silu(gate) * up * combine[:, :, None].astype(self.dtype), h_names)
-        return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS), _TOKENS)
+        return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS, weight_names=_WO_NAMES), _TOKENS)
 
     def _gmm(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         wi_gate, wi_up, wo = self._weights()

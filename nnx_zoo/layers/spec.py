@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard_mode_of
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 
 def explicit_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec | None:
@@ -47,7 +48,8 @@ def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
     return [(e,) if isinstance(e, str) else tuple(e or ()) for e in entries]
 
 
-def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Sequence[str | None]) -> jax.Array:
+def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Sequence[str | None], *,
+                  weight_names: Sequence[str | None] | None = None) -> jax.Array:
     """``jnp.einsum(equation, x, weight)`` for an activation ``x`` and a weight, output laid out as ``out_names``.
 
     Under an Explicit mesh the weight is first resharded so each of its dims is split like the activation's dim
@@ -55,13 +57,51 @@ def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Seq
     use): the FSDP "gather the weight, compute locally" pattern. Handing XLA a weight sharded on the axes that
     the activation's batch dim also uses made it miscompile some dots silently (a (data, fsdp)-batch activation
     against an fsdp-sharded kernel with heads on tensor_transpose returned wrong numbers on CPU, jax 0.10.2).
+
+    Under an Auto mesh, ``weight_names`` (the weight's logical names) let the weight first be gathered over its
+    FSDP axes (those the output's activation-only dims use) while its other axes stay: left to choose alone, XLA
+    went straight from ``(fsdp, tensor_transpose)`` on the input dim to ``tensor_transpose`` on the output dim by
+    replicating the whole weight ("Involuntary full rematerialization").
     """
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     out_shape = tuple(
         x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
     )
-    return weight_einsum_to_spec(equation, x, weight, explicit_spec(out_names, out_shape))
+    out_spec = explicit_spec(out_names, out_shape)
+    if weight_names is not None and out_spec is None:  # Explicit meshes: reshard_in_steps below does it
+        weight = gather_fsdp_axes(equation, x, weight, weight_names, out_names)
+    return weight_einsum_to_spec(equation, x, weight, out_spec)
+
+
+def gather_fsdp_axes(equation: str, x: jax.Array, weight: jax.Array, weight_names: Sequence[str | None],
+                     out_names: Sequence[str | None]) -> jax.Array:
+    """``weight`` (logical ``weight_names``) laid out as its own spec minus the mesh axes that the dims of
+    ``equation``'s output coming from ``x`` alone use (its FSDP axes): gathered over them, every other axis kept.
+    Under an Explicit mesh the weight's own spec is read from its type; without a mesh it is returned unchanged.
+
+    >>> w = gather_fsdp_axes("th,ehi->tei", x, w, ("exp", "embed", "mlp"), ("tokens", "exp", "mlp"))
+    """
+    mesh = ambient_mesh_or_none()
+    if mesh is None or mesh.size == 1:
+        return weight
+    inputs, out_letters = equation.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    out_shape = tuple(
+        x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
+    )
+    rules = current_rules()
+    if shard_mode_of(mesh) == "explicit":
+        stored = _spec_entries(jax.typeof(weight).sharding.spec, weight.ndim)
+    else:
+        # allow_partial: a weight created with create_sharded(allow_partial=True) (the trainer's --allow-partial)
+        # sits on the dividing prefix; where everything divides this is the strict spec.
+        stored = _spec_entries(logical_to_mesh_axes(tuple(weight_names), rules, mesh, shape=tuple(weight.shape),
+                                                    allow_partial=True), weight.ndim)
+    out = _spec_entries(resolve_activation(out_names, out_shape), len(out_letters))
+    fsdp = {a for c, axes in zip(out_letters, out) if c not in w_letters for a in axes}
+    staying = [tuple(a for a in axes if a not in fsdp) for axes in stored]
+    return weight if staying == stored else shard_to_spec(weight, _to_spec(staying))
 
 
 def weight_einsum_to_spec(
@@ -127,7 +167,24 @@ def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, x:
 
 def _einsum_resharded(equation: str, x_spec: PartitionSpec, weight_spec: PartitionSpec, out_spec: PartitionSpec,
                       x: jax.Array, weight: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, jax.reshard(x, x_spec), jax.reshard(weight, weight_spec), out_sharding=out_spec)
+    return jnp.einsum(equation, jax.reshard(x, x_spec), reshard_in_steps(weight, weight_spec), out_sharding=out_spec)
+
+
+def reshard_in_steps(a: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """``jax.reshard(a, spec)`` for an Explicit ``a``, done as a gather and then a move.
+
+    Going at once from a weight split over ``(fsdp, tensor_transpose)`` on its input dim to one split over
+    ``tensor_transpose`` on its output dim, XLA's partitioner replicates the whole weight and slices it
+    ("Involuntary full rematerialization"). First every mesh axis that leaves its dim is gathered away (only
+    the axes that stay, in their order, remain), then the axes arriving on a new dim are added: an all-gather
+    and an all-to-all (or a local slice) instead.
+    """
+    current = _spec_entries(jax.typeof(a).sharding.spec, a.ndim)
+    target = _spec_entries(spec, a.ndim)
+    staying = [tuple(ax for ax in cur if ax in tgt) for cur, tgt in zip(current, target)]
+    if staying != current and staying != target:
+        a = jax.reshard(a, _to_spec(staying))
+    return jax.reshard(a, spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))

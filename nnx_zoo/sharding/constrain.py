@@ -83,6 +83,20 @@ def shard(x: jax.Array, names: Sequence[str | None], *, rules: Rules | str | Non
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def shard_to_spec(x: jax.Array, spec: jax.sharding.PartitionSpec) -> jax.Array:
+    """Lay ``x`` out as the mesh-axis ``spec`` on the ambient mesh (``shard`` for a spec already resolved):
+    ``jax.reshard`` under Explicit axes, a sharding constraint under Auto, ``x`` unchanged without a mesh.
+
+    >>> w = shard_to_spec(w, PartitionSpec("tensor_transpose", None))
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
+        return x
+    if shard_mode_of(mesh) == "explicit":
+        return jax.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def sharding_of(x: jax.Array) -> NamedSharding:
     """The sharding carried by ``x``'s type (meaningful under Explicit meshes)."""
     return jax.typeof(x).sharding

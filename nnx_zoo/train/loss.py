@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from nnx_zoo.layers.spec import ambient_mesh_or_none
+from nnx_zoo.sharding import restore_sharding, sharding_of
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,7 +62,9 @@ def _summed_cross_entropy_bwd(residuals, g):
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     onehot = jnp.where(vocab_ids == targets[..., None], 1.0, 0.0)
     d_logits = (jnp.exp(logits - log_z[..., None]) - onehot) * (g * mask)[..., None]
-    return d_logits, None, g * per_token
+    # The mask's cotangent comes out laid out like the logits (sequence split under context parallelism); under an
+    # Explicit mesh it must carry the mask's own sharding.
+    return d_logits, None, restore_sharding(g * per_token, sharding_of(mask))
 
 
 _summed_cross_entropy.defvjp(_summed_cross_entropy_fwd, _summed_cross_entropy_bwd)

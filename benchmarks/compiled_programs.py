@@ -1,0 +1,427 @@
+"""What XLA compiles the train step into: involuntary rematerializations and collective bytes, per layout and mode.
+
+For every layout of ``explicit_vs_auto.py`` (mesh + rule set + MoE path), on an all-Auto and an all-Explicit mesh
+of 8 CPU devices, the trainer's ``train_step`` (forward, backward, clipping, AdamW, state donated, output state
+pinned to the input shardings) is lowered and compiled from abstract inputs (nothing runs). Reported per case:
+
+- ``remat``: how many times XLA's SPMD partitioner printed "Involuntary full rematerialization" (it had to
+  replicate a whole tensor to reach a sharding). The message goes to the process's stderr from C++, so it is read
+  by redirecting file descriptor 2 around the compile.
+- ``bytes``: collective bytes per device per step, read from ``compiled.as_text()``: every all-gather,
+  all-reduce, reduce-scatter, all-to-all and collective-permute, counted with the ring-traffic of its group of
+  ``n`` devices (all-gather: result x (n-1)/n; reduce-scatter and all-to-all: operand x (n-1)/n; all-reduce:
+  2 x operand x (n-1)/n; collective-permute: operand) and multiplied by the trip counts of the while loops
+  (layer scans) that contain it (``known_trip_count`` in the loop's backend config).
+- ``paper``: the bytes the layout implies (the formula is in benchmarks/README.md, section 4.1, and in
+  ``paper_bytes``).
+
+Variants: ``plain`` (no MTP, no batch split) and ``split+mtp`` (batch_split_factor 2, one MTP head trained with
+weight 0.3).
+
+    python benchmarks/compiled_programs.py                    # deepseek3-mini, 2 layers, vocab 4096, 16 x 64
+    python benchmarks/compiled_programs.py --rows "FSDP 8" --variants plain --dump /tmp/hlo
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from nnx_zoo import DeepSeekV3, DeepSeekV3Config  # noqa: E402
+from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_shardings  # noqa: E402
+from nnx_zoo.train import OptimizerConfig, make_optimizer  # noqa: E402
+from nnx_zoo.train.step import train_step  # noqa: E402
+
+# name -> (mesh sizes, rule set, moe_impl): the layouts of explicit_vs_auto.py.
+LAYOUTS: dict[str, tuple[dict[str, int], str, str]] = {
+    "FSDP 8": ({"fsdp": 8}, "default", "dense"),
+    "FSDP 4 + TP 2": ({"fsdp": 4, "tensor": 2}, "default", "dense"),
+    "FSDP 4 + TP-transpose 2": ({"fsdp": 4, "tensor_transpose": 2}, "default", "dense"),
+    "FSDP 4 + EP 2": ({"fsdp": 4, "expert": 2}, "default", "ep"),
+    "FSDP 4 + EP-as-CP 2 (ep-as-cp)": ({"fsdp": 4, "expert": 2}, "ep-as-cp", "ep"),
+    "FSDP 4 + EP 2 (shard-exp-on-fsdp)": ({"fsdp": 4, "expert": 2}, "shard-exp-on-fsdp", "ep"),
+}
+MODES = ("auto", "explicit")
+# name -> (batch_split_factor, MTP heads trained)
+VARIANTS: dict[str, tuple[int, int]] = {"plain": (1, 0), "split+mtp": (2, 1)}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+REMAT_MESSAGE = "Involuntary full rematerialization"
+MTP_WEIGHT = 0.3
+
+
+# ---- capturing what XLA prints -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """Everything written to file descriptor 2 inside the block (C++ logging included), as one string appended
+    to the yielded list on exit."""
+    out: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
+def remat_warnings(stderr_text: str) -> list[str]:
+    """The "Involuntary full rematerialization" lines in ``stderr_text``."""
+    return [line for line in stderr_text.splitlines() if REMAT_MESSAGE in line]
+
+
+# ---- collective bytes from the compiled HLO ------------------------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) [^\n]*\{$")
+
+
+def _shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in ``text`` (a tuple shape sums its members)."""
+    return sum(_DTYPE_BYTES[d] * math.prod(int(n) for n in dims.split(",") if n) for d, dims in _SHAPE.findall(text))
+
+
+def _group_size(line: str, devices: int) -> int:
+    """Devices per replica group of a collective instruction (the three ways XLA writes groups)."""
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: the listed axes form a group
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", named.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", named.group(2)))
+    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    listed = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    if "source_target_pairs=" in line:
+        return 2  # collective-permute: point to point
+    return devices  # empty groups: all devices
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """HLO module text -> ({computation name: instruction lines}, entry computation name)."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and "=" not in line.split("{")[0].split("(")[0]:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+        elif current is not None and line.strip() and line.strip() != "}":
+            comps[current].append(line)
+    return comps, entry
+
+
+def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of ``entry``: a while loop's body and condition run
+    ``known_trip_count`` times per execution of the computation holding the loop."""
+    mult: dict[str, int] = {entry: 1}
+    order = [entry]
+    for name in order:
+        for line in comps.get(name, ()):
+            trip = 1
+            if " while(" in line:
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                if m is None:
+                    raise ValueError(f"while loop without a known trip count: {line[:200]}")
+                trip = int(m.group(1))
+            for callee in re.findall(r"(?:body|condition|calls|to_apply|branch_computations)=\{?%?([\w.\-]+)", line):
+                if callee in comps:
+                    if callee not in mult:
+                        order.append(callee)
+                    mult[callee] = mult.get(callee, 0) + mult[name] * trip
+    return mult
+
+
+def collective_bytes(hlo: str, devices: int) -> dict[str, float]:
+    """Per-device collective traffic of one execution of the compiled module ``hlo`` (ring algorithms), by kind.
+
+    Read from each instruction's result shape (the compiled text names operands without shapes): all-gather
+    ``R (n-1)/n``, reduce-scatter ``R (n-1)`` (its operand is ``n R``), all-reduce ``2 R (n-1)/n``, all-to-all
+    ``R (n-1)/n``, collective-permute ``R``, for a result of ``R`` bytes per device and groups of ``n``.
+    """
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry)
+    total = dict.fromkeys(COLLECTIVES, 0.0)
+    pattern = re.compile(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    factor = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1.0,
+              "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+              "collective-permute": lambda n: 1.0}
+    for name, lines in comps.items():
+        for line in lines:
+            line = re.sub(r", metadata=\{.*", "", line)
+            m = pattern.search(line)
+            if m is None:
+                continue
+            result_shape, kind, is_async = m.groups()
+            shapes = [_shape_bytes(s.group(0)) for s in _SHAPE.finditer(result_shape)]
+            # an async start's result holds (operands, results, ...): count the results half
+            result = max(shapes) if is_async else sum(shapes)
+            n = _group_size(line, devices)
+            if n > 1:
+                total[kind] += factor[kind](n) * result * mult.get(name, 0)
+    return total
+
+
+# ---- the train step of one case ------------------------------------------------------------------------------
+
+
+def case_config(layout: str, variant: str, *, layers: int = 2, vocab: int = 4096, **overrides) -> DeepSeekV3Config:
+    """deepseek3-mini with ``layers`` layers (the first dense) for ``layout`` and ``variant``."""
+    factor, mtp = VARIANTS[variant]
+    return DeepSeekV3Config.preset("deepseek3-mini", vocab_size=vocab, num_hidden_layers=layers,
+                                   num_nextn_predict_layers=mtp, batch_split_factor=factor,
+                                   moe_impl=LAYOUTS[layout][2], **overrides)
+
+
+def abstract_state(config: DeepSeekV3Config, rules: str) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of the model and its AdamW optimizer; nothing is allocated."""
+    def make():
+        model = DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules)
+        return model, make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), model, total_steps=100)
+
+    return nnx.split(nnx.eval_shape(make))
+
+
+def compile_case(config: DeepSeekV3Config, layout: str, mode: str, batch: int, seq: int):
+    """The donated train step of ``config`` on ``layout``'s mesh in ``mode``, lowered from abstract inputs and
+    compiled; returns ``(compiled, stderr text of the compile, mesh)``."""
+    sizes, rules, _ = LAYOUTS[layout]
+    mesh = make_mesh(sizes, shard_mode=mode)
+    graphdef, state = abstract_state(config, rules)
+    shardings = state_shardings(state, mesh, get_rules(rules))
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+              for x, s in zip(jax.tree.leaves(state), shardings)]
+    state = jax.tree.unflatten(jax.tree.structure(state), leaves)
+    batch_sharding = jax.NamedSharding(mesh, logical_to_mesh_axes(("activation_batch", None), rules, mesh))
+    batch_arrays = {name: jax.ShapeDtypeStruct((batch, seq), dtype, sharding=batch_sharding)
+                    for name, dtype in (("input_ids", jnp.int32), ("targets", jnp.int32),
+                                        ("loss_mask", jnp.float32))}
+    mtp = config.num_nextn_predict_layers > 0
+    kwargs = dict(mtp_weight=MTP_WEIGHT if mtp else 0.0, model_kwargs=(("with_mtp", True),) if mtp else ())
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        metrics = train_step(model, optimizer, batch, **kwargs)
+        return nnx.state((model, optimizer)), metrics["loss"]
+
+    with jax.set_mesh(mesh), captured_stderr() as err:
+        out_state = jax.tree.map(lambda a: a.sharding, state)
+        compiled = jax.jit(step, donate_argnums=0, out_shardings=(out_state, None)).lower(
+            state, batch_arrays).compile()
+    return compiled, err[0], mesh
+
+
+# ---- bytes on paper -----------------------------------------------------------------------------------------
+
+# The activation dim each weight dim meets: a mesh axis that splits both stays put (kept); any other mesh axis of
+# the weight is an FSDP axis, gathered before use.
+_WEIGHT_TO_ACTIVATION = {"embed": "activation_embed", "embed_no_exp": "activation_embed",
+                         "mtp_embed": "activation_embed", "heads": "activation_heads",
+                         "kv_heads": "activation_kv_heads", "mlp": "activation_mlp",
+                         "moe_mlp": "activation_moe_mlp", "vocab": "activation_vocab", "exp": "activation_exp",
+                         "kv": "activation_kv", "q_lora": "activation_q_lora", "kv_lora": "activation_kv_lora"}
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _resolved(names, rules, mesh) -> tuple[str, ...]:
+    spec = logical_to_mesh_axes(tuple(names), rules, mesh)
+    return tuple(a for e in spec for a in _spec_axes(e))
+
+
+def paper_bytes(config: DeepSeekV3Config, layout: str, batch: int, seq: int) -> dict[str, float]:
+    """Per-device collective bytes of one train step that ``layout`` implies (benchmarks/README.md, 4.1).
+
+    ``fsdp``: each weight gathered over its FSDP axes in the forward and again in the backward pass, its gradient
+    reduce-scattered over them and all-reduced over the data axes it is replicated on. ``tp``/``tp_transpose``/
+    ``ep``/``cp``: the activations those axes move (see the README for the per-layer counts).
+    """
+    sizes, rules_name, impl = LAYOUTS[layout]
+    rules = get_rules(rules_name)
+    mesh = make_mesh(sizes, shard_mode="auto")
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    prod = lambda axes: math.prod(size[a] for a in axes)  # noqa: E731
+    word = jnp.dtype(config.dtype).itemsize
+    token_axes = _resolved(("activation_batch", "activation_length"), rules, mesh)
+    ep_axes = _resolved(("exp",), rules, mesh) if impl == "ep" else ()
+    ep_gather = tuple(a for a in _resolved(("activation_tokens",), rules, mesh) if a in ep_axes)
+
+    graphdef, state = abstract_state(config, rules_name)
+    model_state = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
+    fsdp = 0.0
+    for _, var in nnx.to_flat_state(model_state):
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        spec = logical_to_mesh_axes(names, rules, mesh, shape=var.shape)
+        kept, gathered = [], []
+        for name, entry in zip(names, tuple(spec) + (None,) * (len(names) - len(spec))):
+            act = _WEIGHT_TO_ACTIVATION.get(name)
+            act_axes = ep_axes if name == "exp" and impl == "ep" else (
+                _resolved((act,), rules, mesh) if act else ())
+            for a in _spec_axes(entry):
+                (kept if a in act_axes else gathered).append(a)
+        full = math.prod(var.shape) * word / prod(kept)  # the weight as each device uses it
+        g = prod(gathered)
+        data = [a for a in token_axes if a not in gathered and a not in kept
+                and not ("exp" in names and a in ep_gather)]
+        r = prod(data)
+        fsdp += 3 * full * (g - 1) / g + 2 * (r - 1) / r * full / g
+    tokens = batch * seq / prod(token_axes)  # per device
+    hidden = tokens * config.hidden_size * word
+    moe_layers = config.num_moe_layers + config.num_nextn_predict_layers
+    layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    heads = 1 + config.num_nextn_predict_layers  # output-head passes
+    out = {"fsdp": fsdp, "tp": 0.0, "tp_transpose": 0.0, "ep": 0.0, "cp": 0.0}
+    t = size.get("tensor", 1)
+    if t > 1:  # 2 all-reduces per layer and pass; embedding output (forward), output-head input grad (backward)
+        out["tp"] = 2 * (t - 1) / t * hidden * (4 * layers + 2 * heads)
+    tt = size.get("tensor_transpose", 1)
+    if tt > 1:  # gather the input of attention and MLP, reduce-scatter their outputs: 4 per layer and pass
+        out["tp_transpose"] = (tt - 1) / tt * hidden * (8 * layers + 3 * heads)
+    n = prod(ep_gather)
+    if n > 1:  # all-gather the tokens, reduce-scatter the outputs, forward and backward
+        out["ep"] = 4 * (n - 1) * hidden * moe_layers
+    c = prod(_resolved(("activation_length",), rules, mesh))
+    if c > 1:  # keys and values gathered over the sequence (forward), their gradients reduce-scattered (backward)
+        kv = tokens * config.num_attention_heads * (config.qk_head_dim + config.v_head_dim) * word
+        out["cp"] = 2 * (c - 1) * kv * layers
+    return out
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------
+
+
+def warning_site(line: str) -> str:
+    """A short description of one warning: the op, its shape, the sharding transition and the traced op name."""
+    op = re.search(r"HLO operation %([\w.\-]+) = (\S+)", line)
+    move = re.search(r"from sharding (\{[^}]*\}) to (\{[^}]*\})", line)
+    name = re.search(r'op_name="([^"]*)"', line)
+    src = re.search(r'source_file="?([^ "]*)"? source_line=(\d+)', line)
+    parts = [f"{op.group(1)} {op.group(2)}" if op else "?", f"{move.group(1)} -> {move.group(2)}" if move else "",
+             name.group(1) if name else "", f"{src.group(1)}:{src.group(2)}" if src else ""]
+    return " | ".join(p for p in parts if p)
+
+
+def run_case(layout: str, mode: str, variant: str, a) -> dict:
+    config = case_config(layout, variant, layers=a.layers, vocab=a.vocab)
+    t0 = time.perf_counter()
+    compiled, err, mesh = compile_case(config, layout, mode, a.batch, a.seq)
+    hlo = compiled.as_text()
+    if a.dump:
+        Path(a.dump).mkdir(parents=True, exist_ok=True)
+        slug = re.sub(r"\W+", "_", f"{layout}_{mode}_{variant}").strip("_")
+        (Path(a.dump) / f"{slug}.hlo.txt").write_text(hlo)
+    warnings = remat_warnings(err)
+    measured = collective_bytes(hlo, mesh.size)
+    paper = paper_bytes(config, layout, a.batch, a.seq)
+    return {"layout": layout, "mode": mode, "variant": variant, "compile_s": time.perf_counter() - t0,
+            "remat_warnings": len(warnings), "warning_sites": [warning_site(w) for w in warnings],
+            "measured_bytes": measured, "paper_bytes": paper,
+            "measured_total": sum(measured.values()), "paper_total": sum(paper.values())}
+
+
+def render(rows: list[dict], a) -> str:
+    header = ["layout", "variant", "remat auto / explicit", "measured MiB auto / explicit", "paper MiB",
+              "measured / paper (auto, explicit)", "measured by kind (explicit): AG / AR / RS / A2A / CP MiB"]
+    table = []
+    key = lambda r: (r["layout"], r["variant"])  # noqa: E731
+    cases = {}
+    for r in rows:
+        cases.setdefault(key(r), {})[r["mode"]] = r
+    for (layout, variant), by_mode in cases.items():
+        auto, expl = by_mode.get("auto"), by_mode.get("explicit")
+        either = auto or expl
+        mib = lambda r: "-" if r is None else f"{r['measured_total'] / 2**20:.2f}"  # noqa: E731
+        ratio = lambda r: "-" if r is None else f"{r['measured_total'] / max(r['paper_total'], 1):.2f}"  # noqa: E731
+        kinds = "-" if expl is None else " / ".join(f"{expl['measured_bytes'][k] / 2**20:.2f}" for k in COLLECTIVES)
+        table.append([layout, variant,
+                      f"{'-' if auto is None else auto['remat_warnings']} / "
+                      f"{'-' if expl is None else expl['remat_warnings']}",
+                      f"{mib(auto)} / {mib(expl)}", f"{either['paper_total'] / 2**20:.2f}",
+                      f"{ratio(auto)}, {ratio(expl)}", kinds])
+    note = (f"deepseek3-mini ({a.layers} layers, vocab {a.vocab}), batch {a.batch} x {a.seq}, float32, 8 CPU devices; "
+            "plain = no MTP, no batch split; split+mtp = batch_split_factor 2 and one MTP head (weight 0.3). "
+            "remat = 'Involuntary full rematerialization' warnings printed while compiling; MiB = collective "
+            "bytes per device per step (loop trip counts included).")
+    return note + "\n\n" + _markdown_table(header, table)
+
+
+def _markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="ROW")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dump", default=None, help="write each compiled HLO module into this folder")
+    p.add_argument("--out-dir", default=None, help="where to write compiled_programs.{json,md}")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    a = p.parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    rows = []
+    for layout in a.rows:
+        for variant in a.variants:
+            for mode in a.modes:
+                r = run_case(layout, mode, variant, a)
+                rows.append(r)
+                log(f"[{layout} | {variant} | {mode}] {r['remat_warnings']} remat warnings, "
+                    f"{r['measured_total'] / 2**20:.2f} MiB measured vs {r['paper_total'] / 2**20:.2f} on paper "
+                    f"({r['compile_s']:.1f}s)")
+                for site in dict.fromkeys(r["warning_sites"]):
+                    log(f"    {r['warning_sites'].count(site)}x {site}")
+    md = render(rows, a)
+    print(md)
+    if not a.no_write:
+        import _harness as h
+
+        payload = {"benchmark": "compiled_programs", "argv": sys.argv[1:] if argv is None else list(argv),
+                   "environment": h.environment(), "layers": a.layers, "vocab": a.vocab, "batch": a.batch,
+                   "seq": a.seq, "rows": rows}
+        jp, mp = h.write_results("compiled_programs", payload, md, a.out_dir)
+        log(f"wrote {jp} and {mp}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
