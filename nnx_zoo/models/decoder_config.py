@@ -60,6 +60,34 @@ class FamilyConfig:
                              ) from None
         return cls(**{**fields, **overrides})
 
+    @classmethod
+    def from_hf(cls, dir_or_dict: str | Path | Mapping[str, Any], **overrides: Any) -> Self:
+        """Read this family's HF ``config.json`` (a checkpoint directory, the file, or its dict).
+
+        Both rope forms are read (transformers-5 ``rope_parameters``; the hub's legacy ``rope_scaling`` with a
+        top-level ``rope_theta``). ``overrides`` set any field, e.g. ``dtype="bfloat16"``. A file of another
+        ``model_type``, or one that is missing, not a JSON object, or holds unusable values, raises
+        ``nnx_zoo.hf.CheckpointFormatError`` naming the file; an unknown override is the caller's ``TypeError``.
+        """
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:  # the caller's mistake, not the file's
+            raise TypeError(f"unknown {cls.__name__} fields {unknown}")
+        if isinstance(dir_or_dict, Mapping):
+            return cls._from_hf_dict(dict(dir_or_dict), overrides)
+        path = config_json_path(dir_or_dict)
+        source = str(path) + (f" (with overrides {overrides})" if overrides else "")
+        try:
+            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
+        except CheckpointFormatError:
+            raise
+        except ValueError as err:
+            raise CheckpointFormatError(f"{source}: {err}") from err
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Self:
+        """The config for an HF ``config.json`` dict plus overrides; ``ValueError`` for unusable values."""
+        raise NotImplementedError(f"{cls.__name__} does not read HF configs")
+
     def _canonical_dtypes(self) -> None:
         """Store ``dtype`` / ``param_dtype`` as numpy dtype names (``jnp.float32`` -> ``'float32'``)."""
         for name in ("dtype", "param_dtype"):
@@ -172,30 +200,7 @@ class DecoderConfig(FamilyConfig):
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         return p
 
-    # ---- Hugging Face config.json ----
-    @classmethod
-    def from_hf(cls, dir_or_dict: str | Path | Mapping[str, Any], **overrides: Any) -> DecoderConfig:
-        """Read an HF ``config.json`` of this family (a checkpoint directory, the file, or its dict).
-
-        Both rope forms are read (transformers-5 ``rope_parameters``; the hub's legacy ``rope_scaling`` with a
-        top-level ``rope_theta``). ``overrides`` set any field, e.g. ``dtype="bfloat16"``. A file of another
-        ``model_type``, or one that is missing, not a JSON object, or holds unusable values, raises
-        ``nnx_zoo.hf.CheckpointFormatError`` naming the file.
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:  # the caller's mistake, not the file's
-            raise TypeError(f"unknown {cls.__name__} fields {unknown}")
-        if isinstance(dir_or_dict, Mapping):
-            return cls._from_hf_dict(dict(dir_or_dict), overrides)
-        path = config_json_path(dir_or_dict)
-        try:
-            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
-        except CheckpointFormatError:
-            raise
-        except ValueError as err:
-            raise CheckpointFormatError(f"{path}: {err}") from err
-
+    # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DecoderConfig:
         model_type = d.get("model_type", cls.MODEL_TYPE)

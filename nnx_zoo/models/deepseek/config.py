@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from nnx_zoo.hf.config_io import config_json_path, read_json_object
-from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
@@ -176,27 +173,7 @@ class DeepSeekV3Config(FamilyConfig):
         """Whether any layer (main stack or MTP) is an MoE layer."""
         return self.num_moe_layers > 0 or self.num_nextn_predict_layers > 0
 
-    # ---- Hugging Face config.json ----
-    @classmethod
-    def from_hf(cls, dir_or_dict: str | Path | Mapping[str, Any], **overrides: Any) -> DeepSeekV3Config:
-        """Read an HF DeepSeek-V3 ``config.json`` (a checkpoint directory, the file, or its dict).
-
-        Both rope formats are read: the hub's legacy ``rope_scaling`` + top-level ``rope_theta``, and
-        transformers-5 ``rope_parameters`` (which may hold ``rope_theta`` itself). ``overrides`` set any field,
-        e.g. ``dtype="bfloat16"``. A file that is missing, not a JSON object, or holds unusable values raises
-        ``nnx_zoo.hf.CheckpointFormatError`` naming the file.
-        """
-        if isinstance(dir_or_dict, Mapping):
-            return cls._from_hf_dict(dict(dir_or_dict), overrides)
-        path = config_json_path(dir_or_dict)
-        source = str(path) + (f" (with overrides {overrides})" if overrides else "")
-        try:
-            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
-        except CheckpointFormatError:
-            raise
-        except ValueError as err:
-            raise CheckpointFormatError(f"{source}: {err}") from err
-
+    # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
         problems = []
@@ -210,9 +187,6 @@ class DeepSeekV3Config(FamilyConfig):
         if problems:
             raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:  # the caller's mistake, not the file's: not turned into a config error below
-            raise TypeError(f"unknown DeepSeekV3Config fields {unknown}")
         kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_scaling", "dtype")}
         if "num_nextn_predict_layers" not in d and "num_mtp_layers" in d:
             kwargs["num_nextn_predict_layers"] = d["num_mtp_layers"]
