@@ -17,7 +17,7 @@ def test_ci_runs_the_readme_test_command():
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.splitlines()
     assert len(out) == 1, out
-    assert out[0].endswith("python -m pytest -q")
+    assert out[0].endswith("python -m pytest -q -n 2")
 
 
 def test_readme_python_examples_run():
