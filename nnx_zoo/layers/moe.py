@@ -20,6 +20,10 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
   sees, first come first served), and ``psum_scatter`` combines the partial sums back onto the token shards.
   Without a mesh, or when ``exp`` resolves to no mesh axis of size > 1, it falls back to the backend's dropless
   path (``default_moe_impl``) or to the same capacity computation on the local tokens.
+  ``ep`` also takes unflattened ``x [batch, seq, embed]``: when the sequence is split over mesh axes (e.g.
+  ``ep-as-cp``), flattening to tokens would move data (an all-to-all), so each shard gathers its block over the EP
+  axes on the batch and sequence dims and flattens locally (always when dropless; under a capacity only when the
+  group's tokens then come in the same order as the flattened path's, else it flattens first).
 - ``auto`` picks ``dense`` or ``gmm`` for the backend by measurement (``default_moe_impl``).
 """
 
@@ -47,6 +51,7 @@ from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
 MoeImpl = Literal["auto", "dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
 _TOKENS_TOPK = ("activation_tokens", "activation_topk")
+_BL = ("activation_batch", "activation_length")
 _WI_NAMES = ("exp", "embed_no_exp", "moe_mlp")
 _WO_NAMES = ("exp", "moe_mlp", "embed_no_exp")
 
@@ -92,9 +97,17 @@ class RoutedExperts(nnx.Module):
         return_dropped: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """``out [T, embed]``, or ``(out, dropped)`` with ``return_dropped``: ``dropped`` (int32 scalar) counts
-        the (token, expert) pairs over capacity (always 0 when dropless). ``capacity_factor`` applies to ``ep``."""
+        the (token, expert) pairs over capacity (always 0 when dropless). ``capacity_factor`` applies to ``ep``.
+        ``x`` may also be ``[batch, seq, embed]`` (``expert_idx``/``weights [batch, seq, k]``; ``out`` then has
+        ``x``'s shape): ``ep`` keeps it unflattened where the sequence is split (see the module docstring), the
+        other paths flatten it."""
         if impl == "auto":
             impl = default_moe_impl()
+        if x.ndim == 3 and impl != "ep":
+            out = self(*_flatten_tokens(x, expert_idx, weights), impl=impl, capacity_factor=capacity_factor,
+                       return_dropped=True)
+            out = (_unflatten_tokens(out[0], x.shape), out[1])
+            return out if return_dropped else out[0]
         if impl == "dense":
             out, dropped = self._dense(x, expert_idx, weights), jnp.zeros((), jnp.int32)
         elif impl == "gmm":
@@ -160,6 +173,11 @@ class RoutedExperts(nnx.Module):
             # No EP axes: the backend's own dropless path.
             local_path = self._dense if default_moe_impl() == "dense" else self._gmm
             return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
+        if x.ndim == 3 and (mesh is None or not _per_sequence_dispatch(x.shape, ep_axes, capacity_factor)):
+            out, dropped = self._ep(*_flatten_tokens(x, expert_idx, weights), capacity_factor)
+            return _unflatten_tokens(out, x.shape), dropped
+        if x.ndim == 3:
+            return self._ep_per_sequence(x, expert_idx, weights, capacity_factor, mesh, ep_axes)
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), ())
         if mesh is None:
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
@@ -185,6 +203,60 @@ class RoutedExperts(nnx.Module):
             out_specs=(tokens, PartitionSpec()),
         )(x, expert_idx, weights, wi_gate, wi_up, wo)
         return shard(out, _TOKENS), dropped
+
+    def _ep_per_sequence(self, x, expert_idx, weights, capacity_factor, mesh, ep_axes):
+        """``_ep`` on ``x [batch, seq, embed]`` laid out as activations: each shard gathers its block over the EP
+        axes of the batch and sequence dims (the sequence first), flattens it locally, and scatters the partial
+        sums back the same way: no all-to-all to reach a flat token layout."""
+        wi_gate, wi_up, wo = (shard(w, ("exp", None, None)) for w in self._weights())
+        spec = resolve_activation(_BL + (None,), x.shape)
+        batch_axes, length_axes = _axes(spec[0]), _axes(spec[1])
+        dims = ((1, tuple(a for a in length_axes if a in ep_axes)), (0, tuple(a for a in batch_axes if a in ep_axes)))
+        split = batch_axes + length_axes
+        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), tuple(a for a in ep_axes if a not in split),
+                          count_axes=tuple(dict.fromkeys(split + ep_axes)), gather_dims=dims)
+        x = shard(x.astype(self.dtype), _BL + (None,))
+        expert_idx, weights = (shard(a, _BL + ("activation_topk",)) for a in (expert_idx, weights))
+        routing = resolve_activation(_BL + ("activation_topk",), expert_idx.shape)
+        expert_spec = PartitionSpec(ep_axes or None, None, None)
+        out, dropped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(spec, routing, routing, expert_spec, expert_spec, expert_spec),
+            out_specs=(spec, PartitionSpec()),
+        )(x, expert_idx, weights, wi_gate, wi_up, wo)
+        return shard(out, _BL + ("activation_embed",)), dropped
+
+
+def _flatten_tokens(x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> tuple[jax.Array, ...]:
+    """``[batch, seq, ...]`` -> ``[batch*seq, ...]`` for ``x``, ``expert_idx`` and ``weights``, laid out as tokens."""
+    def flat(a, names):
+        shape = (a.shape[0] * a.shape[1], a.shape[2])
+        return shard(jnp.reshape(a, shape, out_sharding=explicit_spec(names, shape)), names)
+
+    return flat(x, _TOKENS), flat(expert_idx, _TOKENS_TOPK), flat(weights, _TOKENS_TOPK)
+
+
+def _unflatten_tokens(out: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    names = _BL + ("activation_embed",)
+    return shard(jnp.reshape(out, shape, out_sharding=explicit_spec(names, shape)), names)
+
+
+def _per_sequence_dispatch(shape: tuple[int, ...], ep_axes: tuple[str, ...], capacity_factor: float | None) -> bool:
+    """Whether ``_ep`` keeps ``x [batch, seq, embed]`` unflattened: only where the sequence is split (else the
+    flat layout costs nothing), and under a capacity only where each EP group then sees its tokens in the flat
+    path's order (first come first served must drop the same pairs): the sequence's axes are all EP axes and the
+    batch's EP axes are its innermost ones, so a group holds whole consecutive sequences either way."""
+    spec = resolve_activation(_BL + (None,), shape)
+    batch_axes, length_axes = _axes(spec[0]), _axes(spec[1])
+    if not length_axes or not ep_axes:
+        return False
+    if capacity_factor is None:
+        return True
+    flat = _axes(resolve_activation(_TOKENS[:1], (shape[0] * shape[1],))[0])
+    batch_ep = [a for a in batch_axes if a in ep_axes]
+    return (flat == batch_axes + length_axes and set(length_axes) <= set(ep_axes)
+            and list(batch_axes[len(batch_axes) - len(batch_ep):]) == batch_ep)
 
 
 def default_moe_impl(platform: str | None = None) -> MoeImpl:
@@ -260,13 +332,16 @@ def _ep_shard(
     gather_axes: tuple[str, ...],
     sum_axes: tuple[str, ...],
     count_axes: tuple[str, ...] = (),
+    gather_dims: tuple[tuple[int, tuple[str, ...]], ...] = (),
 ):
     """The per-shard expert-parallel computation (run inside ``shard_map``, or alone without a mesh).
 
     Tokens and their routing are all-gathered over ``gather_axes``; this shard's ``E / n_ep`` experts run on the
     tokens routed to them; the partial sums go back to the token shards with ``psum_scatter`` (and ``psum`` over
     EP axes that do not split the tokens). Returns ``(out, dropped)``: ``dropped`` counts (token, expert) pairs
-    over capacity, summed over ``count_axes`` (every shard then holds the total).
+    over capacity, summed over ``count_axes`` (every shard then holds the total). ``gather_dims`` ((dim, axes),
+    ...) is the same for a ``[batch, seq, ...]`` block: gathered over each dim's axes in turn, flattened to tokens
+    here, the output scattered back in reverse order.
     """
 
     def run(x, expert_idx, weights, wi_gate, wi_up, wo):
@@ -275,6 +350,14 @@ def _ep_shard(
             x, expert_idx, weights = (
                 jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) for a in (x, expert_idx, weights)
             )
+        block = None
+        if gather_dims:
+            for dim, axes in gather_dims:
+                if axes:
+                    x, expert_idx, weights = (
+                        jax.lax.all_gather(a, axes, axis=dim, tiled=True) for a in (x, expert_idx, weights))
+            block = x.shape
+            x, expert_idx, weights = (a.reshape(block[0] * block[1], a.shape[-1]) for a in (x, expert_idx, weights))
         first = jax.lax.axis_index(ep_axes) * local_experts if ep_axes else 0
         local_idx = expert_idx - first  # outside [0, local_experts): another shard's expert
         if capacity_factor is None:
@@ -285,6 +368,11 @@ def _ep_shard(
             out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity)
         if gather_axes:
             out = jax.lax.psum_scatter(out, gather_axes, scatter_dimension=0, tiled=True)
+        if block is not None:
+            out = out.reshape(block)
+            for dim, axes in reversed(gather_dims):
+                if axes:
+                    out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)
         if sum_axes:
             out = jax.lax.psum(out, sum_axes)
         if count_axes:

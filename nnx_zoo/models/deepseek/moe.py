@@ -35,13 +35,14 @@ class RouterBias(nnx.Variable):
 def route(
     logits: jax.Array, bias: jax.Array, config: DeepSeekV3Config
 ) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts and their weights for router ``logits [T, E]`` (float32): ``(idx [T, k], weights [T, k])``."""
+    """Top-k experts and their weights for router ``logits [..., E]`` (float32, e.g. ``[T, E]`` or ``[B, S, E]``):
+    ``(idx [..., k], weights [..., k])``."""
     c = config
-    num_tokens, num_experts = logits.shape
+    *lead, num_experts = logits.shape
     scores = jax.nn.sigmoid(logits)
-    biased = scores + bias[None, :]
+    biased = scores + bias
     per_group = num_experts // c.n_group
-    group_scores = jax.lax.top_k(biased.reshape(num_tokens, c.n_group, per_group), 2)[0].sum(-1)
+    group_scores = jax.lax.top_k(biased.reshape(*lead, c.n_group, per_group), 2)[0].sum(-1)
     _, best_groups = jax.lax.top_k(group_scores, c.topk_group)
     group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
     expert_kept = jnp.repeat(group_kept, per_group, axis=-1)
@@ -57,7 +58,8 @@ def sequence_balance_loss(
 ) -> jax.Array:
     """DeepSeek-V3's complementary sequence-wise balance loss (paper eq. 17-20), one value per sequence.
 
-    For router ``logits [B*S, E]`` and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens:
+    For router ``logits [B*S, E]`` and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens
+    (or ``[B, S, E]`` and ``[B, S, k]``):
     ``f_i = E / (k T) * #{t : t chose i}``, ``P_i = 1/T * sum_t s'_{i,t}`` with ``s' = s / sum_j s_j`` the sigmoid
     scores normalized over all experts, and ``L = alpha * sum_i f_i P_i`` -> ``[B]`` float32. ``T`` counts the
     sequence's real tokens: ``token_mask [B or 1, S]`` (False = padding) leaves the others out; a sequence with
@@ -66,10 +68,12 @@ def sequence_balance_loss(
     """
     num_experts, k = logits.shape[-1], idx.shape[-1]
     seq = token_mask.shape[-1]
-    batch = logits.shape[0] // seq
+    batch = logits.shape[0] // seq if logits.ndim == 2 else logits.shape[0]
     per_sequence = (batch, seq, num_experts)
 
     def split_sequences(a: jax.Array) -> jax.Array:  # [B*S, E] -> [B, S, E], laid out like [B, S, E] activations
+        if a.ndim == 3:
+            return shard(a, _BL_EXPERTS)
         return shard(jnp.reshape(a, per_sequence, out_sharding=explicit_spec(_BL_EXPERTS, per_sequence)),
                      _BL_EXPERTS)
 
@@ -132,12 +136,18 @@ class DeepSeekMoE(nnx.Module):
         c = self.config
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
-        tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
-        tokens = shard(tokens, _TE)
-
-        logits = weight_einsum("th,he->te", tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
-                               _T_EXPERTS)
-        idx, weights = route(shard(logits, _T_EXPERTS), self.e_score_correction_bias[...], c)
+        router = self.router[...].astype(jnp.float32)
+        if c.moe_impl == "ep":
+            # Routed per sequence: with the sequence split (ep-as-cp) a flat token layout costs an all-to-all; the
+            # ep path gathers [batch, seq] blocks itself.
+            tokens = shard(x, _BLE)
+            logits = shard(weight_einsum("bsh,he->bse", tokens.astype(jnp.float32), router, _BL_EXPERTS),
+                           _BL_EXPERTS)
+        else:
+            tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
+            tokens = shard(tokens, _TE)
+            logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
+        idx, weights = route(logits, self.e_score_correction_bias[...], c)
 
         out, dropped = self.experts(tokens, idx, weights, impl=c.moe_impl, capacity_factor=c.moe_capacity_factor,
                                     return_dropped=True)
