@@ -106,3 +106,20 @@ def test_capacity_drops_and_counts_exactly_the_pairs_over_capacity(case):
     out, dropped = _run(experts, jnp.asarray(x), jnp.asarray(idx), jnp.asarray(weights), mesh, rules)
     assert int(dropped) == want_dropped
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_capacity_on_unflattened_sequences_drops_the_same_pairs():
+    """ep-as-cp splits the sequence over ``expert``: ``x [batch, seq, embed]`` stays unflattened (each shard
+    gathers its block over the EP axes; no all-to-all) and each fsdp half must still be served in token order."""
+    from nnx_zoo.layers import moe
+
+    experts = _experts()
+    x, idx, weights = _inputs()
+    want, want_dropped = reference(experts, x, idx, weights, HALVES)
+    mesh = make_mesh({"fsdp": 2, "expert": 4}, shard_mode="explicit")
+    with jax.set_mesh(mesh), use_rules("ep-as-cp"):  # the unflattened path is the one taken
+        assert moe._per_sequence_dispatch((4, TOKENS // 4, FEATURES), ("expert",), CAPACITY_FACTOR)
+    blocks = (jnp.asarray(a).reshape(4, TOKENS // 4, -1) for a in (x, idx, weights))
+    out, dropped = _run(experts, *blocks, mesh, "ep-as-cp")
+    assert out.shape == (4, TOKENS // 4, FEATURES) and int(dropped) == want_dropped
+    np.testing.assert_allclose(np.asarray(out).reshape(TOKENS, -1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
