@@ -160,7 +160,7 @@ class RoutedExperts(nnx.Module):
     def _ep(
         self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array, capacity_factor: float | None
     ) -> tuple[jax.Array, jax.Array]:
-        """Expert parallelism: ``(out [T, embed], dropped)``; see the module docstring."""
+        """Expert parallelism: ``(out [T, embed] or [batch, seq, embed] like x, dropped)``; see the module docstring."""
         wi_gate, wi_up, wo = self._weights()
         mesh = ambient_mesh_or_none()
         ep_axes = _ep_axes(mesh)
@@ -169,15 +169,15 @@ class RoutedExperts(nnx.Module):
                 f"expert parallelism: {self.num_experts} experts cannot be split over mesh axes {ep_axes} "
                 f"({math.prod(mesh.shape[a] for a in ep_axes)} shards)"
             )
-        if not ep_axes and capacity_factor is None:
-            # No EP axes: the backend's own dropless path.
-            local_path = self._dense if default_moe_impl() == "dense" else self._gmm
-            return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
         if x.ndim == 3 and (mesh is None or not _per_sequence_dispatch(x.shape, ep_axes, capacity_factor)):
             out, dropped = self._ep(*_flatten_tokens(x, expert_idx, weights), capacity_factor)
             return _unflatten_tokens(out, x.shape), dropped
         if x.ndim == 3:
             return self._ep_per_sequence(x, expert_idx, weights, capacity_factor, mesh, ep_axes)
+        if not ep_axes and capacity_factor is None:
+            # No EP axes: the backend's own dropless path.
+            local_path = self._dense if default_moe_impl() == "dense" else self._gmm
+            return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), ())
         if mesh is None:
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
