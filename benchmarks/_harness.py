@@ -23,6 +23,17 @@ from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+# The sharding layouts the Auto-vs-Explicit and compiled-program benchmarks cover:
+# name -> (mesh sizes, rule set, moe_impl). EP rows use the expert-parallel MoE path.
+SHARDING_LAYOUTS: dict[str, tuple[dict[str, int], str, str]] = {
+    "FSDP 8": ({"fsdp": 8}, "default", "dense"),
+    "FSDP 4 + TP 2": ({"fsdp": 4, "tensor": 2}, "default", "dense"),
+    "FSDP 4 + TP-transpose 2": ({"fsdp": 4, "tensor_transpose": 2}, "default", "dense"),
+    "FSDP 4 + EP 2": ({"fsdp": 4, "expert": 2}, "default", "ep"),
+    "FSDP 4 + EP-as-CP 2 (ep-as-cp)": ({"fsdp": 4, "expert": 2}, "ep-as-cp", "ep"),
+    "FSDP 4 + EP 2 (shard-exp-on-fsdp)": ({"fsdp": 4, "expert": 2}, "shard-exp-on-fsdp", "ep"),
+}
+
 
 def calibrate_iters(fn: Callable[[], object], target_s: float, max_iters: int = 200) -> tuple[int, float]:
     """Calls `fn` once (already warm) and returns (iters so that one round takes about target_s, seconds/call)."""

@@ -41,6 +41,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _harness as h  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -50,15 +51,7 @@ from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_s
 from nnx_zoo.train import OptimizerConfig, make_optimizer  # noqa: E402
 from nnx_zoo.train.step import train_step  # noqa: E402
 
-# name -> (mesh sizes, rule set, moe_impl): the layouts of explicit_vs_auto.py.
-LAYOUTS: dict[str, tuple[dict[str, int], str, str]] = {
-    "FSDP 8": ({"fsdp": 8}, "default", "dense"),
-    "FSDP 4 + TP 2": ({"fsdp": 4, "tensor": 2}, "default", "dense"),
-    "FSDP 4 + TP-transpose 2": ({"fsdp": 4, "tensor_transpose": 2}, "default", "dense"),
-    "FSDP 4 + EP 2": ({"fsdp": 4, "expert": 2}, "default", "ep"),
-    "FSDP 4 + EP-as-CP 2 (ep-as-cp)": ({"fsdp": 4, "expert": 2}, "ep-as-cp", "ep"),
-    "FSDP 4 + EP 2 (shard-exp-on-fsdp)": ({"fsdp": 4, "expert": 2}, "shard-exp-on-fsdp", "ep"),
-}
+LAYOUTS = h.SHARDING_LAYOUTS  # shared with the other sharding benchmark
 MODES = ("auto", "explicit")
 # name -> (batch_split_factor, MTP heads trained)
 VARIANTS: dict[str, tuple[int, int]] = {"plain": (1, 0), "split+mtp": (2, 1)}
@@ -413,8 +406,6 @@ def main(argv=None) -> int:
     md = render(rows, a)
     print(md)
     if not a.no_write:
-        import _harness as h
-
         payload = {"benchmark": "compiled_programs", "argv": sys.argv[1:] if argv is None else list(argv),
                    "environment": h.environment(), "layers": a.layers, "vocab": a.vocab, "batch": a.batch,
                    "seq": a.seq, "rows": rows}

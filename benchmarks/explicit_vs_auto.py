@@ -42,15 +42,7 @@ from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_s
 from nnx_zoo.train import OptimizerConfig, make_optimizer  # noqa: E402
 from nnx_zoo.train.step import train_step  # noqa: E402
 
-# name -> (mesh sizes, rule set, moe_impl). EP rows use the expert-parallel MoE path.
-ROWS: dict[str, tuple[dict[str, int], str, str]] = {
-    "FSDP 8": ({"fsdp": 8}, "default", "dense"),
-    "FSDP 4 + TP 2": ({"fsdp": 4, "tensor": 2}, "default", "dense"),
-    "FSDP 4 + TP-transpose 2": ({"fsdp": 4, "tensor_transpose": 2}, "default", "dense"),
-    "FSDP 4 + EP 2": ({"fsdp": 4, "expert": 2}, "default", "ep"),
-    "FSDP 4 + EP-as-CP 2 (ep-as-cp)": ({"fsdp": 4, "expert": 2}, "ep-as-cp", "ep"),
-    "FSDP 4 + EP 2 (shard-exp-on-fsdp)": ({"fsdp": 4, "expert": 2}, "shard-exp-on-fsdp", "ep"),
-}
+ROWS = h.SHARDING_LAYOUTS  # shared with the other sharding benchmark
 MODES = ("auto", "explicit")
 HLO_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "copy", "transpose")
 
