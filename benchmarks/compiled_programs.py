@@ -12,6 +12,7 @@ pinned to the input shardings) is lowered and compiled from abstract inputs (not
   ``n`` devices (all-gather: result x (n-1)/n; reduce-scatter and all-to-all: operand x (n-1)/n; all-reduce:
   2 x operand x (n-1)/n; collective-permute: operand) and multiplied by the trip counts of the while loops
   (layer scans) that contain it (``known_trip_count`` in the loop's backend config).
+- ``temp``: ``compiled.memory_analysis().temp_size_in_bytes`` (XLA's scratch per device; printed per case).
 - ``paper``: the bytes the layout implies (the formula is in benchmarks/README.md, section 4.1, and in
   ``paper_bytes``).
 
@@ -336,11 +337,12 @@ def run_case(layout: str, mode: str, variant: str, a) -> dict:
         (Path(a.dump) / f"{slug}.hlo.txt").write_text(hlo)
     warnings = remat_warnings(err)
     measured = collective_bytes(hlo, mesh.size)
+    temp = compiled.memory_analysis().temp_size_in_bytes  # XLA's scratch per device: what the schedule holds
     paper = paper_bytes(config, layout, a.batch, a.seq)
     return {"layout": layout, "mode": mode, "variant": variant, "compile_s": time.perf_counter() - t0,
             "remat_warnings": len(warnings), "warning_sites": [warning_site(w) for w in warnings],
             "measured_bytes": measured, "paper_bytes": paper,
-            "measured_total": sum(measured.values()), "paper_total": sum(paper.values())}
+            "measured_total": sum(measured.values()), "paper_total": sum(paper.values()), "temp_bytes": temp}
 
 
 def render(rows: list[dict], a) -> str:
@@ -399,8 +401,8 @@ def main(argv=None) -> int:
                 r = run_case(layout, mode, variant, a)
                 rows.append(r)
                 log(f"[{layout} | {variant} | {mode}] {r['remat_warnings']} remat warnings, "
-                    f"{r['measured_total'] / 2**20:.2f} MiB measured vs {r['paper_total'] / 2**20:.2f} on paper "
-                    f"({r['compile_s']:.1f}s)")
+                    f"{r['measured_total'] / 2**20:.2f} MiB measured vs {r['paper_total'] / 2**20:.2f} on paper, "
+                    f"temp {r['temp_bytes'] / 2**20:.2f} MiB ({r['compile_s']:.1f}s)")
                 for site in dict.fromkeys(r["warning_sites"]):
                     log(f"    {r['warning_sites'].count(site)}x {site}")
     md = render(rows, a)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from nnx_zoo.layers.spec import gather_weight_fsdp_axes
 from nnx_zoo.sharding import restore_sharding, shard_mode_of, sharding_of
 
 M = TypeVar("M", bound=nnx.Module)
@@ -128,6 +129,26 @@ def batch_split(
 
     y, aux = jax.tree.map(merge, *outs)
     return restore_sharding(y, in_sharding), aux
+
+
+def gathered_over_fsdp(module: M) -> M:
+    """A copy of ``module`` whose parameters are gathered over their FSDP axes (`gather_weight_fsdp_axes`, from
+    each Param's ``out_sharding`` names); other state is shared. Run every micro-batch of ``batch_split`` on it:
+    the weights are gathered once per layer instead of once per micro-batch, and their gradients are summed
+    over the micro-batches before one reduction (reduce-scatter or all-reduce).
+
+    >>> y, aux = batch_split(gathered_over_fsdp(layer), x, factor=2)  # layer(x) -> (y, aux)
+    """
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def gather(v: nnx.Variable) -> nnx.Variable:
+        value, names = v.get_value(), tuple(v.get_metadata().get("out_sharding") or ())
+        # Inside a layer scan the names still start with the stack axis, which the value no longer has.
+        names = names[len(names) - value.ndim:] if value.ndim else ()
+        return v if not names else v.replace(gather_weight_fsdp_axes(value, names))
+
+    params = jax.tree.map(gather, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.merge(graphdef, params, rest)
 
 
 def _explicit_spec_of(a: jax.Array) -> PartitionSpec | None:

@@ -246,3 +246,30 @@ def _einsum_row_major_grads_bwd(equation, residuals, grad):
 
 
 _einsum_row_major_grads.defvjp(_einsum_row_major_grads_fwd, _einsum_row_major_grads_bwd)
+
+
+def gather_weight_fsdp_axes(weight: jax.Array, weight_names: Sequence[str | None]) -> jax.Array:
+    """``weight`` (logical ``weight_names``) gathered over its FSDP axes: every mesh axis the rules give the
+    ``activation_tokens`` dim is dropped from each of its dims except ``exp`` (experts stay on their EP axes),
+    every other axis kept, as `gather_fsdp_axes` leaves a weight whose einsum output carries the tokens dim.
+    Gathering a layer's weights once before its micro-batches (``batch_split``) sums their gradients over the
+    micro-batches and reduce-scatters them once. Without a mesh it is returned unchanged.
+
+    >>> kernel = gather_weight_fsdp_axes(kernel, ("embed", "mlp"))
+    """
+    mesh = ambient_mesh_or_none()
+    if mesh is None or mesh.size == 1:
+        return weight
+    rules = current_rules()
+    if shard_mode_of(mesh) == "explicit":
+        stored = _spec_entries(jax.typeof(weight).sharding.spec, weight.ndim)
+    else:  # allow_partial as in gather_fsdp_axes, so both constrain to the same layout
+        stored = _spec_entries(logical_to_mesh_axes(tuple(weight_names), rules, mesh, shape=tuple(weight.shape),
+                                                    allow_partial=True), weight.ndim)
+    fsdp = {a for axes in _spec_entries(logical_to_mesh_axes(("activation_tokens",), rules, mesh), 1) for a in axes}
+    staying = [axes if name == "exp" else tuple(a for a in axes if a not in fsdp)
+               for name, axes in zip(weight_names, stored)]
+    if staying == stored:
+        return weight
+    spec = _to_spec(staying)
+    return reshard_in_steps(weight, spec) if shard_mode_of(mesh) == "explicit" else shard_to_spec(weight, spec)

@@ -21,7 +21,7 @@ from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_frequencies
-from nnx_zoo.layers.scan import batch_split, create_stack, run_stack
+from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, stack_hidden_states
 from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
@@ -109,8 +109,10 @@ class DecoderLayer(nnx.Module):
                     ) -> LayerOutput:
         """``self(x, cos, sin, mask)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same output
         (dropless), the hidden state with exactly ``x``'s sharding; dropped pairs are summed over micro-batches."""
+        layer = gathered_over_fsdp(self) if factor > 1 else self  # one gather for all micro-batches
+
         def run(h: jax.Array, m: jax.Array | None) -> tuple[jax.Array, tuple[Any, ...]]:
-            out = self(h, cos, sin, m)
+            out = layer(h, cos, sin, m)
             return out.hidden, tuple(out[1:])
 
         hidden, rest = batch_split(run, x, mask, factor=factor)
