@@ -194,21 +194,15 @@ class RoutedExperts(nnx.Module):
         x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
         expert_idx = shard(expert_idx, _TOKENS_TOPK)
         weights = shard(weights, _TOKENS_TOPK)
-        expert_spec = PartitionSpec(ep_axes or None, None, None)
-        wi_gate, wi_up, wo = (shard(w, ("exp", None, None)) for w in (wi_gate, wi_up, wo))  # = expert_spec
-        out, dropped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(tokens, tokens, tokens, expert_spec, expert_spec, expert_spec),
-            out_specs=(tokens, PartitionSpec()),
-        )(x, expert_idx, weights, wi_gate, wi_up, wo)
+        experts = tuple(shard(w, ("exp", None, None)) for w in (wi_gate, wi_up, wo))
+        out, dropped = _on_mesh(local, mesh, ep_axes, tokens, tokens, x, expert_idx, weights, experts)
         return shard(out, _TOKENS), dropped
 
     def _ep_per_sequence(self, x, expert_idx, weights, capacity_factor, mesh, ep_axes):
         """``_ep`` on ``x [batch, seq, embed]`` laid out as activations: each shard gathers its block over the EP
         axes of the batch and sequence dims (the sequence first), flattens it locally, and scatters the partial
         sums back the same way: no all-to-all to reach a flat token layout."""
-        wi_gate, wi_up, wo = (shard(w, ("exp", None, None)) for w in self._weights())
+        experts = tuple(shard(w, ("exp", None, None)) for w in self._weights())
         spec = resolve_activation(_BL + (None,), x.shape)
         batch_axes, length_axes = _axes(spec[0]), _axes(spec[1])
         dims = ((1, tuple(a for a in length_axes if a in ep_axes)), (0, tuple(a for a in batch_axes if a in ep_axes)))
@@ -218,14 +212,21 @@ class RoutedExperts(nnx.Module):
         x = shard(x.astype(self.dtype), _BL + (None,))
         expert_idx, weights = (shard(a, _BL + ("activation_topk",)) for a in (expert_idx, weights))
         routing = resolve_activation(_BL + ("activation_topk",), expert_idx.shape)
-        expert_spec = PartitionSpec(ep_axes or None, None, None)
-        out, dropped = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(spec, routing, routing, expert_spec, expert_spec, expert_spec),
-            out_specs=(spec, PartitionSpec()),
-        )(x, expert_idx, weights, wi_gate, wi_up, wo)
+        out, dropped = _on_mesh(local, mesh, ep_axes, spec, routing, x, expert_idx, weights, experts)
         return shard(out, _BL + ("activation_embed",)), dropped
+
+
+def _on_mesh(local, mesh, ep_axes, x_spec, routing_spec, x, expert_idx, weights, experts):
+    """Run a per-shard EP function (``_ep_shard``) over ``mesh``: ``x`` laid out as ``x_spec``, its routing
+    (``expert_idx``, ``weights``) as ``routing_spec``, the stacked expert weights split over ``ep_axes``; returns
+    ``(out laid out like x, dropped count)``."""
+    expert_spec = PartitionSpec(ep_axes or None, None, None)  # what shard(w, ("exp", None, None)) gave them
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(x_spec, routing_spec, routing_spec, expert_spec, expert_spec, expert_spec),
+        out_specs=(x_spec, PartitionSpec()),
+    )(x, expert_idx, weights, *experts)
 
 
 def _flatten_tokens(x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> tuple[jax.Array, ...]:
