@@ -17,15 +17,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard_mode_of
-from nnx_zoo.sharding.constrain import shard_to_spec
+from nnx_zoo.sharding.constrain import activation_spec, shard_to_spec
 
 
 def explicit_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec | None:
-    """The spec ``names`` resolve to on the ambient mesh when its axes are Explicit, else None."""
+    """The spec ``names`` resolve to on the ambient mesh when its axes are Explicit, else None (``shape`` checked
+    as ``shard`` checks it: ``use_rules(..., allow_partial=True)`` falls back to a dividing prefix)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or shard_mode_of(mesh) != "explicit":
         return None
-    return logical_to_mesh_axes(names, current_rules(), mesh, shape=tuple(shape), path="activation")
+    return activation_spec(names, shape)
 
 
 def ambient_mesh_or_none() -> jax.sharding.AbstractMesh | None:
@@ -35,12 +36,11 @@ def ambient_mesh_or_none() -> jax.sharding.AbstractMesh | None:
 
 
 def resolve_activation(names: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
-    """The spec ``names`` resolve to on the ambient mesh (any axis type); ``P()`` without a mesh."""
-    mesh = ambient_mesh_or_none()
-    if mesh is None:
+    """The spec ``names`` resolve to on the ambient mesh (any axis type; ``shape`` checked under Explicit axes, as
+    ``shard`` does); ``P()`` without a mesh."""
+    if ambient_mesh_or_none() is None:
         return PartitionSpec()
-    checked = tuple(shape) if shape is not None and shard_mode_of(mesh) == "explicit" else None
-    return logical_to_mesh_axes(names, current_rules(), mesh, shape=checked, path="activation")
+    return activation_spec(names, shape)
 
 
 def _spec_entries(spec: PartitionSpec, ndim: int) -> list:

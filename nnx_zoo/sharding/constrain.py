@@ -15,10 +15,11 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 
 from nnx_zoo.sharding.mesh import shard_mode_of
-from nnx_zoo.sharding.resolve import logical_to_mesh_axes
+from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import DEFAULT, Rules, get_rules
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("nnx_zoo_rules", default=None)
+_ALLOW_PARTIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("nnx_zoo_allow_partial", default=False)
 _RECORDING: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar(
     "nnx_zoo_recording", default=None
 )
@@ -41,16 +42,29 @@ def record_shardings() -> Iterator[list[tuple[tuple[str | None, ...], tuple[int,
 
 
 @contextlib.contextmanager
-def use_rules(rules: Rules | str) -> Iterator[Rules]:
+def use_rules(rules: Rules | str, *, allow_partial: bool | None = None) -> Iterator[Rules]:
     """Make ``rules`` the rule set that ``shard`` resolves against inside this block.
 
     Rules are read while tracing, so enter this block inside the function you jit (the models do this in their
     ``__call__``, from the rules they were created with), not around a call to an already-compiled function.
+
+    ``allow_partial=True``: under an Explicit mesh, an activation dimension that does not divide over its rule's
+    mesh axes goes on the longest dividing prefix of them, as the weights of
+    ``create_sharded(..., allow_partial=True)`` do (``nnx_zoo.sharding.resolve``); ``False``: such a dimension is
+    an error (the default outside any block). ``None`` keeps the enclosing block's setting, so a model entering
+    its own rules inside a step that the trainer traced under ``TrainConfig(allow_partial=True)`` keeps it.
+    (Under Auto meshes activations are never checked: XLA pads uneven shards.)
+
+    >>> with jax.set_mesh(mesh), use_rules("default", allow_partial=True):
+    ...     logits = model(ids)   # inside the jitted function
     """
     token = _ACTIVE_RULES.set(get_rules(rules))
+    partial_token = None if allow_partial is None else _ALLOW_PARTIAL.set(bool(allow_partial))
     try:
         yield _ACTIVE_RULES.get()
     finally:
+        if partial_token is not None:
+            _ALLOW_PARTIAL.reset(partial_token)
         _ACTIVE_RULES.reset(token)
 
 
@@ -60,25 +74,54 @@ def current_rules() -> Rules:
     return DEFAULT if rules is None else rules
 
 
+def current_allow_partial() -> bool:
+    """Whether activations may fall back to a dividing prefix of their mesh axes (``use_rules``; False outside)."""
+    return _ALLOW_PARTIAL.get()
+
+
+def activation_spec(names: Sequence[str | None], shape: Sequence[int] | None = None, *,
+                    rules: Rules | str | None = None) -> jax.sharding.PartitionSpec:
+    """The spec activation dims ``names`` resolve to on the ambient (non-empty) mesh, with the rules and the
+    ``allow_partial`` setting in force (``use_rules``). Under an Explicit mesh ``shape`` is checked to divide
+    (Auto may pad uneven shards; Explicit may not): strictly by default, else with the fallback of
+    ``use_rules(..., allow_partial=True)``. The one place ``shard`` and ``nnx_zoo.layers.spec`` resolve
+    activations.
+
+    >>> spec = activation_spec(("activation_batch", "activation_length"), x.shape)
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = current_rules() if rules is None else get_rules(rules)
+    checked = tuple(shape) if shape is not None and shard_mode_of(mesh) == "explicit" else None
+    allow_partial = current_allow_partial()
+    try:
+        return logical_to_mesh_axes(names, rules, mesh, shape=checked, path="activation",
+                                    allow_partial=allow_partial)
+    except ShardingError as err:
+        if checked is None or allow_partial:
+            raise
+        raise ShardingError(
+            f"{err}\nUnder an Explicit mesh activations are placed strictly unless the step runs under "
+            "use_rules(rules, allow_partial=True) (the trainer enters it for TrainConfig(allow_partial=True), "
+            "recipes: --allow-partial), or use shard_mode='auto' (XLA pads uneven shards).") from err
+
+
 def shard(x: jax.Array, names: Sequence[str | None], *, rules: Rules | str | None = None) -> jax.Array:
     """Lay ``x`` out as its logical dimension ``names`` say, on the ambient mesh (``jax.set_mesh``).
 
     Explicit mesh: ``jax.reshard``. Auto mesh: a sharding constraint. No mesh: ``x`` unchanged. Inside
     ``shard_map`` the Manual axes are left out of the spec (and with every axis Manual, ``x`` is unchanged).
+    A dimension that does not divide is an error under Explicit axes unless ``use_rules(..., allow_partial=True)``.
 
     >>> h = shard(h, ("activation_batch", "activation_length", "activation_embed"))
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
         return x
-    rules = current_rules() if rules is None else get_rules(rules)
-    mode = shard_mode_of(mesh)
-    shape = x.shape if mode == "explicit" else None  # Auto may pad uneven shards; Explicit may not.
-    spec = logical_to_mesh_axes(names, rules, mesh, shape=shape, path="activation")
+    spec = activation_spec(names, x.shape, rules=rules)
     recording = _RECORDING.get()
     if recording is not None:
         recording.append((tuple(names), tuple(x.shape), spec))
-    if mode == "explicit":
+    if shard_mode_of(mesh) == "explicit":
         return jax.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
 

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from nnx_zoo.sharding import ShardingError, create_sharded, get_rules, logical_to_mesh_axes, make_mesh
+from nnx_zoo.sharding import ShardingError, create_sharded, get_rules, logical_to_mesh_axes, make_mesh, use_rules
 from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
@@ -275,8 +275,9 @@ def train(
         summary.update(already_finished=True, peak_flops_per_device=math.nan, peak_source="not measured")
         return summary
 
-    step_fn = _pinned_step(state, accum_steps=config.accum_steps, mtp_weight=config.mtp_weight,
-                           model_kwargs=config.model_kwargs, routing_bias_rate=config.routing_bias_rate)
+    step_fn = _pinned_step(state, rules, config.allow_partial, accum_steps=config.accum_steps,
+                           mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
+                           routing_bias_rate=config.routing_bias_rate)
     peak, peak_source = peak_flops_per_device(config.peak_flops_per_device)
     summary.update(peak_flops_per_device=peak, peak_source=peak_source)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
@@ -418,9 +419,12 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
+def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
+                 **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
     """``train_step`` on ``state`` (updated in place), compiled once, with the updated state pinned to the
-    shardings it came in with.
+    shardings it came in with. It is traced under ``use_rules(rules, allow_partial=allow_partial)``: a model
+    entering its own rules keeps that setting, so with ``allow_partial`` its activations fall back (Explicit
+    meshes) the way ``_create_state`` placed its weights.
 
     Under Auto meshes XLA otherwise picks new layouts for part of the updated state (e.g. norm scales came back
     split like the activations they scale): the next step then sees different input shardings and compiles again,
@@ -431,7 +435,8 @@ def _pinned_step(state: TrainState, **step_kwargs: Any) -> Callable[[TrainState,
 
     def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
         live = nnx.merge(graphdef, values)
-        metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
+        with use_rules(rules, allow_partial=allow_partial):
+            metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
         updated = nnx.state(live)
         # A finite loss can come with an overflowing update, so the whole updated state is checked.
         return updated, {**metrics, "finite": _all_finite((metrics["loss"], metrics["grad_norm"], updated))}
