@@ -441,8 +441,9 @@ def pretrained_loader(source: ModelSource, args: argparse.Namespace) -> Callable
         from nnx_zoo import AutoModelForCausalLM
 
         loaded = AutoModelForCausalLM.from_pretrained(source.pretrained, mesh=mesh, rules=args.rules,
-                                                      **model_overrides(args))
-        # Same rules and mesh give the same layouts; placing onto the model's own keeps the step's pinned ones.
+                                                      allow_partial=args.allow_partial, **model_overrides(args))
+        # Same rules, mesh and allow_partial give the same layouts; placing onto the model's own keeps the step's
+        # pinned ones.
         nnx.update(model, jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), nnx.state(loaded),
                                        nnx.state(model)))
 

@@ -113,9 +113,11 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
 
 # ---------------------------------------------------------------- loading
 def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, mesh: Mesh | None,
-                rules: Rules) -> M:
+                rules: Rules, allow_partial: bool = False) -> M:
     """``abstract`` (an ``abstract_module``) with every Variable read from ``ckpt`` through ``table``, each
-    placed on its resolved sharding over ``mesh`` (one device when ``mesh`` is None)."""
+    placed on its resolved sharding over ``mesh`` (one device when ``mesh`` is None). ``allow_partial=True``
+    resolves as ``create_sharded(..., allow_partial=True)`` does (a dimension that does not divide goes on the
+    longest dividing prefix of its mesh axes), so a loaded model sits where a created one would."""
     graphdef, abstract_state = nnx.split(abstract)
     variables = dict(iter_variables(abstract_state))
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
@@ -135,7 +137,7 @@ def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, me
     leaves = []
     for p, var in variables.items():
         sharding = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
-                    else NamedSharding(mesh, variable_spec(p, var, rules, mesh)))
+                    else NamedSharding(mesh, variable_spec(p, var, rules, mesh, allow_partial=allow_partial)))
         leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], read))
     if nonfinite:
         raise CheckpointFormatError(f"{ckpt.directory}: {len(nonfinite)} weights hold NaN or infinite values (a "

@@ -131,6 +131,9 @@ class CausalLMBase(nnx.Module):
     lora_targets: ClassVar[str]
     config: Any
     rules: Rules
+    # True: activations fall back like weights placed with allow_partial (Explicit meshes; ``use_rules``); None:
+    # the enclosing ``use_rules`` block decides (strict outside one, e.g. the trainer's TrainConfig.allow_partial).
+    allow_partial: bool | None = None
     embed: Embed
     lm_head: Linear | None
     rope_inv_freq: tuple[float, ...]
@@ -138,12 +141,16 @@ class CausalLMBase(nnx.Module):
 
     @classmethod
     def create(cls: type[M], config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default",
-               seed: int = 0) -> M:
-        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding."""
-        def make() -> M:
-            return cls(config, rngs=nnx.Rngs(seed), rules=rules)
+               seed: int = 0, allow_partial: bool = False) -> M:
+        """A randomly initialized model; with ``mesh``, every parameter is born on its resolved sharding.
 
-        return make() if mesh is None else create_sharded(make, mesh, rules)
+        ``allow_partial=True``: a dimension that does not divide over its rule's mesh axes goes on the longest
+        dividing prefix of them (``create_sharded``), and so do the model's activations under Explicit meshes.
+        """
+        def make() -> M:
+            return cls(config, rngs=nnx.Rngs(seed), rules=rules, allow_partial=allow_partial or None)
+
+        return make() if mesh is None else create_sharded(make, mesh, rules, allow_partial=allow_partial)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:
@@ -194,13 +201,13 @@ class CausalLMBase(nnx.Module):
             raise ValueError(f"a prompt of {input_ids.shape[1]} tokens does not fit a cache of {cache.max_len} "
                              "slots; create the cache with max_len >= prompt length + tokens to generate")
         token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
+        with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             return self._extend(input_ids, token_mask, cache)
 
     def decode_step(self, tokens: jax.Array, cache: C) -> tuple[jax.Array, C]:
         """One new token per row ``tokens [batch]`` into the next cache slot: ``(logits [batch, vocab], cache)``.
         The cache must have a free slot (``cache.length < cache.max_len``; a full cache overwrites its last)."""
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
+        with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             logits, cache = self._extend(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool), cache)
         return logits[:, 0], cache
 
@@ -234,13 +241,15 @@ class CausalLM(CausalLMBase):
     # The family's HF key table: config -> KeyTable (a staticmethod in each family).
     key_table: ClassVar[Callable[[Any], KeyTable]]
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, rules: Rules | str = "default"):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, rules: Rules | str = "default",
+                 allow_partial: bool | None = None):
         if not isinstance(config, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got "
                             f"{type(config).__name__}; use nnx_zoo.AutoModelForCausalLM.create(config) to pick the "
                             "class from the config")
         c = self.config = config
         self.rules = get_rules(rules)
+        self.allow_partial = allow_partial
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
         self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), c.num_hidden_layers, rngs, STACK_AXIS)
@@ -253,10 +262,11 @@ class CausalLM(CausalLMBase):
     # ---- checkpoints ----
     @classmethod
     def from_pretrained(cls: type[M], path: str | Path, *, mesh: Mesh | None = None,
-                        rules: Rules | str | None = None, dtype: Any = None, **config_overrides: Any) -> M:
+                        rules: Rules | str | None = None, dtype: Any = None, allow_partial: bool = False,
+                        **config_overrides: Any) -> M:
         """Load an HF checkpoint directory of this family (``config.json`` + safetensors), each tensor read onto
         its shards of ``mesh``. ``dtype`` sets the parameter and compute dtype (default: the config's, float32);
-        ``config_overrides`` set any config field (``scan_layers=False``, ...).
+        ``config_overrides`` set any config field (``scan_layers=False``, ...). ``allow_partial`` as in ``create``.
 
         A ``config.json`` of another ``model_type`` raises ``nnx_zoo.hf.CheckpointFormatError`` naming the class
         that reads it; files that do not fit the model (an untied model without ``lm_head.weight``, a missing
@@ -267,8 +277,10 @@ class CausalLM(CausalLMBase):
         rules = get_rules(rules if rules is not None else "default")
         config = cls.config_class.from_hf(directory, **overrides)
         with SafetensorsCheckpoint(directory) as ckpt:
-            abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules))
-            return load_module(ckpt, cls.key_table(config), abstract, mesh=mesh, rules=rules)
+            abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
+                                                   allow_partial=allow_partial or None))
+            return load_module(ckpt, cls.key_table(config), abstract, mesh=mesh, rules=rules,
+                               allow_partial=allow_partial)
 
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
         """Write an HF checkpoint (``config.json``, safetensors shards of at most ``max_shard_bytes`` and their
@@ -289,7 +301,7 @@ class CausalLM(CausalLMBase):
         if with_mtp:
             raise ValueError(f"with_mtp=True but {type(self).__name__} has no MTP heads (multi-token prediction)")
         c = self.config
-        with use_rules(self.rules), self._parameter_mesh():
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
             cos, sin = self._rope(positions)
@@ -311,7 +323,7 @@ class CausalLM(CausalLMBase):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
         c = self.config
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
+        with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             return KVCache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
                                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
 

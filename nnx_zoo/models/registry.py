@@ -104,14 +104,16 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
-                        dtype: Any = None, **config_overrides: Any) -> Any:
+                        dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> Any:
         """Load an HF checkpoint directory with the family its ``config.json`` ``model_type`` names (an
         unsupported one is a ``nnx_zoo.hf.CheckpointFormatError`` listing the supported types)."""
         model_type, _ = _model_type(path)
         return MODEL_TYPES[model_type][1].from_pretrained(path, mesh=mesh, rules=rules, dtype=dtype,
-                                                          **config_overrides)
+                                                          allow_partial=allow_partial, **config_overrides)
 
     @staticmethod
-    def create(config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default", seed: int = 0) -> Any:
+    def create(config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default", seed: int = 0,
+               allow_partial: bool = False) -> Any:
         """A randomly initialized model of ``config``'s family (``Cls.create``)."""
-        return AutoModelForCausalLM.model_class(config).create(config, mesh=mesh, rules=rules, seed=seed)
+        return AutoModelForCausalLM.model_class(config).create(config, mesh=mesh, rules=rules, seed=seed,
+                                                               allow_partial=allow_partial)

@@ -129,12 +129,13 @@ def _mtp_depth_present(ckpt: SafetensorsCheckpoint, config: DeepSeekV3Config) ->
 
 
 def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
-                    dtype: Any = None, **config_overrides: Any) -> Any:
+                    dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> Any:
     """Load an HF DeepSeek-V3 checkpoint directory into ``cls`` (``DeepSeekV3``).
 
     ``dtype`` sets both the parameter and compute dtype (default: the config's, float32); ``config_overrides``
     set any config field (``moe_impl="dense"``, ...). MTP heads are built only for the MTP layers the files
-    hold. Float8 weights are dequantized with their ``weight_scale_inv`` blocks.
+    hold. Float8 weights are dequantized with their ``weight_scale_inv`` blocks. ``allow_partial`` as in
+    ``DeepSeekV3.create``: dimensions that do not divide go on a dividing prefix of their mesh axes.
 
     Unreadable files raise ``nnx_zoo.hf.CheckpointFormatError`` naming the file (weights holding NaN or
     infinities: every such key, after all were read); files that do not fit the model raise
@@ -148,8 +149,9 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
         if "num_nextn_predict_layers" not in config_overrides:
             depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
             config = config.with_overrides(num_nextn_predict_layers=depth)
-        abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules))
-        return load_module(ckpt, key_table(config), abstract, mesh=mesh, rules=rules)
+        abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
+                                               allow_partial=allow_partial or None))
+        return load_module(ckpt, key_table(config), abstract, mesh=mesh, rules=rules, allow_partial=allow_partial)
 
 
 def save_pretrained(model: Any, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:

@@ -173,10 +173,12 @@ class DeepSeekV3(CausalLMBase):
     # multi-token-prediction heads included; add ``nnx_zoo.layers.lora.EXPERTS_PATTERN`` for the routed experts.
     lora_targets: ClassVar[str] = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
 
-    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default"):
+    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default",
+                 allow_partial: bool | None = None):
         c = config
         self.config = c
         self.rules = get_rules(rules)
+        self.allow_partial = allow_partial  # CausalLMBase.allow_partial
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
         self.dense_layers = self._stack(lambda r: DecoderLayer(c, moe=False, rngs=r), c.num_dense_layers, rngs,
@@ -196,11 +198,12 @@ class DeepSeekV3(CausalLMBase):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
-                        dtype: Any = None, **config_overrides: Any) -> DeepSeekV3:
+                        dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> DeepSeekV3:
         """Load an HF DeepSeek-V3 checkpoint directory (see ``nnx_zoo.models.deepseek.hf.load_pretrained``)."""
         from nnx_zoo.models.deepseek.hf import load_pretrained
 
-        return load_pretrained(cls, path, mesh=mesh, rules=rules, dtype=dtype, **config_overrides)
+        return load_pretrained(cls, path, mesh=mesh, rules=rules, dtype=dtype, allow_partial=allow_partial,
+                               **config_overrides)
 
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
         """Write an HF checkpoint (config.json, safetensors shards + index) that transformers can load."""
@@ -224,7 +227,7 @@ class DeepSeekV3(CausalLMBase):
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
-        with use_rules(self.rules), self._parameter_mesh():
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             c = self.config
             positions = jnp.arange(input_ids.shape[1])[None, :] if position_ids is None else position_ids
             cos, sin = self._rope(positions)
@@ -270,7 +273,7 @@ class DeepSeekV3(CausalLMBase):
     def init_cache(self, batch: int, max_len: int) -> MLACache:
         """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
         c = self.config
-        with use_rules(self._decoding_rules()), self._parameter_mesh():
+        with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             return MLACache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
                                   kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype))
 
