@@ -477,7 +477,8 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     if source.pretrained is not None:  # where the starting weights came from is part of what the run is
         model_settings["from_pretrained"] = str(source.pretrained.resolve())
     summary = train(
-        lambda: model_cls(config, rngs=nnx.Rngs(args.seed)),
+        # The model resolves its activations by the rules its weights are placed by.
+        lambda: model_cls(config, rngs=nnx.Rngs(args.seed), rules=args.rules),
         settings,
         vocab_size=config.vocab_size,
         # MTP heads count when they run.

@@ -185,3 +185,23 @@ def test_a_mesh_that_does_not_divide_needs_allow_partial_and_then_trains_the_sam
     want = [r["loss"] for r in records(tmp_path / "fsdp")]
     got = [r["loss"] for r in records(tmp_path / "partial")]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model", [["llama3-tiny"], ["deepseek3-tiny", "--model.first_k_dense_replace", "1"]])
+def test_the_recipe_builds_its_model_with_the_rule_set_it_places_the_weights_by(monkeypatch, model):
+    """The model enters its own rule set while tracing, so a model built without ``--rules`` would lay out its
+    activations by ``default`` while its weights sit by the chosen set."""
+    import nnx_zoo.train
+    from nnx_zoo.sharding import get_rules
+
+    class Built(Exception):
+        pass
+
+    def capture(make_model, settings, **_):
+        raise Built(make_model(), settings.rules)
+
+    monkeypatch.setattr(nnx_zoo.train, "train", capture)
+    with pytest.raises(Built) as built:
+        recipe.main(["--model", *model, *TINY, *SHORT, "--rules", "ep-as-cp"])
+    made, rules = built.value.args
+    assert rules == "ep-as-cp" and made.rules == get_rules("ep-as-cp")
