@@ -12,7 +12,28 @@ Assumptions, each stated in the printed plan:
   layers here use ``jnp.einsum`` + softmax), with all keys local (context parallelism splits queries only).
 - ``remat='none'`` keeps every intermediate of every layer for the backward pass; ``remat='full'`` keeps only each
   layer's input and recomputes one layer at a time, so its peak adds one layer's intermediates once. The other
-  policies (``dots_saveable``, ...) lie between; the plan shows the two ends.
+  policies (``dots_saveable``, ...) lie between; the plan shows the two ends. A stack of one layer is no loop once
+  compiled: XLA merges its recomputation with its forward, so it keeps that layer whole even under ``'full'``.
+
+What it estimates: the peak of the gradient computation's temporaries on one device (XLA's
+``memory_analysis().temp_size_in_bytes`` of ``jax.jit(jax.grad(loss))``; parameters are its arguments and the
+sharded gradients its outputs, counted apart). The optimizer update adds no temporaries of its own beyond the
+gradients it consumes (XLA fuses the float32 AdamW update elementwise). Measured on deepseek3-mini, 8-way FSDP, a
+step of gradient + ``clip_by_global_norm`` + AdamW: not donated (as the trainer runs it) 0.81-0.95x this temp;
+with its state donated, this temp + the gradients (their own line) within -4% / +8%. The backward pass holds
+some parts throughout and runs
+the rest in two phases that do not overlap in time, so the peak is ``held + max(output head, one layer)``
+(``PART_PHASES``, ``activation_peak``):
+- held: the saved activations (every layer under ``'none'``; layer inputs and the one-layer stacks under
+  ``'full'``), the MTP heads, and the embedding tables' gradients (a table of the parameter's per-device size
+  that the token gradients scatter-add into; XLA allocates it before the backward starts).
+- output head: the loss, logits and final norm (below), the output head's weight gathered, and the gathered
+  weights of the one-layer stacks (gathered once, kept from their forward to their backward). The head's own
+  gradient at gathered size comes after the float32 log-softmax is freed and is smaller, so it is not added.
+- one layer: its recomputation (``'full'``), its weights gathered, and the gradient of its largest weight at
+  gathered size: each weight's gradient is reduce-scattered (or all-reduced) back to its shard as soon as it is
+  computed, so one is whole at a time (measured on XLA's buffer assignment: adding every weight's gathered
+  gradient of the layer overshoots by the layer's weight size).
 
 Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
 the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
@@ -30,10 +51,11 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
 - embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``T*V*(a + 8 [+4 when a != 4])``: the
   logits, their float32 log-softmax and its gradient (and the float32 copy of bf16 logits). An MTP head adds a
   MoE layer, ``T*a*4e`` for its inputs and its own logits term.
-- gathered weights (transient, one layer at a time): each weight of one layer of the largest stack, and the
-  largest other parameter, whole over its FSDP dims, minus the shard held. The routed experts' weights go as the
-  MoE path gathers them: ``gmm`` all of a layer's experts whole on every device (``3*E*e*I`` elements), ``ep``
-  this device's ``E / n_ep`` experts whole, ``dense`` their FSDP dims only (``EXPERT_GATHERS``).
+- gathered weights: each weight all-gathered is a new buffer of its gathered block (the shard stays in the
+  parameter's own buffer): one layer of the largest looped stack, the largest other parameter, and every
+  one-layer stack. The routed experts' weights go as the MoE path gathers them: ``gmm`` all of a layer's experts
+  whole on every device (``3*E*e*I`` elements), ``ep`` this device's ``E / n_ep`` experts whole, ``dense`` their
+  FSDP dims only (``EXPERT_GATHERS``). Gathered gradients: the layer's largest weight, at the same size.
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
 
@@ -220,15 +242,33 @@ def _gathered_dims(names: tuple[str | None, ...], expert_gather: str) -> list[bo
             for n, p in zip(names, placed, strict=True)]
 
 
-def gathered_weight_bytes(report: ShardingReport, expert_gather: str = "fsdp") -> int:
-    """Bytes per device that the all-gathers add while weights are in use: one layer of the largest stack plus
-    the largest other parameter (embedding table or output head), each gathered over its FSDP-sharded dims minus
-    the shard the device already holds. The routed experts' weights are gathered as the MoE path does
-    (``expert_gather``, one of ``EXPERT_GATHERS``; the gmm path gathers all of a layer's experts whole onto every
-    device). Zero when nothing is sharded that is gathered."""
+@dataclasses.dataclass(frozen=True)
+class GatheredWeights:
+    """Bytes per device of weights while all-gathered (each a new buffer of the gathered shape: the shard stays
+    in the parameter's own buffer). ``layer``: one layer of the largest looped stack; ``other``: the largest
+    parameter outside the stacks (embedding table or output head); ``unlooped``: every stack of one layer (no
+    loop: XLA gathers each weight once and keeps it from the forward to the backward)."""
+
+    layer: int
+    other: int
+    unlooped: int
+    largest_in_layer: int = 0  # the largest single weight of that layer, gathered
+
+    @property
+    def total(self) -> int:
+        return self.layer + self.other + self.unlooped
+
+
+def gathered_weights(report: ShardingReport, expert_gather: str = "fsdp") -> GatheredWeights:
+    """What the all-gathers hold per device while weights are in use (``GatheredWeights``). A weight counts when
+    one of its gathered dims is sharded, at the size of its gathered block: whole over its FSDP dims, and the
+    routed experts as the MoE path gathers them (``expert_gather``, one of ``EXPERT_GATHERS``; the gmm path
+    gathers all of a layer's experts whole onto every device)."""
     if expert_gather not in EXPERT_GATHERS:
         raise ValueError(f"expert_gather must be one of {EXPERT_GATHERS}, got {expert_gather!r}")
     stacks: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    depth: dict[str, int] = {}
     others = [0]
     for r in report.params:
         if r.names is None:
@@ -238,33 +278,86 @@ def gathered_weight_bytes(report: ShardingReport, expert_gather: str = "fsdp") -
         for dim, axes in enumerate(r.spec):
             if gathered[dim] and axes is not None:
                 shape[dim] = r.shape[dim]
-        extra = (math.prod(shape) - math.prod(r.per_device_shape)) * r.bytes_per_device // max(
-            1, math.prod(r.per_device_shape))
+        if shape == list(r.per_device_shape):
+            continue  # used where it lies: no gather
+        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
         stack = r.names[0] if r.names[0] in STACK_AXES else None
         if stack is None:
-            others.append(extra)
+            others.append(whole)
         else:
-            stacks[stack] = stacks.get(stack, 0) + extra // r.shape[0]
-    return max(stacks.values(), default=0) + max(others)
+            stacks[stack] = stacks.get(stack, 0) + whole // r.shape[0]
+            largest[stack] = max(largest.get(stack, 0), whole // r.shape[0])
+            depth[stack] = r.shape[0]
+    looped = max((k for k in stacks if depth[k] > 1), key=stacks.__getitem__, default=None)
+    return GatheredWeights(layer=stacks.get(looped, 0), other=max(others),
+                           unlooped=sum(b for k, b in stacks.items() if depth[k] == 1),
+                           largest_in_layer=largest.get(looped, 0))
+
+
+def gathered_weight_bytes(report: ShardingReport, expert_gather: str = "fsdp") -> int:
+    """Bytes per device that the all-gathers add while weights are in use: ``gathered_weights(...).total``."""
+    return gathered_weights(report, expert_gather).total
+
+
+def embedding_gradient_bytes(report: ShardingReport) -> int:
+    """The lookup tables' gradients (parameters outside the stacks whose first dim is placed like ``vocab``):
+    each a table of the parameter's per-device size that the token gradients scatter-add into."""
+    return sum(r.bytes_per_device for r in report.params
+               if r.names and r.names[0] not in STACK_AXES and placed_like(r.names[0]) == "vocab")
+
+
+# When each part of the estimate is live in the backward pass: 'held' throughout it; 'output head' while the
+# loss and output head run backward (the logits' float32 buffers); 'one layer' while one layer runs backward.
+# The two phases do not overlap in time, so the peak takes the larger (``activation_peak``).
+PHASES = ("held", "output head", "one layer")
+PART_PHASES = {
+    "dense layers": "held", "moe layers": "held", "layer inputs": "held", "mtp heads": "held",
+    "embedding gradient": "held", "one-layer stacks, kept whole": "held",
+    "embeddings and logits": "output head", "gathered weights, outside the stacks": "output head",
+    "gathered weights, one-layer stacks": "output head",
+    "one layer recomputed": "one layer", "gathered weights, one layer": "one layer",
+    "gathered gradient, one weight": "one layer",
+}
 
 
 def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, int]:
-    """Bytes per device by part for ``remat`` 'none' or 'full' (module docstring)."""
+    """Bytes per device by part of the activations for ``remat`` 'none' or 'full' (module docstring); the
+    weight and gradient parts come from the sharding report (``memory_plan``)."""
     if remat not in REMATS:
         raise ValueError(f"the estimate covers remat 'none' and 'full', got {remat!r}")
     dense_layer = attention_bytes(s, n) + mlp_bytes(s, n)
     moe_layer = attention_bytes(s, n) + moe_bytes(s, n)
     layer_input = n.tokens * s.dtype_bytes * s.hidden
     # An MTP head: its inputs (embedding, hidden, their norms), one MoE layer (remat like the stacks) and logits.
-    mtp_layer = moe_layer if remat == "none" else layer_input
+    mtp_layer = moe_layer if remat == "none" or s.mtp_layers == 1 else layer_input
     mtp = s.mtp_layers * (mtp_layer + n.tokens * s.dtype_bytes * 4 * s.hidden + output_bytes(s, n))
     if remat == "none":
         layers = {"dense layers": s.dense_layers * dense_layer, "moe layers": s.moe_layers * moe_layer}
     else:
-        largest = max(dense_layer if s.dense_layers else 0, moe_layer if s.moe_layers else 0)
-        layers = {"layer inputs": (s.dense_layers + s.moe_layers) * layer_input,
-                  "one layer recomputed": largest}
+        # A stack of one layer is no loop once compiled: XLA merges its recomputation with the forward (CSE), so
+        # it keeps that layer's intermediates as if remat were off.
+        stacks = [(s.dense_layers, dense_layer), (s.moe_layers, moe_layer)]
+        looped = [(count, size) for count, size in stacks if count > 1]
+        layers = {"layer inputs": sum(count for count, _ in looped) * layer_input,
+                  "one layer recomputed": max((size for _, size in looped), default=0),
+                  "one-layer stacks, kept whole": sum(size for count, size in stacks if count == 1)}
     return {**layers, "embeddings and logits": output_bytes(s, n), **({"mtp heads": mtp} if mtp else {})}
+
+
+def weight_parts(report: ShardingReport, expert_gather: str) -> dict[str, int]:
+    """The parts of the estimate that the weights add (module docstring): their all-gathered copies, the
+    gradient of one layer's largest weight at that gathered size (before the reduce-scatter returns it to its
+    shard; one at a time), and the embedding tables' gradients."""
+    g = gathered_weights(report, expert_gather)
+    return {"gathered weights, one layer": g.layer, "gathered gradient, one weight": g.largest_in_layer,
+            "gathered weights, outside the stacks": g.other, "gathered weights, one-layer stacks": g.unlooped,
+            "embedding gradient": embedding_gradient_bytes(report)}
+
+
+def activation_peak(parts: dict[str, int]) -> int:
+    """The estimated peak: the parts held throughout the backward plus the larger of its two phases."""
+    by_phase = {p: sum(v for k, v in parts.items() if PART_PHASES[k] == p) for p in PHASES}
+    return by_phase["held"] + max(by_phase["output head"], by_phase["one layer"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,15 +380,21 @@ class MemoryPlan:
         """AdamW: two float32 moments per parameter, sharded like it."""
         return sum(8 * math.prod(r.per_device_shape) for r in self.report.params)
 
+    def activation_bytes(self, remat: str) -> int:
+        """The estimated peak of the backward's temporaries (``activation_peak``)."""
+        return activation_peak(self.activations[remat])
+
     def total(self, remat: str) -> int:
-        """Parameters + gradients (same size) + optimizer state + activations."""
-        return 2 * self.param_bytes + self.optimizer_bytes + sum(self.activations[remat].values())
+        """Parameters + gradients (same size) + optimizer state + the activations' peak."""
+        return 2 * self.param_bytes + self.optimizer_bytes + self.activation_bytes(remat)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mesh": self.report.mesh_shape, "global_batch": self.global_batch, "seq_len": self.seq_len,
                 "local": dataclasses.asdict(self.local), "param_bytes_per_device": self.param_bytes,
                 "gradient_bytes_per_device": self.param_bytes, "adamw_bytes_per_device": self.optimizer_bytes,
-                "activations": self.activations, "total_bytes_per_device": {r: self.total(r) for r in REMATS},
+                "activations": self.activations,
+                "activation_peak_bytes_per_device": {r: self.activation_bytes(r) for r in REMATS},
+                "total_bytes_per_device": {r: self.total(r) for r in REMATS},
                 "fallback_bytes_per_device": self.report.fallback_bytes_per_device}
 
     def table(self) -> str:
@@ -311,8 +410,11 @@ class MemoryPlan:
         ]
         for remat in REMATS:
             parts = self.activations[remat]
-            detail = ", ".join(f"{k} {_human(v)}" for k, v in parts.items())
-            lines.append(f"  activations, remat {remat:<5}   {_human(sum(parts.values()))}  ({detail})")
+            lines.append(f"  activations, remat {remat:<5}   {_human(self.activation_bytes(remat))}  (peak: what the "
+                         "backward holds throughout + the larger of its output-head and one-layer phases)")
+            for phase in PHASES:
+                lines += [f"    {phase + ':':<13}{k:<38}{_human(v)}" for k, v in parts.items()
+                          if PART_PHASES[k] == phase and v]
         lines.append("  total                       " + ", ".join(
             f"remat {r}: {_human(self.total(r))}" for r in REMATS))
         if self.report.fallbacks:
@@ -352,8 +454,7 @@ def memory_plan(
     report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
     shapes = DecoderShapes.from_config(config)
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
-    gathered = gathered_weight_bytes(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
-    activations = {remat: {**activation_breakdown(shapes, local, remat), "gathered weights": gathered}
-                   for remat in REMATS}
+    weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
+    activations = {remat: {**activation_breakdown(shapes, local, remat), **weights} for remat in REMATS}
     return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=batch_per_device * batch_shards,
                       seq_len=seq_len, activations=activations)
