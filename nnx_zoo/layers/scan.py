@@ -133,9 +133,10 @@ def batch_split(
 
 def gathered_over_fsdp(module: M) -> M:
     """A copy of ``module`` whose parameters are gathered over their FSDP axes (`gather_weight_fsdp_axes`, from
-    each Param's ``out_sharding`` names); other state is shared. Run every micro-batch of ``batch_split`` on it:
-    the weights are gathered once per layer instead of once per micro-batch, and their gradients are summed
-    over the micro-batches before one reduction (reduce-scatter or all-reduce).
+    each Param's ``out_sharding`` names); other state is shared. Run every micro-batch of ``batch_split`` on it
+    (or every use of a shared weight, such as the output head of the main model and its MTP heads): the weights
+    are gathered once instead of once per use. (Each use's weight gradient is still reduced where it is made:
+    XLA:GPU reassociates all-reduce(a) + all-reduce(b) into one, XLA:CPU does not.)
 
     >>> y, aux = batch_split(gathered_over_fsdp(layer), x, factor=2)  # layer(x) -> (y, aux)
     """

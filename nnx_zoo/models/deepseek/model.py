@@ -261,9 +261,12 @@ class DeepSeekV3(CausalLMBase):
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
                 hidden_states = stack_hidden_states(embeddings, layer_outputs, final_hidden)
+            # The output head serves the main model and every MTP depth: gathered over its FSDP axes once for all
+            # of them, not once per use.
+            head = gathered_over_fsdp(self.lm_head) if with_mtp and self.lm_head is not None else None
             return CausalLMOutput(
-                logits=self._logits(final_hidden), hidden_states=hidden_states,
-                mtp_logits=(self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions)
+                logits=self._logits(final_hidden, head), hidden_states=hidden_states,
+                mtp_logits=(self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions, head)
                             if with_mtp else None),
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
                 aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
@@ -315,10 +318,12 @@ class DeepSeekV3(CausalLMBase):
         bias[...] = bias[...] + step.astype(bias[...].dtype)
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array) -> jax.Array:
+             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array,
+             lm_head: nnx.Module | None = None) -> jax.Array:
         """Logits of every MTP depth. Depth ``k`` reads the tokens shifted left by ``k`` (at their own
         positions), and the previous depth's hidden state (depth 1: the main model's final, normed one). With
-        packed documents, position ``i`` attends within the document of position ``i``."""
+        packed documents, position ``i`` attends within the document of position ``i``. ``lm_head``: the
+        output head to use (``self.lm_head`` by default)."""
         if self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         depth = self.config.num_nextn_predict_layers
@@ -340,7 +345,7 @@ class DeepSeekV3(CausalLMBase):
         def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
             token_embeddings, (cos, sin), pad_mask = x
             h = head(token_embeddings, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
-            return h, self._logits(h)
+            return h, self._logits(h, lm_head)
 
         _, logits = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
         return logits
