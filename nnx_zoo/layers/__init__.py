@@ -22,8 +22,8 @@ from nnx_zoo.layers.rope import (
     rope_to_hf,
     yarn_mscale,
 )
-from nnx_zoo.layers.scan import REMAT_POLICIES, batch_split, create_stack, run_stack
-from nnx_zoo.layers.spec import explicit_spec, weight_einsum
+from nnx_zoo.layers.scan import REMAT_POLICIES, batch_split, create_stack, gathered_over_fsdp, run_stack
+from nnx_zoo.layers.spec import explicit_spec, gather_weight_fsdp_axes, weight_einsum
 
 __all__ = [
     "REMAT_POLICIES",
@@ -50,6 +50,8 @@ __all__ = [
     "default_moe_impl",
     "dot_product_attention",
     "explicit_spec",
+    "gather_weight_fsdp_axes",
+    "gathered_over_fsdp",
     "merge_lora",
     "rope_cos_sin",
     "rope_frequencies",

@@ -166,7 +166,8 @@ def like_chain(name: str) -> tuple[str, ...]:
     """``name`` then each ``like`` it is placed by (declared names, then ``SHARED_LIKE``), ending at a shared
     name without one (or at a ``like=None`` name). A rule set places ``name`` by the first of these it mentions.
 
-    >>> like_chain("dense_layers")  # after DeepSeek declared it like 'layers'
+    >>> import nnx_zoo.models.deepseek  # declares DeepSeek's names
+    >>> like_chain("dense_layers")  # declared like 'layers'
     ('dense_layers', 'layers')
     >>> like_chain("q_lora")  # declared like 'latent', which a set that does not mention it places like 'embed'
     ('q_lora', 'latent', 'embed')
