@@ -171,20 +171,43 @@ def _einsum_resharded(equation: str, x_spec: PartitionSpec, weight_spec: Partiti
 
 
 def reshard_in_steps(a: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """``jax.reshard(a, spec)`` for an Explicit ``a``, done as a gather and then a move.
+    """``jax.reshard(a, spec)`` for an Explicit ``a``, done as a move and then a gather.
 
     Going at once from a weight split over ``(fsdp, tensor_transpose)`` on its input dim to one split over
     ``tensor_transpose`` on its output dim, XLA's partitioner replicates the whole weight and slices it
-    ("Involuntary full rematerialization"). First every mesh axis that leaves its dim is gathered away (only
-    the axes that stay, in their order, remain), then the axes arriving on a new dim are added: an all-gather
-    and an all-to-all (or a local slice) instead.
+    ("Involuntary full rematerialization"). Instead, first every mesh axis that changes dim moves there while
+    the axes leaving the array stay put (``(fsdp, tensor_transpose), -> fsdp, tensor_transpose``: an all-to-all
+    within the moving axes' groups, on the still FSDP-split weight), then the leaving axes are gathered (an
+    all-gather). Where that middle layout does not divide, every axis that leaves its dim is gathered first and
+    the arriving ones are sliced locally: the same end, but the moving axes are gathered whole (for the weight
+    above, 2x the bytes: ``benchmarks/README.md`` 4.1).
     """
     current = _spec_entries(jax.typeof(a).sharding.spec, a.ndim)
     target = _spec_entries(spec, a.ndim)
+    moved = _moving_axes_moved(current, target, a.shape)
+    if moved == target:  # only moves: one all-to-all
+        return jax.reshard(a, spec)
+    if moved is not None and moved != current:
+        a, current = jax.reshard(a, _to_spec(moved)), moved
     staying = [tuple(ax for ax in cur if ax in tgt) for cur, tgt in zip(current, target)]
     if staying != current and staying != target:
         a = jax.reshard(a, _to_spec(staying))
     return jax.reshard(a, spec)
+
+
+def _moving_axes_moved(current: list, target: list, shape: tuple[int, ...]) -> list | None:
+    """``current`` with each mesh axis that ``target`` puts on another dim moved there (appended after the axes
+    that dim keeps), every other axis left where it is; None when that layout does not divide ``shape``."""
+    moving = {ax for d, cur in enumerate(current) for ax in cur
+              if ax not in target[d] and any(ax in tgt for tgt in target)}
+    if not moving:
+        return current
+    moved = [tuple(ax for ax in cur if ax not in moving) + tuple(ax for ax in tgt if ax in moving and ax not in cur)
+             for cur, tgt in zip(current, target)]
+    sizes = jax.sharding.get_abstract_mesh().shape
+    if any(n % math.prod(sizes[ax] for ax in axes) for n, axes in zip(shape, moved)):
+        return None
+    return moved
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
