@@ -103,8 +103,8 @@ def _shape_bytes(text: str) -> int:
 
 def _group_size(line: str, devices: int) -> int:
     """Devices per replica group of a collective instruction (the three ways XLA writes groups)."""
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-    if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: the listed axes form a group
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}", line)
+    if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'} (a device order may sit between): the listed axes group
         sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", named.group(1))}
         return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", named.group(2)))
     iota = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)

@@ -100,3 +100,25 @@ def test_the_output_head_is_gathered_once_for_the_main_model_and_the_mtp_heads()
         compiled, _, _ = cp.compile_case(config, "FSDP 8", "explicit", batch=16, seq=16)
         gathers[variant] = len(whole_head.findall(compiled.as_text()))
     assert gathers == {"plain": 1, "split+mtp": 1}, gathers
+
+
+def test_an_all_reduce_every_reader_slices_by_partition_counts_as_a_reduce_scatter():
+    """XLA:CPU writes a reduce-scatter as all-reduce + dynamic-slice by partition-id (XLA:GPU's
+    ReduceScatterCreator fuses them): such members go under SLICED_ALL_REDUCE, which as_reduce_scatter halves;
+    a member read whole stays an all-reduce. Groups written with a device order are sized by their axes."""
+    groups = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    hlo = f"""HloModule m
+
+ENTRY %main (a: f32[8], b: f32[8]) -> f32[2] {{
+  %partition-id.1 = u32[] partition-id()
+  %ar = (f32[8]{{0}}, f32[8]{{0}}) all-reduce(%a, %b), {groups}, to_apply=%add
+  %g0 = f32[8]{{0}} get-tuple-element(%ar), index=0
+  %g1 = f32[8]{{0}} get-tuple-element(%ar), index=1
+  %s = f32[2]{{0}} fusion(%g0, %partition-id.1), kind=kLoop, calls=%slice
+  ROOT %r = f32[2]{{0}} fusion(%s, %g1), kind=kLoop, calls=%use_whole
+}}
+"""
+    got = cp.collective_bytes(hlo, 8)
+    assert got[cp.SLICED_ALL_REDUCE] == pytest.approx(2 * 32 * 3 / 4)  # groups of 4, not of 8
+    assert got["all-reduce"] == pytest.approx(2 * 32 * 3 / 4)
+    assert cp.as_reduce_scatter(got) == pytest.approx(32 * 3 / 4 + 2 * 32 * 3 / 4)
