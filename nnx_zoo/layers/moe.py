@@ -45,6 +45,7 @@ from nnx_zoo.layers.spec import (
     resolve_activation,
     weight_einsum,
     weight_einsum_to_spec,
+    without_reduced,
 )
 from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
 
@@ -284,7 +285,7 @@ def _expert_in_proj(x: jax.Array, w: jax.Array, out_names: tuple[str, ...] | Non
     spec = None if out_names is None else explicit_spec(out_names, (num_tokens, experts, width))
     if spec is not None and _axes((list(spec) + [None] * 3)[2]):
         return weight_einsum("th,ehi->tei", x, w, out_names)
-    fused = jnp.transpose(w, (1, 0, 2)).reshape(hidden, experts * width)
+    fused = jnp.transpose(without_reduced(w), (1, 0, 2)).reshape(hidden, experts * width)
     fused_spec = None if spec is None else PartitionSpec(*(list(spec) + [None] * 2)[:2])
     out = weight_einsum_to_spec("th,hx->tx", x, fused, fused_spec)
     return jnp.reshape(out, (num_tokens, experts, width), out_sharding=spec)

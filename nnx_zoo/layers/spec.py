@@ -44,7 +44,8 @@ def resolve_activation(names: Sequence[str | None], shape: Sequence[int] | None 
 
 
 def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
-    entries = list(spec) + [None] * (ndim - len(spec))
+    parts = tuple(getattr(spec, "partitions", spec))  # a spec with reduced axes refuses plain iteration
+    entries = list(parts) + [None] * (ndim - len(parts))
     return [(e,) if isinstance(e, str) else tuple(e or ()) for e in entries]
 
 
@@ -120,6 +121,11 @@ def weight_einsum_to_spec(
     out_axes = dict(zip(out_letters, _spec_entries(out_spec, len(out_letters))))
     x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, x, weight, x_spec, out_axes)
     x_axes = dict(zip(x_letters, x_spec))
+    # The weight gradient contracts the activation's dims that the weight lacks (its tokens); it can stay
+    # unsummed only over exactly the mesh axes those are split on. Otherwise it is summed here.
+    grad_contracted = frozenset(a for c in x_letters if c not in w_letters for a in x_axes[c])
+    if _reduced(weight) and _reduced(weight) != grad_contracted:
+        weight = without_reduced(weight)
     used: set[str] = set()
     weight_spec = [()] * weight.ndim
     # Contracting (and batch) dims first: they must match the activation; output dims take what is left.
@@ -130,11 +136,25 @@ def weight_einsum_to_spec(
             axes = tuple(a for a in (x_axes.get(c) if pass_from_x else out_axes.get(c, ())) if a not in used)
             weight_spec[i] = axes
             used |= set(axes)
-    return _einsum_regathering(equation, _to_spec(x_spec), _to_spec(weight_spec), out_spec, x, weight)
+    return _einsum_regathering(equation, _to_spec(x_spec), _to_spec(weight_spec, _reduced(weight)), out_spec, x,
+                               weight)
 
 
-def _to_spec(entries: list) -> PartitionSpec:
-    return PartitionSpec(*(axes if axes else None for axes in entries))
+def _to_spec(entries: list, reduced: frozenset = frozenset()) -> PartitionSpec:
+    return PartitionSpec(*(axes if axes else None for axes in entries), reduced=reduced)
+
+
+def without_reduced(a: jax.Array) -> jax.Array:
+    """``a`` with its reduced mesh axes (Explicit types) dropped, for ops that do not take them (reshape): its
+    gradient is summed over those axes here, as for any replicated value."""
+    if not _reduced(a):
+        return a
+    return jax.reshard(a, _to_spec(_spec_entries(jax.typeof(a).sharding.spec, a.ndim)))
+
+
+def _reduced(a: jax.Array) -> frozenset:
+    """The mesh axes ``a`` is marked reduced over (Explicit types): its cotangent stays unsummed over them."""
+    return frozenset(getattr(jax.typeof(a).sharding.spec, "reduced", ()) or ())
 
 
 def _gather_contraction_when_output_is_larger(x_letters: str, w_letters: str, x: jax.Array, weight: jax.Array,
@@ -184,14 +204,15 @@ def reshard_in_steps(a: jax.Array, spec: PartitionSpec) -> jax.Array:
     """
     current = _spec_entries(jax.typeof(a).sharding.spec, a.ndim)
     target = _spec_entries(spec, a.ndim)
+    reduced = _reduced(a)  # kept on the way: only the last step may change it
     moved = _moving_axes_moved(current, target, a.shape)
     if moved == target:  # only moves: one all-to-all
         return jax.reshard(a, spec)
     if moved is not None and moved != current:
-        a, current = jax.reshard(a, _to_spec(moved)), moved
+        a, current = jax.reshard(a, _to_spec(moved, reduced)), moved
     staying = [tuple(ax for ax in cur if ax in tgt) for cur, tgt in zip(current, target)]
     if staying != current and staying != target:
-        a = jax.reshard(a, _to_spec(staying))
+        a = jax.reshard(a, _to_spec(staying, reduced))
     return jax.reshard(a, spec)
 
 
@@ -294,5 +315,10 @@ def gather_weight_fsdp_axes(weight: jax.Array, weight_names: Sequence[str | None
                for name, axes in zip(weight_names, stored)]
     if staying == stored:
         return weight
-    spec = _to_spec(staying)
-    return reshard_in_steps(weight, spec) if shard_mode_of(mesh) == "explicit" else shard_to_spec(weight, spec)
+    if shard_mode_of(mesh) != "explicit":
+        return shard_to_spec(weight, _to_spec(staying))
+    # Marked reduced over the token axes it is now whole on: each use's weight gradient stays unsummed over them
+    # and the uses' sum is reduced once (a reduce-scatter over the gathered axes), not once per use.
+    sizes = mesh.shape
+    reduced = frozenset(a for a in fsdp if sizes[a] > 1 and not any(a in stay for stay in staying))
+    return reshard_in_steps(weight, _to_spec(staying, reduced))

@@ -23,7 +23,11 @@ def test_expert_weight_keeps_expert_and_drops_fsdp(mode):
         placed = jax.device_put(w, NamedSharding(mesh, stored))
         gathered = jax.jit(lambda a: gather_weight_fsdp_axes(a, NAMES))(placed)
     np.testing.assert_array_equal(np.asarray(gathered), w)
-    assert tuple(gathered.sharding.spec) + (None,) * (3 - len(gathered.sharding.spec)) == ("expert", None, None)
+    parts = tuple(gathered.sharding.spec.partitions)
+    assert parts + (None,) * (3 - len(parts)) == ("expert", None, None)
+    # Explicit: marked reduced over the gathered token axis, so every use's gradient is summed before one
+    # reduction (tests/sharding/test_no_involuntary_remat.py counts them).
+    assert gathered.sharding.spec.reduced == (frozenset({"fsdp"}) if mode == "explicit" else frozenset())
 
 
 def test_without_a_mesh_the_weight_is_returned_as_is():
