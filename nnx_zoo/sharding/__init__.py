@@ -8,7 +8,16 @@ This package imports nothing else of nnx_zoo.
 """
 
 from nnx_zoo.sharding.axes import LOGICAL_AXES, MESH_AXES, STACK_AXES, declare_axis, declared_axes, describe
-from nnx_zoo.sharding.constrain import current_rules, record_shardings, restore_sharding, shard, sharding_of, use_rules
+from nnx_zoo.sharding.constrain import (
+    activation_spec,
+    current_allow_partial,
+    current_rules,
+    record_shardings,
+    restore_sharding,
+    shard,
+    sharding_of,
+    use_rules,
+)
 from nnx_zoo.sharding.create import (
     abstract_module,
     create_sharded,
@@ -23,6 +32,8 @@ from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, named_
 from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, expand_rules, get_rules, validate_rules
 
 __all__ = [
+    "activation_spec",
+    "current_allow_partial",
     "LOGICAL_AXES",
     "MESH_AXES",
     "RULE_SETS",
