@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.moe import RoutedExperts
-from nnx_zoo.layers.spec import weight_einsum
+from nnx_zoo.layers.spec import weight_einsum, without_reduced
 from nnx_zoo.sharding import get_rules, shard, shard_mode_of, variable_spec
 from nnx_zoo.sharding.rules import Rules
 
@@ -129,8 +129,10 @@ class LoRAExperts(nnx.Module):
         for name in _EXPERT_WEIGHTS:
             a, b = self.factors(name)
             w = state[name]
-            state[name] = w.copy(w[...] + (self.scale * low_rank_delta(a[...], b[...], n_in=1, like=w[...])
-                                           ).astype(w.dtype))
+            # Merged here, so a base weight or factor typed reduced (gathered once for several uses) is summed
+            # over those axes first: an elementwise sum takes no mixed reduced inputs.
+            base, a, b = (without_reduced(v[...]) for v in (w, a, b))
+            state[name] = w.copy(base + (self.scale * low_rank_delta(a, b, n_in=1, like=base)).astype(w.dtype))
         return nnx.merge(graphdef, state)(x, expert_idx, weights, **kwargs)
 
 

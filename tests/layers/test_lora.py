@@ -180,3 +180,32 @@ def test_bad_arguments_are_explained(checkpoint):
     apply_lora(model)
     with pytest.raises(ValueError, match="already have adapters"):
         apply_lora(model)
+
+
+def test_adapter_gradients_with_batch_split_on_an_explicit_mesh_equal_one_device(checkpoint):
+    """With batch split each layer's weights and adapters are gathered once for all micro-batches and typed
+    reduced (Explicit), so the merged expert weight sums reduced and plain terms: the adapters' gradients must
+    still equal the one-device, unsplit ones (which the finetuning tests above tie to transformers)."""
+    ids = jnp.asarray(IDS)
+
+    def adapter_grads(model: DeepSeekV3) -> dict[str, np.ndarray]:
+        graphdef, lora, rest = nnx.split(model, LoRAParam, ...)
+
+        def loss(lora: nnx.State) -> jax.Array:
+            return jnp.mean(nnx.merge(graphdef, lora, rest)(ids) ** 2)
+
+        return {p: np.asarray(v[...]) for p, v in iter_variables(jax.jit(jax.grad(loss))(lora))}
+
+    single = _load(checkpoint)
+    apply_lora(single, pattern=ALL, rank=4, alpha=8)
+    _randomize_b(single, 0.3)
+    want = adapter_grads(single)
+    mesh = make_mesh({"fsdp": 4}, shard_mode="explicit", devices=jax.devices()[:4])
+    model = DeepSeekV3.from_pretrained(checkpoint, mesh=mesh, moe_impl="dense", batch_split_factor=2)
+    apply_lora(model, pattern=ALL, rank=4, alpha=8)
+    _randomize_b(model, 0.3)
+    with jax.set_mesh(mesh):
+        got = adapter_grads(model)
+    assert got.keys() == want.keys()
+    for path in want:
+        assert rel_l2(got[path], want[path]) < 1e-5, path
