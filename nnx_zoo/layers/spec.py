@@ -196,11 +196,11 @@ def reshard_in_steps(a: jax.Array, spec: PartitionSpec) -> jax.Array:
     Going at once from a weight split over ``(fsdp, tensor_transpose)`` on its input dim to one split over
     ``tensor_transpose`` on its output dim, XLA's partitioner replicates the whole weight and slices it
     ("Involuntary full rematerialization"). Instead, first every mesh axis that changes dim moves there while
-    the axes leaving the array stay put (``(fsdp, tensor_transpose), -> fsdp, tensor_transpose``: an all-to-all
-    within the moving axes' groups, on the still FSDP-split weight), then the leaving axes are gathered (an
-    all-gather). Where that middle layout does not divide, every axis that leaves its dim is gathered first and
-    the arriving ones are sliced locally: the same end, but the moving axes are gathered whole (for the weight
-    above, 2x the bytes: ``benchmarks/README.md`` 4.1).
+    the axes leaving the array stay put (``P((fsdp, tensor_transpose), None) -> P(fsdp, tensor_transpose)``: an
+    all-to-all within the moving axes' groups, on the still FSDP-split weight), then the leaving axes are
+    gathered (an all-gather, to ``P(None, tensor_transpose)``). Where that middle layout does not divide, every
+    axis that leaves its dim is gathered first and the arriving ones are sliced locally: the same end, but the
+    moving axes are gathered whole (for the weight above, 2x the bytes: ``benchmarks/README.md`` 4.1).
     """
     current = _spec_entries(jax.typeof(a).sharding.spec, a.ndim)
     target = _spec_entries(spec, a.ndim)
