@@ -135,8 +135,8 @@ def gathered_over_fsdp(module: M) -> M:
     """A copy of ``module`` whose parameters are gathered over their FSDP axes (`gather_weight_fsdp_axes`, from
     each Param's ``out_sharding`` names); other state is shared. Run every micro-batch of ``batch_split`` on it
     (or every use of a shared weight, such as the output head of the main model and its MTP heads): the weights
-    are gathered once instead of once per use. (Each use's weight gradient is still reduced where it is made:
-    XLA:GPU reassociates all-reduce(a) + all-reduce(b) into one, XLA:CPU does not.)
+    are gathered once instead of once per use, and under Explicit meshes (typed reduced) the uses' gradients are
+    summed before one reduction. Under Auto meshes XLA places that reduction.
 
     >>> y, aux = batch_split(gathered_over_fsdp(layer), x, factor=2)  # layer(x) -> (y, aux)
     """

@@ -296,8 +296,9 @@ def gather_weight_fsdp_axes(weight: jax.Array, weight_names: Sequence[str | None
     """``weight`` (logical ``weight_names``) gathered over its FSDP axes: every mesh axis the rules give the
     ``activation_tokens`` dim is dropped from each of its dims except ``exp`` (experts stay on their EP axes),
     every other axis kept, as `gather_fsdp_axes` leaves a weight whose einsum output carries the tokens dim.
-    Gathering a layer's weights once before its micro-batches (``batch_split``) sums their gradients over the
-    micro-batches and reduce-scatters them once. Without a mesh it is returned unchanged.
+    Under an Explicit mesh the result is typed reduced over the token axes it is whole on, so gathering a weight
+    once for several uses (``batch_split``'s micro-batches, a shared output head) sums their gradients before one
+    reduction. Without a mesh it is returned unchanged.
 
     >>> kernel = gather_weight_fsdp_axes(kernel, ("embed", "mlp"))
     """
