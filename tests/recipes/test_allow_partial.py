@@ -87,4 +87,5 @@ def test_a_model_loaded_with_allow_partial_carries_it_to_its_activations(checkpo
     hf = HFModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4)
+    error = np.linalg.norm(np.asarray(logits) - want) / np.linalg.norm(want)
+    assert error < 1e-5, error  # relative L2, as the model tests compare logits with transformers
