@@ -37,17 +37,21 @@ the rest in two phases that do not overlap in time, so the peak is ``held + max(
 
 Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
 the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
-- MLA attention: ``T*a*(3e + 2*q_lora + 4*H*(nope+rope) + H*rope + kv_lora+rope + kv_lora + rope
-  + H*(nope+v) + 2*H*v) + b*H*s*S*(a + 4)``: input, normed input, output; query latent and its norm; ``q_b``
-  output, the concatenated query and key; roped query part; ``kv_a`` output, normed latent, roped shared key;
-  ``kv_b`` output; values and the attention output; scores (compute dtype) and probabilities (float32) over
-  ``S`` keys.
+- MLA attention: ``T*a*(3e + 3*q_lora + 3*kv_lora + 2*H*(nope+rope) + 2*H*v) + b*H*s*S*(a + 4)``: three
+  RMSNorms keeping 3 of their width each (input norm, query latent, kv latent); the concatenated roped query and
+  key; values and the attention output; scores (compute dtype) and probabilities (float32) over ``S`` keys.
 - GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + b*H*s*S*(a + 4)`` (``K`` key/value heads of width ``d``):
   queries and keys before and after rope, values, attention output.
-- dense SwiGLU MLP: ``T*a*(3e + 4*I)``: residual, normed input, output; gate, up, silu(gate), their product.
+- dense SwiGLU MLP: ``T*a*(3e + w*I)``: the norm's 3; ``w = 6`` in a looped stack under ``'none'`` (gate, up,
+  sigmoid(gate), 1 - sigmoid(gate), silu(gate), product: every residual autodiff saves is a stacked buffer),
+  ``w = 4`` in a layer compiled whole (XLA fuses the sigmoid terms): ``SWIGLU_KEPT``.
 - MoE: ``T*a*3e + T*4*(2E + 2k)`` (float32 router logits and scores, top-k ids and weights) plus the experts:
-  dropless grouped matmul (``gmm``/``ep``) ``T*k*a*(2e + 4*I)`` (the dispatched copy of each token, expert
-  outputs, gate, up, silu, product), or the dense reference path ``T*E*a*4*I``; shared experts ``T*a*(e + 4*I_s)``.
+  dropless grouped matmul (``gmm``/``ep``) ``T*k*a*(2e + w*I)`` (the dispatched copy of each token, expert
+  outputs, the SwiGLU), or the dense reference path ``T*(E*a*(w+1)*I + a*e + 4*k*E + a*E)`` (the SwiGLU and
+  the combine-weighted product over every expert, the flattened tokens, the one-hot top-k weights, the combine
+  weights); shared experts ``T*a*(e + w*I_s)``. Under ``'none'`` a looped MoE stack also keeps every layer's
+  gathered gate/up expert weights (``kept_expert_weight_bytes``), and the one-layer phase adds one layer's
+  cotangents (their own buffers: the intermediates they would reuse sit in the stacked residuals).
 - embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``T*V*(a + 8 [+4 when a != 4])``: the
   logits, their float32 log-softmax and its gradient (and the float32 copy of bf16 logits). An MTP head adds a
   MoE layer, ``T*a*4e`` for its inputs and its own logits term.
@@ -145,8 +149,9 @@ class Local:
     mlp: int
     moe_mlp: int
     vocab: int
-    experts: int  # for the dense MoE path
+    experts: int  # the dense MoE path's [tokens, experts, width] split (the tokens' axes come first)
     shared_mlp: int
+    ep_experts: int = 0  # experts on each device under expert parallelism (the weights' ``exp`` rule)
 
     @property
     def tokens(self) -> int:
@@ -155,6 +160,14 @@ class Local:
 
 def _shards(name: str, rules: Rules, mesh: Mesh | AbstractMesh) -> int:
     spec = logical_to_mesh_axes((name,), rules, mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in axes)
+
+
+def _joint_shards(names: tuple[str, ...], dim: int, rules: Rules, mesh: Mesh | AbstractMesh) -> int:
+    """Shards of dim ``dim`` of an array with logical ``names``: an axis an earlier dim takes is not reused."""
+    spec = logical_to_mesh_axes(names, rules, mesh)[dim]
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return math.prod(sizes[a] for a in axes)
@@ -180,8 +193,10 @@ def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rule
         mlp=_split(s.intermediate, _shards("activation_mlp", rules, mesh)),
         moe_mlp=_split(s.moe_intermediate, _shards("activation_moe_mlp", rules, mesh)),
         vocab=_split(s.vocab, _shards("activation_vocab", rules, mesh)),
-        experts=_split(s.experts, _shards("activation_exp", rules, mesh)),
+        # Resolved with the tokens: an axis the tokens take (e.g. expert under the default rules) splits no expert.
+        experts=_split(s.experts, _joint_shards(("activation_tokens", "activation_exp"), 1, rules, mesh)),
         shared_mlp=_split(s.shared_intermediate, _shards("activation_mlp", rules, mesh)),
+        ep_experts=_split(s.experts, _shards("exp", rules, mesh)),
     )
 
 
@@ -190,29 +205,59 @@ def attention_bytes(s: DecoderShapes, n: Local) -> int:
     a, t, e, h = s.dtype_bytes, n.tokens, s.hidden, n.heads
     scores = n.batch * h * n.seq * n.keys * (a + 4)
     if s.kv_lora:
-        per_token = (3 * e + 2 * s.q_lora + 4 * h * (s.nope + s.rope) + h * s.rope + 2 * s.kv_lora + 2 * s.rope
-                     + h * (s.nope + s.v_head) + 2 * h * s.v_head)
+        # Each RMSNorm keeps 3 of its width (input in float32, normalized, scaled): the layer's input norm, the
+        # query latent's and the kv latent's; the concatenated, roped query and key; the values and the attention
+        # output. The q_b / kv_b outputs and rope parts before concatenation are not kept (recomputed from these).
+        per_token = 3 * e + 3 * s.q_lora + 3 * s.kv_lora + 2 * h * (s.nope + s.rope) + 2 * h * s.v_head
     else:
         d = s.head_dim
         per_token = 3 * e + 2 * h * d + 4 * n.kv_heads * d + h * d
     return t * a * per_token + scores
 
 
-def mlp_bytes(s: DecoderShapes, n: Local) -> int:
-    """A dense SwiGLU MLP block: residual, normed input, output, and four ``[T, I]`` intermediates."""
-    return n.tokens * s.dtype_bytes * (3 * s.hidden + 4 * n.mlp)
+# What a SwiGLU ``silu(gate) * up`` keeps per token, in widths. A looped stack (a scan) stores every residual
+# autodiff saves, one stacked buffer each: gate, up, sigmoid(gate) and its derivative's factor 1 - sigmoid(gate),
+# silu(gate), and the product (the down projection's input). A layer compiled whole (a one-layer stack, or one
+# layer's recomputation inside the backward loop) lets XLA fuse the elementwise sigmoid terms into their
+# consumers: gate, up, silu(gate) and the product stay.
+SWIGLU_KEPT = {True: 6, False: 4}  # looped -> widths kept
 
 
-def moe_bytes(s: DecoderShapes, n: Local) -> int:
-    """A MoE block: router in float32, routed experts (dispatch buffers), shared experts."""
+def mlp_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
+    """A dense SwiGLU MLP block: its RMSNorm's 3 ``[T, e]`` and the SwiGLU's ``[T, I]`` (``SWIGLU_KEPT``)."""
+    return n.tokens * s.dtype_bytes * (3 * s.hidden + SWIGLU_KEPT[looped] * n.mlp)
+
+
+def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
+    """A MoE block: router in float32, routed experts (dispatch buffers), shared experts; ``looped`` as for
+    ``mlp_bytes`` (``SWIGLU_KEPT``)."""
+    swiglu = SWIGLU_KEPT[looped]
     a, t, e = s.dtype_bytes, n.tokens, s.hidden
     router = t * 4 * (2 * s.experts + 2 * s.top_k)
     if s.moe_impl == "dense":
-        experts = t * n.experts * a * 4 * n.moe_mlp
+        # Every token through every expert: the SwiGLU's [T, E, I] and the combine-weighted product; the
+        # flattened [T, e] tokens, the float32 one-hot of the top-k ids times their weights [T, k, E] and the
+        # [T, E] combine weights.
+        experts = t * (n.experts * a * (swiglu + 1) * n.moe_mlp + a * e + 4 * s.top_k * s.experts
+                       + a * s.experts)
     else:
-        experts = t * s.top_k * a * (2 * e + 4 * n.moe_mlp)
-    shared = t * a * (e + 4 * n.shared_mlp) if s.shared_intermediate else 0
+        experts = t * s.top_k * a * (2 * e + swiglu * n.moe_mlp)
+    shared = t * a * (e + swiglu * n.shared_mlp) if s.shared_intermediate else 0
     return t * a * 3 * e + router + experts + shared
+
+
+def kept_expert_weight_bytes(s: DecoderShapes, n: Local) -> int:
+    """The routed experts' weights that one MoE layer keeps for its backward, as its MoE path gathered them inside
+    the layer (the gathered copy is what the backward's matmuls read, so autodiff keeps it; the other weights are
+    gathered inside their matmuls and kept as the parameter's shard). In the compute dtype (the path casts them).
+    The gate and up projections (their copies feed the input-side matmuls; the down projection's is not kept):
+    ``dense`` fused to ``[e, E * I]``, laid out like the ``[T, E, I]`` activations; ``gmm`` every expert whole
+    (replicated onto every token shard; seen in JAX's saved residuals, not measured on XLA:CPU); ``ep`` this
+    device's experts whole."""
+    if s.moe_impl == "dense":
+        return 2 * n.experts * s.hidden * n.moe_mlp * s.dtype_bytes
+    experts = n.ep_experts if s.expert_gather == "all-but-exp" else s.experts
+    return 2 * experts * s.hidden * s.moe_intermediate * s.dtype_bytes
 
 
 def output_bytes(s: DecoderShapes, n: Local) -> int:
@@ -312,11 +357,11 @@ def embedding_gradient_bytes(report: ShardingReport) -> int:
 PHASES = ("held", "output head", "one layer")
 PART_PHASES = {
     "dense layers": "held", "moe layers": "held", "layer inputs": "held", "mtp heads": "held",
-    "embedding gradient": "held", "one-layer stacks, kept whole": "held",
+    "embedding gradient": "held", "one-layer stacks, kept whole": "held", "expert weights, every layer": "held",
     "embeddings and logits": "output head", "gathered weights, outside the stacks": "output head",
     "gathered weights, one-layer stacks": "output head",
-    "one layer recomputed": "one layer", "gathered weights, one layer": "one layer",
-    "gathered gradient, one weight": "one layer",
+    "one layer recomputed": "one layer", "cotangents, one layer": "one layer",
+    "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
 }
 
 
@@ -325,18 +370,34 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
     weight and gradient parts come from the sharding report (``memory_plan``)."""
     if remat not in REMATS:
         raise ValueError(f"the estimate covers remat 'none' and 'full', got {remat!r}")
-    dense_layer = attention_bytes(s, n) + mlp_bytes(s, n)
-    moe_layer = attention_bytes(s, n) + moe_bytes(s, n)
+    # A layer of a looped stack under 'none' stores its residuals across the loop; one compiled whole (no loop,
+    # or recomputed inside the backward's loop body) keeps fewer (SWIGLU_KEPT).
+    def dense_layer(looped: bool) -> int:
+        return attention_bytes(s, n) + mlp_bytes(s, n, looped)
+
+    def moe_layer(looped: bool) -> int:
+        return attention_bytes(s, n) + moe_bytes(s, n, looped)
+
     layer_input = n.tokens * s.dtype_bytes * s.hidden
     # An MTP head: its inputs (embedding, hidden, their norms), one MoE layer (remat like the stacks) and logits.
-    mtp_layer = moe_layer if remat == "none" or s.mtp_layers == 1 else layer_input
+    mtp_layer = moe_layer(False) if remat == "none" or s.mtp_layers == 1 else layer_input
     mtp = s.mtp_layers * (mtp_layer + n.tokens * s.dtype_bytes * 4 * s.hidden + output_bytes(s, n))
     if remat == "none":
-        layers = {"dense layers": s.dense_layers * dense_layer, "moe layers": s.moe_layers * moe_layer}
+        layers = {"dense layers": s.dense_layers * dense_layer(s.dense_layers > 1),
+                  "moe layers": s.moe_layers * moe_layer(s.moe_layers > 1)}
+        if s.moe_layers > 1:  # a looped stack keeps every layer's gathered experts (a one-layer stack's: below)
+            layers["expert weights, every layer"] = s.moe_layers * kept_expert_weight_bytes(s, n)
+        # The backward of a looped layer makes a cotangent for each intermediate it reads, at its size. Under
+        # 'full' they take the buffers of the recomputed intermediates as those die; here those sit in the
+        # stacked residuals, so one layer's cotangents (a layer compiled whole: XLA fuses the elementwise ones)
+        # need room of their own (measured: the one-layer phase, not the per-layer slope, was short by this).
+        looped = [size(False) for count, size in ((s.dense_layers, dense_layer), (s.moe_layers, moe_layer))
+                  if count > 1]
+        layers["cotangents, one layer"] = max(looped, default=0)
     else:
         # A stack of one layer is no loop once compiled: XLA merges its recomputation with the forward (CSE), so
         # it keeps that layer's intermediates as if remat were off.
-        stacks = [(s.dense_layers, dense_layer), (s.moe_layers, moe_layer)]
+        stacks = [(s.dense_layers, dense_layer(False)), (s.moe_layers, moe_layer(False))]
         looped = [(count, size) for count, size in stacks if count > 1]
         layers = {"layer inputs": sum(count for count, _ in looped) * layer_input,
                   "one layer recomputed": max((size for _, size in looped), default=0),
