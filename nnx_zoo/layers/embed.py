@@ -42,20 +42,29 @@ class Embed(nnx.Module):
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        """Rows of the table for ``ids [..., batch, seq]`` (leading dims, e.g. one per MTP depth, stay whole):
+        ``[..., batch, seq, embed]``."""
         table = self.embedding[...]
         out_shape = ids.shape + table.shape[1:]
+        names = _leading(ids.ndim - 2) + _OUT_NAMES
         vocab_axes, embed_axes = _table_axes(table)
         if embed_axes and not vocab_axes:
-            return shard(_lookup_then_move(table, ids, embed_axes).astype(self.dtype), _OUT_NAMES)
+            return shard(_lookup_then_move(table, ids, embed_axes).astype(self.dtype), names)
         # A gather from a (possibly vocab-sharded) table must be told its output layout under Explicit axes.
-        rows = table.at[ids].get(out_sharding=explicit_spec(_OUT_NAMES, out_shape), mode="clip")
-        return shard(rows.astype(self.dtype), _OUT_NAMES)
+        rows = table.at[ids].get(out_sharding=explicit_spec(names, out_shape), mode="clip")
+        return shard(rows.astype(self.dtype), names)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the table (tied output head): ``x [batch, seq, embed] @ embedding.T``."""
+        """Logits against the table (tied output head): ``x [..., batch, seq, embed] @ embedding.T``."""
         table = self.embedding[...].astype(self.dtype)
-        return shard(weight_einsum("bse,ve->bsv", x.astype(self.dtype), table, _LOGIT_NAMES,
-                                   weight_names=("vocab", "embed")), _LOGIT_NAMES)
+        lead = "mn"[: x.ndim - 3]
+        names = _leading(x.ndim - 3) + _LOGIT_NAMES
+        return shard(weight_einsum(f"{lead}bse,ve->{lead}bsv", x.astype(self.dtype), table, names,
+                                   weight_names=("vocab", "embed")), names)
+
+
+def _leading(count: int) -> tuple[None, ...]:
+    return (None,) * count
 
 
 def _table_axes(table: jax.Array) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -81,15 +90,16 @@ def _lookup_then_move(table: jax.Array, ids: jax.Array, embed_axes: tuple[str, .
     re-split it over two dims ("Involuntary full rematerialization" under ep-as-cp); gathering the table instead
     would move the whole vocabulary."""
     ids = shard_to_spec(ids, PartitionSpec())
-    current = [(), (), embed_axes]
-    width_split = PartitionSpec(None, None, embed_axes)
+    lead = ids.ndim - 2
+    current = [()] * (lead + 2) + [embed_axes]
+    width_split = PartitionSpec(*_leading(lead + 2), embed_axes)
     explicit = shard_mode_of(jax.sharding.get_abstract_mesh()) == "explicit"
     rows = shard_to_spec(table.at[ids].get(out_sharding=width_split if explicit else None, mode="clip"), width_split)
-    target = resolve_activation(_OUT_NAMES, rows.shape)
-    target = [_axes(e) for e in list(target) + [None] * (3 - len(target))]
-    for dim in (0, 1):
+    target = resolve_activation(_leading(lead) + _OUT_NAMES, rows.shape)
+    target = [_axes(e) for e in list(target) + [None] * (rows.ndim - len(target))]
+    for dim in (lead, lead + 1):
         if target[dim] != current[dim]:
             current[dim] = target[dim]
-            current[2] = tuple(a for a in current[2] if a not in target[dim])
+            current[-1] = tuple(a for a in current[-1] if a not in target[dim])
             rows = shard_to_spec(rows, PartitionSpec(*(c or None for c in current)))
     return rows

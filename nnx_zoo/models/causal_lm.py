@@ -172,11 +172,12 @@ class CausalLMBase(nnx.Module):
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
 
-    def _logits(self, hidden: jax.Array, lm_head: nnx.Module | None = None) -> jax.Array:
-        """The output head's logits; ``lm_head`` replaces ``self.lm_head`` (e.g. its FSDP-gathered copy)."""
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        """The output head's logits for ``hidden [..., batch, seq, embed]`` (leading dims, e.g. the main model and
+        its MTP depths stacked, share one head matmul)."""
         if self.lm_head is None:
             return self.embed.attend(hidden)
-        return (self.lm_head if lm_head is None else lm_head)(hidden, _BLV)
+        return self.lm_head(hidden, (None,) * (hidden.ndim - 3) + _BLV)
 
     def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without

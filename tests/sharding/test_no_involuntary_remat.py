@@ -89,11 +89,12 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 def test_shared_weights_are_gathered_and_their_gradients_reduced_once():
     """The MTP heads read the main output head, and a batch-split layer's micro-batches read its weights: each
-    such weight is gathered over its FSDP axes once for all its uses (``DeepSeekV3.forward``,
-    ``gathered_over_fsdp``) and, under Explicit meshes, marked reduced over them, so its uses' gradients are
-    summed before one reduction. Before: the FSDP 8 split+mtp Explicit step (deepseek3-mini shapes) gathered the
-    head twice and reduced it twice, and reduced the MoE layer's weights once per micro-batch (21.34 MiB of
-    collectives; now 17.69)."""
+    such weight is gathered over its FSDP axes once for all its uses and its gradient reduced once. The head: the
+    main and MTP hidden states go through it in one matmul (``DeepSeekV3.forward``). A batch-split layer:
+    ``gathered_over_fsdp`` marks the gathered copy reduced over the FSDP axes under Explicit meshes, so the
+    micro-batches' gradients are summed before one reduction. Before: the FSDP 8 split+mtp Explicit step
+    (deepseek3-mini shapes) gathered the head twice and reduced it twice, and reduced the MoE layer's weights once
+    per micro-batch (21.34 MiB of collectives; 17.69 after)."""
     vocab, hidden = TINY["vocab"], TINY["hidden_size"]
     head = rf"f32\[(?:{vocab},{hidden}|{hidden},{vocab})\]"
     counts = {}

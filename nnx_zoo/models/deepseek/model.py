@@ -232,7 +232,12 @@ class DeepSeekV3(CausalLMBase):
             positions = jnp.arange(input_ids.shape[1])[None, :] if position_ids is None else position_ids
             cos, sin = self._rope(positions)
             mask = causal_mask(input_ids.shape[1], attention_mask, segment_ids)
-            embeddings = self.embed(input_ids)
+            depth = c.num_nextn_predict_layers if with_mtp else 0
+            # The main model's tokens and every MTP depth's shifted ones in one lookup: the table's gradient is
+            # then one scatter-add, reduced over the devices once rather than once per depth.
+            ids, masks = _shifted_by_depth(input_ids, attention_mask, depth)
+            token_embeddings = self.embed(ids)
+            embeddings = token_embeddings[0]
             run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
 
             def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _LayerRecord]:
@@ -261,13 +266,14 @@ class DeepSeekV3(CausalLMBase):
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
                 hidden_states = stack_hidden_states(embeddings, layer_outputs, final_hidden)
-            # The output head serves the main model and every MTP depth: gathered over its FSDP axes once for all
-            # of them, not once per use.
-            head = gathered_over_fsdp(self.lm_head) if with_mtp and self.lm_head is not None else None
+            if with_mtp:  # the main and MTP hidden states share one head matmul: one weight gradient to reduce
+                mtp_hidden = self._mtp(token_embeddings[1:], masks, segment_ids, final_hidden, run, positions)
+                logits = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))
+                logits, mtp_logits = logits[0], logits[1:]
+            else:
+                logits, mtp_logits = self._logits(final_hidden), None
             return CausalLMOutput(
-                logits=self._logits(final_hidden, head), hidden_states=hidden_states,
-                mtp_logits=(self._mtp(input_ids, attention_mask, segment_ids, final_hidden, run, positions, head)
-                            if with_mtp else None),
+                logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
                 aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
                                                                                      attention_mask))
@@ -317,35 +323,40 @@ class DeepSeekV3(CausalLMBase):
         step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         bias[...] = bias[...] + step.astype(bias[...].dtype)
 
-    def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array,
-             lm_head: nnx.Module | None = None) -> jax.Array:
-        """Logits of every MTP depth. Depth ``k`` reads the tokens shifted left by ``k`` (at their own
-        positions), and the previous depth's hidden state (depth 1: the main model's final, normed one). With
-        packed documents, position ``i`` attends within the document of position ``i``. ``lm_head``: the
-        output head to use (``self.lm_head`` by default)."""
-        if self.mtp_layers is None:
-            raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
-        depth = self.config.num_nextn_predict_layers
-        seq_len = input_ids.shape[1]
-        # Shifting slices the sequence dim, which cannot stay split over devices (context parallelism under an
-        # Explicit mesh): the shifts are taken from copies whole along it; the embeddings are laid out again.
-        whole_sequence = ("activation_batch", None)
-        input_ids = shard(input_ids, whole_sequence)
-        attention_mask = None if attention_mask is None else shard(attention_mask, whole_sequence)
-        shifted_ids, shifted_masks, cos_sin = [], [], []
-        for k in range(1, depth + 1):
-            shifted_ids.append(jnp.pad(input_ids[:, k:], ((0, 0), (0, min(k, seq_len)))))
-            if attention_mask is not None:
-                shifted_masks.append(jnp.pad(attention_mask[:, k:], ((0, 0), (0, min(k, seq_len)))))
-            cos_sin.append(self._rope(positions + k))
-        xs = (jnp.stack([self.embed(ids) for ids in shifted_ids]), jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
-              jnp.stack(shifted_masks) if shifted_masks else None)
+    def _mtp(self, token_embeddings: jax.Array, masks: jax.Array | None, segment_ids: jax.Array | None,
+             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array) -> jax.Array:
+        """Hidden states ``[depth, batch, seq, embed]`` of every MTP depth. Depth ``k`` reads the embeddings of the
+        tokens shifted left by ``k`` (``token_embeddings[k - 1]``, at their own positions; ``masks[k]`` their
+        padding mask) and the previous depth's hidden state (depth 1: the main model's final, normed one). With
+        packed documents, position ``i`` attends within the document of position ``i``."""
+        seq_len = token_embeddings.shape[2]
+        depth = token_embeddings.shape[0]
+        cos_sin = [self._rope(positions + k) for k in range(1, depth + 1)]
+        xs = (token_embeddings, jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
+              None if masks is None else masks[1:])
 
         def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
-            token_embeddings, (cos, sin), pad_mask = x
-            h = head(token_embeddings, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
-            return h, self._logits(h, lm_head)
+            embedded, (cos, sin), pad_mask = x
+            h = head(embedded, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
+            return h, h
 
-        _, logits = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
-        return logits
+        _, hidden = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
+        return hidden
+
+
+def _shifted_by_depth(input_ids: jax.Array, attention_mask: jax.Array | None,
+                      depth: int) -> tuple[jax.Array, jax.Array | None]:
+    """``input_ids`` and its copies shifted left by ``1 .. depth`` (the MTP depths' tokens, padded with 0 at the
+    end), stacked: ``[1 + depth, batch, seq]``; the attention mask likewise (None stays None)."""
+    if depth == 0:
+        return input_ids[None], None if attention_mask is None else attention_mask[None]
+    # Shifting slices the sequence dim, which cannot stay split over devices (context parallelism under an
+    # Explicit mesh): the shifts are taken from copies whole along it.
+    whole_sequence = ("activation_batch", None)
+    seq_len = input_ids.shape[1]
+
+    def shifted(a: jax.Array) -> jax.Array:
+        a = shard(a, whole_sequence)
+        return jnp.stack([a] + [jnp.pad(a[:, k:], ((0, 0), (0, min(k, seq_len)))) for k in range(1, depth + 1)])
+
+    return shifted(input_ids), None if attention_mask is None else shifted(attention_mask)

@@ -97,3 +97,33 @@ def test_output_contract():
     with pytest.raises(ValueError, match="no MTP heads"):
         shapes_of(config, with_mtp=True)
     assert shapes_of(small_config(), with_mtp=True).mtp_logits.shape == (1, 2, 5, 256)
+
+
+def _count_ops(jaxpr, name: str, *shapes: tuple[int, ...]) -> int:
+    """``name`` equations (nested jaxprs included) with an operand or result of one of ``shapes``."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        seen = {getattr(v.aval, "shape", None) for v in (*eqn.invars, *eqn.outvars)}
+        count += eqn.primitive.name == name and bool(seen & set(shapes))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _count_ops(inner, name, *shapes)
+    return count
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_main_model_and_mtp_depths_share_one_lookup_and_one_head_matmul(depth):
+    """The main model's tokens and every MTP depth's shifted ones are looked up together, and the main and MTP
+    hidden states go through the output head in one matmul: the table's gradient is one scatter-add and the
+    head's one dot, each reduced over the devices once per step, not once per depth (benchmarks/README.md 4.1)."""
+    vocab, hidden = 320, 128  # a vocab no other dim shares
+    config = small_config(vocab_size=vocab, num_nextn_predict_layers=depth, moe_impl="dense")
+    model = DeepSeekV3.create(config, seed=0)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (2, 12)), jnp.int32)
+    jaxpr = jax.make_jaxpr(nnx.grad(_loss))(model, ids).jaxpr
+    assert _count_ops(jaxpr, "gather", (vocab, hidden)) == 1
+    assert _count_ops(jaxpr, "scatter-add", (vocab, hidden)) == 1
+    # the head (or its transposed copy): one forward dot, its input gradient and its weight gradient
+    assert _count_ops(jaxpr, "dot_general", (hidden, vocab), (vocab, hidden)) == 3
