@@ -283,8 +283,9 @@ def _expert_in_proj(x: jax.Array, w: jax.Array, out_names: tuple[str, ...] | Non
     num_tokens = x.shape[0]
     experts, hidden, width = w.shape
     spec = None if out_names is None else explicit_spec(out_names, (num_tokens, experts, width))
-    if spec is not None and _axes((list(spec) + [None] * 3)[2]):
-        return weight_einsum("th,ehi->tei", x, w, out_names)
+    laid_out = None if out_names is None else resolve_activation(out_names, (num_tokens, experts, width))
+    if laid_out is not None and _axes((list(laid_out) + [None] * 3)[2]):
+        return weight_einsum("th,ehi->tei", x, w, out_names, weight_names=_WI_NAMES)
     fused = jnp.transpose(without_reduced(w), (1, 0, 2)).reshape(hidden, experts * width)
     fused_spec = None if spec is None else PartitionSpec(*(list(spec) + [None] * 2)[:2])
     out = weight_einsum_to_spec("th,hx->tx", x, fused, fused_spec)

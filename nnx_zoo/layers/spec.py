@@ -59,10 +59,11 @@ def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Seq
     the activation's batch dim also uses made it miscompile some dots silently (a (data, fsdp)-batch activation
     against an fsdp-sharded kernel with heads on tensor_transpose returned wrong numbers on CPU, jax 0.10.2).
 
-    Under an Auto mesh, ``weight_names`` (the weight's logical names) let the weight first be gathered over its
-    FSDP axes (those the output's activation-only dims use) while its other axes stay: left to choose alone, XLA
-    went straight from ``(fsdp, tensor_transpose)`` on the input dim to ``tensor_transpose`` on the output dim by
-    replicating the whole weight ("Involuntary full rematerialization").
+    Under an Auto mesh, ``weight_names`` (the weight's logical names) let the same layouts be asked for as
+    sharding constraints (``_einsum_constrained_like_explicit``): the weight is first gathered over its FSDP axes
+    (those the output's activation-only dims use) while its other axes stay, then moves as under Explicit. Left
+    to choose alone, XLA went straight from ``(fsdp, tensor_transpose)`` on the input dim to ``tensor_transpose``
+    on the output dim by replicating the whole weight ("Involuntary full rematerialization").
     """
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
@@ -70,9 +71,58 @@ def weight_einsum(equation: str, x: jax.Array, weight: jax.Array, out_names: Seq
         x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
     )
     out_spec = explicit_spec(out_names, out_shape)
-    if weight_names is not None and out_spec is None:  # Explicit meshes: reshard_in_steps below does it
-        weight = gather_fsdp_axes(equation, x, weight, weight_names, out_names)
+    if weight_names is not None and out_spec is None and _mesh_size() > 1:
+        return _einsum_constrained_like_explicit(equation, x, weight, weight_names, out_names, out_shape)
     return weight_einsum_to_spec(equation, x, weight, out_spec)
+
+
+def _mesh_size() -> int:
+    mesh = ambient_mesh_or_none()
+    return 1 if mesh is None else mesh.size
+
+
+def _einsum_constrained_like_explicit(equation: str, x: jax.Array, weight: jax.Array,
+                                      weight_names: Sequence[str | None], out_names: Sequence[str | None],
+                                      out_shape: tuple[int, ...]) -> jax.Array:
+    """``weight_einsum`` under an Auto mesh: the layouts an Explicit mesh would give the activation and the
+    weight, as sharding constraints (their transposes constrain the backward's cotangents the same way).
+
+    The activation's layout is not known under Auto axes: its dims shared with the output take the output's
+    axes, its contracted dims the axes the weight keeps there once gathered over its FSDP axes. Left to choose
+    the layouts between our constraints, XLA moved ``[tokens, mlp]``-wide activations and partial sums under
+    tensor_transpose (the FSDP 4 + TP-transpose 2 train step: 1.21x the collective bytes on paper; 1.03x so).
+    """
+    inputs, out_letters = equation.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    out_axes = dict(zip(out_letters, _spec_entries(resolve_activation(out_names, out_shape), len(out_letters))))
+    kept = _fsdp_gathered_entries(equation, x, weight, weight_names, out_names)
+    used: set[str] = set()
+    x_spec = []
+    for c in x_letters:
+        axes = out_axes[c] if c in out_axes else kept[w_letters.index(c)] if c in w_letters else ()
+        x_spec.append(tuple(a for a in axes if a not in used))
+        used |= set(axes)
+    x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, x, weight, x_spec, out_axes)
+    weight_spec = _weight_entries(w_letters, dict(zip(x_letters, x_spec)), out_axes)
+    for step in _resharding_steps(_stored_entries(weight, weight_names), weight_spec, weight.shape):
+        weight = shard_to_spec(weight, _to_spec(step))  # as reshard_in_steps: move, then gather
+    y = jnp.einsum(equation, shard_to_spec(x, _to_spec(x_spec)), weight)
+    return shard_to_spec(y, _to_spec([out_axes[c] for c in out_letters]))
+
+
+def _weight_entries(w_letters: str, x_axes: dict, out_axes: dict) -> list:
+    """The weight's spec entries for a dot: each dim split like the activation's dim it contracts with (those
+    first: they must match), or like the output dim it produces, a mesh axis used once."""
+    used: set[str] = set()
+    weight_spec = [()] * len(w_letters)
+    for pass_from_x in (True, False):
+        for i, c in enumerate(w_letters):
+            if (c in x_axes) != pass_from_x:
+                continue
+            axes = tuple(a for a in (x_axes.get(c) if pass_from_x else out_axes.get(c, ())) if a not in used)
+            weight_spec[i] = axes
+            used |= set(axes)
+    return weight_spec
 
 
 def gather_fsdp_axes(equation: str, x: jax.Array, weight: jax.Array, weight_names: Sequence[str | None],
@@ -86,23 +136,34 @@ def gather_fsdp_axes(equation: str, x: jax.Array, weight: jax.Array, weight_name
     mesh = ambient_mesh_or_none()
     if mesh is None or mesh.size == 1:
         return weight
+    stored = _stored_entries(weight, weight_names)
+    staying = _fsdp_gathered_entries(equation, x, weight, weight_names, out_names)
+    return weight if staying == stored else shard_to_spec(weight, _to_spec(staying))
+
+
+def _stored_entries(weight: jax.Array, weight_names: Sequence[str | None]) -> list:
+    """The weight's own spec entries: from its type under Explicit axes, else from the rules (allow_partial: a
+    weight created with ``create_sharded(allow_partial=True)`` sits on the dividing prefix; where everything
+    divides this is the strict spec)."""
+    mesh = ambient_mesh_or_none()
+    if shard_mode_of(mesh) == "explicit":
+        return _spec_entries(jax.typeof(weight).sharding.spec, weight.ndim)
+    return _spec_entries(logical_to_mesh_axes(tuple(weight_names), current_rules(), mesh, shape=tuple(weight.shape),
+                                              allow_partial=True), weight.ndim)
+
+
+def _fsdp_gathered_entries(equation: str, x: jax.Array, weight: jax.Array, weight_names: Sequence[str | None],
+                           out_names: Sequence[str | None]) -> list:
+    """The weight's spec entries minus its FSDP axes (those the output's activation-only dims use)."""
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     out_shape = tuple(
         x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
     )
-    rules = current_rules()
-    if shard_mode_of(mesh) == "explicit":
-        stored = _spec_entries(jax.typeof(weight).sharding.spec, weight.ndim)
-    else:
-        # allow_partial: a weight created with create_sharded(allow_partial=True) (the trainer's --allow-partial)
-        # sits on the dividing prefix; where everything divides this is the strict spec.
-        stored = _spec_entries(logical_to_mesh_axes(tuple(weight_names), rules, mesh, shape=tuple(weight.shape),
-                                                    allow_partial=True), weight.ndim)
+    stored = _stored_entries(weight, weight_names)
     out = _spec_entries(resolve_activation(out_names, out_shape), len(out_letters))
     fsdp = {a for c, axes in zip(out_letters, out) if c not in w_letters for a in axes}
-    staying = [tuple(a for a in axes if a not in fsdp) for axes in stored]
-    return weight if staying == stored else shard_to_spec(weight, _to_spec(staying))
+    return [tuple(a for a in axes if a not in fsdp) for axes in stored]
 
 
 def weight_einsum_to_spec(
@@ -126,16 +187,7 @@ def weight_einsum_to_spec(
     grad_contracted = frozenset(a for c in x_letters if c not in w_letters for a in x_axes[c])
     if _reduced(weight) and _reduced(weight) != grad_contracted:
         weight = without_reduced(weight)
-    used: set[str] = set()
-    weight_spec = [()] * weight.ndim
-    # Contracting (and batch) dims first: they must match the activation; output dims take what is left.
-    for pass_from_x in (True, False):
-        for i, c in enumerate(w_letters):
-            if (c in x_axes) != pass_from_x:
-                continue
-            axes = tuple(a for a in (x_axes.get(c) if pass_from_x else out_axes.get(c, ())) if a not in used)
-            weight_spec[i] = axes
-            used |= set(axes)
+    weight_spec = _weight_entries(w_letters, x_axes, out_axes)
     return _einsum_regathering(equation, _to_spec(x_spec), _to_spec(weight_spec, _reduced(weight)), out_spec, x,
                                weight)
 
@@ -203,17 +255,26 @@ def reshard_in_steps(a: jax.Array, spec: PartitionSpec) -> jax.Array:
     moving axes are gathered whole (for the weight above, 2x the bytes: ``benchmarks/README.md`` 4.1).
     """
     current = _spec_entries(jax.typeof(a).sharding.spec, a.ndim)
-    target = _spec_entries(spec, a.ndim)
     reduced = _reduced(a)  # kept on the way: only the last step may change it
-    moved = _moving_axes_moved(current, target, a.shape)
+    for step in _resharding_steps(current, _spec_entries(spec, a.ndim), a.shape)[:-1]:
+        a = jax.reshard(a, _to_spec(step, reduced))
+    return jax.reshard(a, spec)
+
+
+def _resharding_steps(current: list, target: list, shape: tuple[int, ...]) -> list:
+    """The layouts (spec entries) ``reshard_in_steps`` passes through from ``current`` to ``target``, ending
+    with ``target``: the moving axes moved (when that divides), then the leaving axes gathered."""
+    moved = _moving_axes_moved(current, target, shape)
     if moved == target:  # only moves: one all-to-all
-        return jax.reshard(a, spec)
+        return [target]
+    steps = []
     if moved is not None and moved != current:
-        a, current = jax.reshard(a, _to_spec(moved, reduced)), moved
+        steps.append(moved)
+        current = moved
     staying = [tuple(ax for ax in cur if ax in tgt) for cur, tgt in zip(current, target)]
     if staying != current and staying != target:
-        a = jax.reshard(a, _to_spec(staying, reduced))
-    return jax.reshard(a, spec)
+        steps.append(staying)
+    return steps + [target]
 
 
 def _moving_axes_moved(current: list, target: list, shape: tuple[int, ...]) -> list | None:
@@ -305,13 +366,9 @@ def gather_weight_fsdp_axes(weight: jax.Array, weight_names: Sequence[str | None
     mesh = ambient_mesh_or_none()
     if mesh is None or mesh.size == 1:
         return weight
-    rules = current_rules()
-    if shard_mode_of(mesh) == "explicit":
-        stored = _spec_entries(jax.typeof(weight).sharding.spec, weight.ndim)
-    else:  # allow_partial as in gather_fsdp_axes, so both constrain to the same layout
-        stored = _spec_entries(logical_to_mesh_axes(tuple(weight_names), rules, mesh, shape=tuple(weight.shape),
-                                                    allow_partial=True), weight.ndim)
-    fsdp = {a for axes in _spec_entries(logical_to_mesh_axes(("activation_tokens",), rules, mesh), 1) for a in axes}
+    stored = _stored_entries(weight, weight_names)
+    fsdp = {a for axes in _spec_entries(logical_to_mesh_axes(("activation_tokens",), current_rules(), mesh), 1)
+            for a in axes}
     staying = [axes if name == "exp" else tuple(a for a in axes if a not in fsdp)
                for name, axes in zip(weight_names, stored)]
     if staying == stored:

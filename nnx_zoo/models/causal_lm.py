@@ -35,7 +35,7 @@ from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
-from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.layers.scan import create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.decoder_config import DecoderConfig
 from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
@@ -177,7 +177,10 @@ class CausalLMBase(nnx.Module):
         its MTP depths stacked, share one head matmul)."""
         if self.lm_head is None:
             return self.embed.attend(hidden)
-        return self.lm_head(hidden, (None,) * (hidden.ndim - 3) + _BLV)
+        # Gathered over its FSDP axes once and, under Explicit meshes, typed reduced over the token axes: its
+        # gradient is reduced over all of them in one step (a reduce-scatter over the gathered axes). Reduced by
+        # the dot, it was all-reduced whole over the axes it is not stored on first (ep-as-cp: the sequence's).
+        return gathered_over_fsdp(self.lm_head)(hidden, (None,) * (hidden.ndim - 3) + _BLV)
 
     def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
