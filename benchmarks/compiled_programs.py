@@ -55,7 +55,8 @@ from nnx_zoo.train.step import train_step  # noqa: E402
 LAYOUTS = h.SHARDING_LAYOUTS  # shared with the other sharding benchmark
 MODES = ("auto", "explicit")
 # name -> (batch_split_factor, MTP heads trained)
-VARIANTS: dict[str, tuple[int, int]] = {"plain": (1, 0), "split+mtp": (2, 1)}
+VARIANTS: dict[str, tuple[int, int]] = {"plain": (1, 0), "split+mtp": (2, 1), "split": (2, 0), "mtp": (1, 1)}
+DEFAULT_VARIANTS = ("plain", "split+mtp")  # "split" and "mtp" alone take a gap apart
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 REMAT_MESSAGE = "Involuntary full rematerialization"
 MTP_WEIGHT = 0.3
@@ -419,7 +420,8 @@ def render(rows: list[dict], a) -> str:
                       f"{mib(auto, 'as_reduce_scatter_total')} / {mib(expl, 'as_reduce_scatter_total')}",
                       f"{either['paper_total'] / 2**20:.2f}", f"{ratio(auto)}, {ratio(expl)}", by_kind])
     note = (f"deepseek3-mini ({a.layers} layers, vocab {a.vocab}), batch {a.batch} x {a.seq}, float32, 8 CPU devices; "
-            "plain = no MTP, no batch split; split+mtp = batch_split_factor 2 and one MTP head (weight 0.3). "
+            "plain = no MTP, no batch split; split+mtp = batch_split_factor 2 and one MTP head (weight 0.3); "
+            "split, mtp = either alone. "
             "remat = 'Involuntary full rematerialization' warnings printed while compiling; MiB = collective "
             "bytes per device per step (loop trip counts included); as RS = the same with every all-reduce whose "
             "consumers all slice it by partition-id (AR+slice) counted as the reduce-scatter XLA:GPU/TPU make "
@@ -441,7 +443,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="ROW")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--batch", type=int, default=16)
