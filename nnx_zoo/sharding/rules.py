@@ -91,9 +91,12 @@ _ACT_COMMON = (
 
 # default: FSDP over data-like axes, TP over tensor axes, EP over expert (expert also acts as extra FSDP for the
 # non-expert weights and as data parallelism for activations outside the MoE core), CP over context.
+# In every set activation_tokens ([batch, seq] flattened, for the MoE block) takes the batch's axes, then the
+# sequence's, in order: the flatten is then a reshape. With context before expert the MoE block's input was laid
+# out again (dense MoE on fsdp 2 x context 2 x expert 2: 10.07 -> 9.82 MiB of collectives per step, Explicit).
 DEFAULT: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
-    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", "expert"),
     ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
@@ -144,13 +147,13 @@ EP_AS_CP: Rules = (
 # cp-as-ep: the context axis shards the sequence outside the MoE core and also shards experts inside it.
 CP_AS_EP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
-    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
-    ("activation_exp", ("expert", "context")),
+    ("activation_exp", ("context", "expert")),  # MaxText's order (no byte difference measured either way)
     ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
     *_ACT_COMMON,
     *_TENSOR_PARAMS,
-    ("exp", ("expert", "context")),
+    ("exp", ("context", "expert")),
     ("exp", "expert"),
     *_EMBED,
     *_latent(),
@@ -167,7 +170,7 @@ CP_AS_EP: Rules = (
 # by specific model dimensions"). Inside the MoE core the routed experts stay split over expert.
 EP_AS_DP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
-    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", "expert"),
     ("cache_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
@@ -186,7 +189,7 @@ EP_AS_DP: Rules = (
 # width, so each device holds whole expert matrices (what non-elementwise optimizers such as Muon want).
 SHARD_EXP_ON_FSDP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
-    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
+    ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", ("expert", "fsdp")),
     ("activation_exp", "expert"),

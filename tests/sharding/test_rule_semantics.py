@@ -130,3 +130,27 @@ def test_every_named_set_is_checked_here():
 def test_router_expert_dim_is_whole_everywhere(rules):
     mesh = {"fsdp": 2, "context": 2, "tensor": 2, "expert": 2}
     assert axes(ROUTER, rules, mesh)[1] == set()
+
+
+def _ordered(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@pytest.mark.parametrize("rules", sorted(RULE_SETS))
+def test_tokens_are_the_batch_axes_then_the_sequence_axes(rules):
+    """``activation_tokens`` is ``[batch, seq]`` flattened (the MoE block, the losses), so its mesh axes are the
+    batch's followed by the sequence's, in order: flattening is then a reshape that moves nothing. Listing the
+    sequence's ``context`` before the batch's ``expert`` (as these sets did) laid the MoE input out again: the dense
+    MoE step on fsdp 2 x context 2 x expert 2 moved 10.07 MiB per device (Explicit) where it moves 9.82 now."""
+    mesh = make_abstract_mesh({"data": 2, "fsdp": 2, "fsdp_transpose": 2, "context": 2, "expert": 2})
+    batch, length = (_ordered(e) for e in logical_to_mesh_axes(("activation_batch", "activation_length"),
+                                                                  rules, mesh))
+    tokens = _ordered(logical_to_mesh_axes(("activation_tokens",), rules, mesh)[0])
+    assert tokens == batch + length
+
+
+def test_cp_as_ep_orders_the_expert_group_as_maxtext():
+    """MaxText's cp-as-ep: ``exp`` and ``activation_exp`` on ``['context', 'expert']`` (in that order)."""
+    mesh = make_abstract_mesh({"fsdp": 2, "context": 2, "expert": 2})
+    for name in ("exp", "activation_exp"):
+        assert _ordered(logical_to_mesh_axes((name,), "cp-as-ep", mesh)[0]) == ("context", "expert")
