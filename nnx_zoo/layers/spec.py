@@ -95,7 +95,8 @@ def _einsum_constrained_like_explicit(equation: str, x: jax.Array, weight: jax.A
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     out_axes = dict(zip(out_letters, _spec_entries(resolve_activation(out_names, out_shape), len(out_letters))))
-    kept = _fsdp_gathered_entries(equation, x, weight, weight_names, out_names)
+    stored = _stored_entries(weight, weight_names)
+    kept = _fsdp_gathered_entries(equation, x, weight, stored, out_names)
     used: set[str] = set()
     x_spec = []
     for c in x_letters:
@@ -104,7 +105,7 @@ def _einsum_constrained_like_explicit(equation: str, x: jax.Array, weight: jax.A
         used |= set(axes)
     x_spec = _gather_contraction_when_output_is_larger(x_letters, w_letters, x, weight, x_spec, out_axes)
     weight_spec = _weight_entries(w_letters, dict(zip(x_letters, x_spec)), out_axes)
-    for step in _resharding_steps(_stored_entries(weight, weight_names), weight_spec, weight.shape):
+    for step in _resharding_steps(stored, weight_spec, weight.shape):
         weight = shard_to_spec(weight, _to_spec(step))  # as reshard_in_steps: move, then gather
     y = jnp.einsum(equation, shard_to_spec(x, _to_spec(x_spec)), weight)
     return shard_to_spec(y, _to_spec([out_axes[c] for c in out_letters]))
@@ -137,7 +138,7 @@ def gather_fsdp_axes(equation: str, x: jax.Array, weight: jax.Array, weight_name
     if mesh is None or mesh.size == 1:
         return weight
     stored = _stored_entries(weight, weight_names)
-    staying = _fsdp_gathered_entries(equation, x, weight, weight_names, out_names)
+    staying = _fsdp_gathered_entries(equation, x, weight, stored, out_names)
     return weight if staying == stored else shard_to_spec(weight, _to_spec(staying))
 
 
@@ -152,15 +153,14 @@ def _stored_entries(weight: jax.Array, weight_names: Sequence[str | None]) -> li
                                               allow_partial=True), weight.ndim)
 
 
-def _fsdp_gathered_entries(equation: str, x: jax.Array, weight: jax.Array, weight_names: Sequence[str | None],
+def _fsdp_gathered_entries(equation: str, x: jax.Array, weight: jax.Array, stored: list,
                            out_names: Sequence[str | None]) -> list:
-    """The weight's spec entries minus its FSDP axes (those the output's activation-only dims use)."""
+    """The weight's spec entries (``stored``) minus its FSDP axes (those the output's activation-only dims use)."""
     inputs, out_letters = equation.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     out_shape = tuple(
         x.shape[x_letters.index(c)] if c in x_letters else weight.shape[w_letters.index(c)] for c in out_letters
     )
-    stored = _stored_entries(weight, weight_names)
     out = _spec_entries(resolve_activation(out_names, out_shape), len(out_letters))
     fsdp = {a for c, axes in zip(out_letters, out) if c not in w_letters for a in axes}
     return [tuple(a for a in axes if a not in fsdp) for axes in stored]
