@@ -27,7 +27,7 @@ from nnx_zoo.sharding import ShardingError, create_sharded, get_rules, logical_t
 from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
-from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, peak_flops_per_device
+from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, peak_flops_per_device
 from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from nnx_zoo.train.run_spec import reconcile, run_definition
 from nnx_zoo.train.step import train_step
@@ -345,6 +345,9 @@ def train(
                         "mfu": tflops * 1e12 / peak if peak == peak else None,
                         **{k: float(v) for k, v in metrics.items() if k.startswith(("mtp", "aux", "expert"))},
                     }
+                    peak_memory = device_peak_memory_gib()
+                    if peak_memory is not None:  # accelerators report it; XLA:CPU does not
+                        record["peak_memory_gib"] = peak_memory
                     writer.write(record)
                     progress.update(step, {"loss": loss, "tok/s": tokens_per_s})
                     summary["last"] = record

@@ -137,6 +137,17 @@ def peak_flops_per_device(given: float | None = None) -> tuple[float, str]:
     return math.nan, f"unknown device kind {device.device_kind!r}: MFU not reported (give one with --peak-flops)"
 
 
+def device_peak_memory_gib() -> float | None:
+    """The most memory any local device has held so far, in GiB (XLA's ``peak_bytes_in_use``), or None where the
+    backend does not report it (XLA:CPU).
+
+    >>> device_peak_memory_gib()  # on a CPU
+    """
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) / 2**30 if peaks else None
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to ``<run dir>/metrics.jsonl``; with ``tensorboard``, also writes
     every finite number of it as a TensorBoard scalar (tag = the JSON key) under ``<run dir>/tensorboard``.

@@ -1,0 +1,366 @@
+"""Training speed on one GPU, side by side in one run: nnx_zoo's recipe step against transformers (eager and
+``torch.compile``), the MoE ``gmm`` path against ``dense``, and the attention and grouped-matmul kernels.
+
+One command on a bare GPU machine (the image lacks grain and tokamax; their wheels travel with the tree):
+
+    bash benchmarks/gpu_wheels.sh        # on a machine that reaches PyPI: the wheels into .whl/
+    bash benchmarks/gpu_run.sh           # on the GPU machine: install them into /tmp/site, run this file
+
+Cases (each in its own subprocess, so one case's memory or an out-of-memory error does not touch the next):
+
+- ``llama``: Llama-3.2-1B shapes, batch 4 x 2048, bf16 compute, f32 parameters, AdamW, clip 1.0:
+  ``recipes/pretrain.py --model llama3.2-1b --model.dtype bfloat16 --remat full`` as a user runs it (its own
+  ``metrics.jsonl``; the process is killed after the timed steps, which skips the end-of-run checkpoint), against
+  transformers' ``LlamaForCausalLM`` from the same config (sdpa attention, bf16 autocast, f32 parameters, fused
+  AdamW, clip 1.0), eager and under ``torch.compile``.
+- ``moe``: the ``deepseek2-lite`` preset cut to 4 layers, batch 4 x 2048, the recipe with ``moe_impl`` ``gmm``
+  (each grouped-matmul kernel: ``auto``, ``tokamax``, ``pallas_triton``, ``tiled``) and ``dense``.
+- ``attention``: forward + backward of one attention call (GQA 32/8 heads, head dim 64, causal; and MLA 16 heads,
+  192/128) for each ``attention_impl`` against ``cudnn`` at b4 s2048 and b1 s8192; the packed-document case
+  (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
+- ``gmm``: forward + backward of one grouped matmul at the MoE layer's shape (4 x 2048 tokens x top-6 rows,
+  64 experts, 2048 -> 1408) for each grouped-matmul kernel.
+
+Every tokens/s figure uses one FLOP formula: the nnx_zoo config's ``train_flops_per_token(seq_len)`` (6 x active
+matmul parameters + causal attention), and MFU divides by the data-sheet dense bf16 peak (989 TFLOP/s on H100).
+Medians are taken over the steps after ``--skip`` warm-up steps. Peak memory: the recipe's ``peak_memory_gib``
+(XLA's ``peak_bytes_in_use``), torch's ``max_memory_allocated``.
+
+    python benchmarks/gpu_train_step.py                       # everything (GPU)
+    python benchmarks/gpu_train_step.py --cases attention gmm # some cases
+    python benchmarks/gpu_train_step.py --smoke               # tiny shapes on CPU: checks the script itself
+
+Writes ``gpu_train_step.{json,md}`` to ``--out`` (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASES = ("llama", "moe", "attention", "gmm")
+GMM_KERNELS = ("auto", "tokamax", "pallas_triton", "tiled")
+ATTENTION_IMPLS = ("cudnn", "tokamax", "blockwise", "xla")
+
+
+class Shapes:
+    """The shapes of a run: full size on a GPU, tiny for ``--smoke`` on a CPU."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.llama = ("llama3-tiny", 2, 64) if smoke else ("llama3.2-1b", 4, 2048)  # preset, batch, seq
+        self.moe = ("deepseek3-tiny", 2, 64) if smoke else ("deepseek2-lite", 4, 2048)
+        self.moe_layers = 2 if smoke else 4
+        # (batch, seq, heads, kv_heads, qk_dim, v_dim)
+        self.attention = ([(1, 128, 4, 2, 32, 32), (1, 256, 4, 2, 48, 32)] if smoke else
+                          [(4, 2048, 32, 8, 64, 64), (1, 8192, 32, 8, 64, 64), (4, 2048, 16, 16, 192, 128),
+                           (1, 8192, 16, 16, 192, 128)])
+        self.gmm = (512, 8, 64, 32) if smoke else (4 * 2048 * 6, 64, 2048, 1408)  # rows, groups, k, n
+        self.steps, self.skip = (4, 1) if smoke else (12, 4)
+
+
+# ------------------------------------------------------------------------------------- the recipe, as a user runs it
+def run_recipe(name: str, argv: list[str], steps: int, skip: int, timeout_s: float) -> dict:
+    """``recipes/pretrain.py argv`` in a subprocess until ``steps`` steps are logged, then killed (no end-of-run
+    checkpoint of a multi-GB optimizer state). Returns the medians of its own per-step metrics."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        cmd = [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *argv, "--steps", "100000", "--run-dir",
+               run_dir, "--no-progress", "--checkpoint-every", "0"]
+        log_path = Path(run_dir) / "log.txt"
+        start = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+            records: list[dict] = []
+            metrics = Path(run_dir) / "metrics.jsonl"
+            while proc.poll() is None and time.perf_counter() - start < timeout_s:
+                time.sleep(1.0)
+                if metrics.exists():
+                    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                if len(records) >= steps:
+                    break
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = log_path.read_text()
+    kernels = next((line.split("kernels:", 1)[1].strip() for line in text.splitlines() if "kernels:" in line), "")
+    compile_s = next((line.split(" in ")[-1] for line in text.splitlines() if "compiled and ran step" in line), "")
+    if len(records) <= skip:
+        return {"name": name, "error": _tail(text), "kernels": kernels}
+    timed = records[skip:]
+    return {"name": name, "tokens_per_s": _median(r["tokens_per_s"] for r in timed),
+            "mfu": _median(r["mfu"] for r in timed) if timed[0].get("mfu") is not None else None,
+            "peak_memory_gib": max((r.get("peak_memory_gib") or 0.0) for r in records) or None,
+            "kernels": kernels, "compile": compile_s, "steps_timed": len(timed), "loss_last": timed[-1]["loss"]}
+
+
+def recipe_args(preset: str, batch: int, seq: int, *more: str) -> list[str]:
+    return ["--model", preset, "--batch", str(batch), "--seq-len", str(seq), "--model.dtype", "bfloat16",
+            "--remat", "full", *more]
+
+
+# --------------------------------------------------------------------------------------------- transformers
+def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool) -> dict:
+    """transformers' model from the nnx_zoo preset's own HF config, one training step per iteration."""
+    import torch
+    import transformers
+
+    from nnx_zoo import AutoConfig
+
+    config = AutoConfig.preset(preset)
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                          dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
+    forward = torch.compile(model) if compile_model else model
+    ids = torch.randint(0, 256, (batch, seq), device=device)
+
+    def step() -> float:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()  # float(loss) waits for the step
+        times.append(time.perf_counter() - start)
+    tokens_per_s = batch * seq / statistics.median(times[skip:])
+    peak = _peak_flops(torch.cuda.get_device_name() if cuda else "")
+    flops = config.train_flops_per_token(seq)
+    return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak if peak else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "kernels": "sdpa" + (", torch.compile" if compile_model else ", eager")}
+
+
+# --------------------------------------------------------------------------------------------- kernels alone
+def attention_worker(shape: tuple[int, ...], impl: str, segments: bool, rounds: int) -> dict:
+    """Seconds per forward + backward of one causal attention call with ``attention_impl=impl``."""
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_zoo.layers.attention import AttentionMask, attention, choose_attention_impl
+
+    batch, seq, heads, kv_heads, qk_dim, v_dim = shape
+    keys = jax.random.split(jax.random.key(0), 4)
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    q = jax.random.normal(keys[0], (batch, seq, heads, qk_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, qk_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, v_dim), dtype)
+    segment_ids = (jnp.arange(seq)[None] * 4 // seq).repeat(batch, 0) if segments else None  # 4 documents a row
+    mask = AttentionMask.causal(seq, segment_ids=segment_ids)
+    chosen = choose_attention_impl(impl, q_len=seq, k_len=seq, segments=segments, qk_dim=qk_dim, v_dim=v_dim)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, mask, qk_dim**-0.5, impl=impl).astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    seconds = _time_jax(lambda: step(q, k, v), rounds)
+    return {"seconds": seconds, "ran": chosen}
+
+
+def gmm_worker(shape: tuple[int, ...], impl: str, rounds: int) -> dict:
+    """Seconds per forward + backward of one grouped matmul (near-balanced random groups)."""
+    import jax
+    import jax.numpy as jnp
+
+    from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl, grouped_matmul
+
+    rows, groups, k, n = shape
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (rows, k), dtype)
+    rhs = jax.random.normal(keys[1], (groups, k, n), dtype) * k**-0.5
+    choice = jax.random.randint(keys[2], (rows,), 0, groups)
+    group_sizes = jnp.bincount(choice, length=groups).astype(jnp.int32)
+
+    def loss(lhs, rhs):
+        return jnp.sum(grouped_matmul(lhs, rhs, group_sizes, impl=impl).astype(jnp.float32))
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    seconds = _time_jax(lambda: step(lhs, rhs), rounds)
+    flops = 3 * 2 * rows * k * n  # forward + the two backward GEMMs
+    return {"seconds": seconds, "tflops": flops / seconds / 1e12, "ran": choose_grouped_matmul_impl(impl)}
+
+
+# --------------------------------------------------------------------------------------------- the cases
+def llama_case(s: Shapes, timeout_s: float) -> list[dict]:
+    preset, batch, seq = s.llama
+    rows = [run_recipe("nnx_zoo recipe", recipe_args(preset, batch, seq), s.steps, s.skip, timeout_s)]
+    for compiled in (False, True):
+        name = "transformers + torch.compile" if compiled else "transformers eager"
+        rows.append({"name": name, **_worker(["torch", preset, batch, seq, s.steps, s.skip, int(compiled)],
+                                             timeout_s)})
+    return rows
+
+
+def moe_case(s: Shapes, timeout_s: float) -> list[dict]:
+    preset, batch, seq = s.moe
+    cut = ["--model.num_hidden_layers", str(s.moe_layers), "--model.num_nextn_predict_layers", "0"]
+    rows = [run_recipe("dense", recipe_args(preset, batch, seq, *cut, "--moe-impl", "dense"), s.steps, s.skip,
+                       timeout_s)]
+    for kernel in GMM_KERNELS:
+        argv = recipe_args(preset, batch, seq, *cut, "--moe-impl", "gmm", "--model.grouped_matmul_impl", kernel)
+        rows.append(run_recipe(f"gmm ({kernel})", argv, s.steps, s.skip, timeout_s))
+    return rows
+
+
+def attention_case(s: Shapes, timeout_s: float) -> list[dict]:
+    rows = []
+    for shape in s.attention:
+        for impl in ATTENTION_IMPLS + ("auto",):
+            rows.append({"shape": list(shape), "impl": impl, "segments": False,
+                         **_worker(["attention", json.dumps(shape), impl, 0], timeout_s)})
+        rows.append({"shape": list(shape), "impl": "auto", "segments": True,
+                     **_worker(["attention", json.dumps(shape), "auto", 1], timeout_s)})
+    return rows
+
+
+def gmm_case(s: Shapes, timeout_s: float) -> list[dict]:
+    return [{"shape": list(s.gmm), "impl": impl, **_worker(["gmm", json.dumps(s.gmm), impl], timeout_s)}
+            for impl in ("xla",) + GMM_KERNELS]
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+def _worker(args: list[object], timeout_s: float) -> dict:
+    """This file's ``--worker`` mode in a fresh process; its last stdout line is a JSON result."""
+    cmd = [sys.executable, __file__, "--worker", *map(str, args)]
+    if _SMOKE[0]:
+        cmd.append("--smoke")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env())
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"error": _tail(done.stderr or done.stdout)}
+    return json.loads(lines[-1])
+
+
+def run_worker(argv: list[str], smoke: bool) -> None:
+    s = Shapes(smoke)
+    kind, rest = argv[0], argv[1:]
+    if kind == "torch":
+        result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])))
+    elif kind == "attention":
+        result = attention_worker(tuple(json.loads(rest[0])), rest[1], bool(int(rest[2])), 3 if smoke else 10)
+    elif kind == "gmm":
+        result = gmm_worker(tuple(json.loads(rest[0])), rest[1], 3 if smoke else 10)
+    else:
+        raise SystemExit(f"unknown worker {kind!r}")
+    del s
+    print(json.dumps(result))
+
+
+def _time_jax(fn, rounds: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _peak_flops(device_name: str) -> float | None:
+    from nnx_zoo.train.metrics import PEAK_FLOPS_PER_DEVICE
+
+    return next((f for name, f in PEAK_FLOPS_PER_DEVICE.items() if device_name.startswith(name)), None)
+
+
+def _median(values) -> float:
+    return float(statistics.median(list(values)))
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
+_SMOKE = [False]
+
+
+def markdown(results: dict) -> str:
+    from _harness import markdown_table
+
+    out = [f"# GPU train step ({results['device']})", ""]
+    if "llama" in results or "moe" in results:
+        rows = []
+        for case in ("llama", "moe"):
+            for r in results.get(case, []):
+                rows.append([case, r["name"], _fmt(r.get("tokens_per_s"), "{:,.0f}"), _fmt(r.get("mfu"), "{:.1%}"),
+                             _fmt(r.get("peak_memory_gib"), "{:.1f}"), r.get("kernels", ""), r.get("error", "")])
+        out += [markdown_table(["case", "run", "tokens/s", "MFU", "peak GiB", "kernels", "error"], rows), ""]
+    if "attention" in results:
+        rows = [[r["shape"], r["impl"] + (" + segments" if r["segments"] else ""), r.get("ran", ""),
+                 _fmt(r.get("seconds"), "{:.3f}", 1e3), r.get("error", "")] for r in results["attention"]]
+        out += [markdown_table(["b, s, heads, kv heads, d_qk, d_v", "attention_impl", "ran", "fwd+bwd ms", "error"],
+                               rows), ""]
+    if "gmm" in results:
+        rows = [[r["shape"], r["impl"], r.get("ran", ""), _fmt(r.get("seconds"), "{:.3f}", 1e3),
+                 _fmt(r.get("tflops"), "{:.0f}"), r.get("error", "")] for r in results["gmm"]]
+        out += [markdown_table(["rows, groups, k, n", "grouped_matmul_impl", "ran", "fwd+bwd ms", "TFLOP/s",
+                                "error"], rows), ""]
+    return "\n".join(out)
+
+
+def _fmt(value, pattern: str, scale: float = 1.0) -> str:
+    return "" if value is None else pattern.format(value * scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        smoke = "--smoke" in args.worker
+        run_worker([a for a in args.worker if a != "--smoke"], smoke or args.smoke)
+        return
+    _SMOKE[0] = args.smoke
+    import jax
+    from _harness import environment, write_results
+
+    shapes = Shapes(args.smoke)
+    results: dict = {"device": str(jax.devices()[0].device_kind), "environment": environment(),
+                     "steps": shapes.steps, "skip": shapes.skip}
+    runners = {"llama": llama_case, "moe": moe_case, "attention": attention_case, "gmm": gmm_case}
+    for case in args.cases:
+        print(f"== {case}", flush=True)
+        results[case] = runners[case](shapes, args.timeout)
+        for row in results[case]:
+            print("  " + json.dumps(row), flush=True)
+    text = markdown(results)
+    write_results("gpu_train_step" + ("_smoke" if args.smoke else ""), results, text, out_dir=args.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Download, on a machine that reaches PyPI, the wheels the GPU image lacks (Python 3.12, jax 0.11 there; no grain,
+# no tokamax) into .whl/ at the repository root, kept out of git. Then on the GPU machine, with .whl carried along:
+#     bash benchmarks/gpu_run.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
+rm -rf .whl && mkdir .whl
+PIP=${PIP:-python3 -m pip}
+# grain and what it needs beyond the image; tokamax (kernels) and what it needs beyond the image.
+for pkg in grain==0.2.18 array_record==0.8.6 portpicker \
+           tokamax einshape jaxtyping wadler_lindig pydantic pydantic_core annotated_types typing_inspection qwix \
+           immutabledict tensorboardx absl-py tqdm; do
+  $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl "$pkg"
+done
+du -sh .whl
