@@ -1,6 +1,14 @@
 """Family-agnostic NNX building blocks; every Variable carries logical axis names."""
 
-from nnx_zoo.layers.attention import Attention, causal_mask, dot_product_attention
+from nnx_zoo.layers.attention import (
+    ATTENTION_IMPLS,
+    Attention,
+    AttentionMask,
+    attention,
+    causal_mask,
+    choose_attention_impl,
+    dot_product_attention,
+)
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.kv_cache import KVCache
 from nnx_zoo.layers.linear import Linear
@@ -26,9 +34,11 @@ from nnx_zoo.layers.scan import REMAT_POLICIES, batch_split, create_stack, gathe
 from nnx_zoo.layers.spec import explicit_spec, gather_weight_fsdp_axes, weight_einsum
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "Attention",
+    "AttentionMask",
     "Embed",
     "KVCache",
     "Linear",
@@ -44,8 +54,10 @@ __all__ = [
     "YarnScaling",
     "apply_lora",
     "apply_rope",
+    "attention",
     "batch_split",
     "causal_mask",
+    "choose_attention_impl",
     "create_stack",
     "default_moe_impl",
     "dot_product_attention",

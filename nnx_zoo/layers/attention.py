@@ -1,18 +1,53 @@
-"""Masked softmax attention written with einsums (query and value head widths may differ, as in MLA; key/value
-heads may be fewer than query heads, as in GQA), and the grouped-query ``Attention`` module."""
+"""Attention: the mask, the one dispatch function over its implementations, and the grouped-query module.
+
+- ``AttentionMask`` says which keys each query sees without building a ``[q, k]`` array: causal from the query's
+  slot (``q_offset + i``), key validity (padding, unwritten cache slots) and packed-document ``segment_ids``.
+  ``causal_mask`` builds one; ``.dense()`` gives the boolean ``[b, 1, q, k]`` array for the einsum path.
+- ``attention(q, k, v, mask, scale, impl)`` is the only place that branches on ``attention_impl``:
+
+  ========== ==============================================================================================
+  ``xla``    ``dot_product_attention``: einsum scores ``[b, heads, q, k]`` and a float32 softmax. The reference.
+  blockwise  ``nnx_zoo.layers.blockwise_attention``: online softmax over key blocks with a flash-style backward;
+             memory linear in the sequence; any backend, every mask.
+  ``cudnn``  ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA GPUs): causal, no padding or
+             segments, bf16/fp16, head dims up to 256 (MLA's 128-wide values are zero-padded to 192).
+  tokamax    ``tokamax.dot_product_attention`` (optional package; Mosaic GPU / TPU kernels; value width may
+             differ): causal, no padding or segments.
+  ``auto``   ``choose_attention_impl``: by backend and shape (see there).
+  ========== ==============================================================================================
+
+  A kernel asked for by name that cannot serve a call (segments or padding for cudnn/tokamax, a missing
+  package, the wrong backend or dtype, a sequence split over devices) falls back to the portable path with one
+  warning line naming the reason and the path used (``AttentionFallbackWarning``): every implementation computes
+  the same attention, so the fallback changes speed, never meaning.
+- ``Attention``: multi-head attention with grouped key/value heads (MHA, GQA, MQA).
+
+Rows with no visible key (a left-padding query): ``xla`` gives the mean of all values there, the other paths 0.
+No real token reads those rows; compare implementations on rows that see a key.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import warnings
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
 
+from nnx_zoo.layers.attention_mask import AttentionMask, causal_mask
+from nnx_zoo.layers.blockwise_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 from nnx_zoo.layers.kv_cache import write_slots
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope
-from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.layers.spec import explicit_spec, resolve_activation
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 _SCORE_NAMES = ("activation_batch", "activation_heads", "activation_length", "activation_kv_length")
 _GROUPED_SCORE_NAMES = ("activation_batch", "activation_kv_heads", None, "activation_length", "activation_kv_length")
@@ -23,63 +58,81 @@ _BLND = ("activation_batch", "activation_length", "activation_kv_heads", "activa
 _BKND = ("activation_batch", "activation_kv_length", "activation_kv_heads", "activation_kv")
 _QUERY_SIDE = ("activation_batch", "activation_length")
 _KEY_SIDE = ("activation_batch", "activation_kv_length")
-_MASK_NAMES = ("activation_batch", None, "activation_length", "activation_kv_length")
+
+__all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "AttentionMask", "attention", "causal_mask",
+           "choose_attention_impl", "dense_mask", "dot_product_attention", "token_mask_of"]
+
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
+
+# auto on CPU: the einsum path while one head's scores (q_len * k_len float32) stay small, blockwise beyond.
+# Measured on this 2-core CPU (benchmarks/kernel_memory.py --cpu-speed, llama3-small-like shapes, fwd+bwd):
+# see CPU_XLA_MAX_SCORES' note in that benchmark's results. 2048 x 2048 scores = 16 MiB per head.
+CPU_XLA_MAX_SCORES = 2048 * 2048
+# auto on GPU/TPU: the einsum path only for a few queries (decoding: one score row per query, linear in the
+# cache), a kernel or blockwise otherwise.
+ACCELERATOR_XLA_MAX_QUERIES = 16
+CUDNN_MAX_HEAD_DIM = 256
 
 
-def causal_mask(
-    seq_len: int, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
-) -> jax.Array:
-    """Boolean ``[batch or 1, 1, q, k]``: key ``k`` is visible to query ``q`` when ``k <= q``, ``k`` is not
-    padding, and both lie in the same segment.
-
-    ``attention_mask`` is the usual ``[batch, k]`` 1/0 padding mask (1 = real token); ``segment_ids [batch, s]``
-    number the documents packed into a row, so attention never crosses a document boundary.
-
-    On a mesh the mask is laid out like the attention scores it masks: queries split like
-    ``activation_length`` (context parallelism), keys whole (``activation_kv_length``). An input split over
-    the sequence (``[activation_batch, activation_length]``) is gathered along it for its key side first: its
-    query and key sides cannot both sit on the context axis of one ``[b, 1, q, k]`` array.
-    """
-    pos = jnp.arange(seq_len)
-    mask = (pos[None, :] <= pos[:, None])[None, None]
-    if attention_mask is not None:
-        mask = mask & shard(attention_mask.astype(bool), _KEY_SIDE)[:, None, None, :]
-    if segment_ids is not None:
-        query_side = shard(segment_ids, _QUERY_SIDE)[:, None, :, None]
-        mask = mask & (query_side == shard(segment_ids, _KEY_SIDE)[:, None, None, :])
-    return mask if mask.shape[0] == 1 else shard(mask, _MASK_NAMES)
+class AttentionFallbackWarning(UserWarning):
+    """An attention implementation asked for cannot serve a call (or its package is missing); another runs."""
 
 
+def dense_mask(mask: AttentionMask | jax.Array | None, q_len: int, k_len: int) -> jax.Array | None:
+    """A boolean ``[b or 1, 1, q, k]`` mask from an ``AttentionMask`` (a dense array or None passes through)."""
+    return mask.dense(q_len, k_len) if isinstance(mask, AttentionMask) else mask
+
+
+def token_mask_of(mask: AttentionMask | jax.Array | None, q_len: int) -> jax.Array:
+    """``[batch or 1, q_len]`` bool: which queries are real tokens (a token sees its own slot)."""
+    if mask is None:
+        return jnp.ones((1, q_len), bool)
+    if isinstance(mask, AttentionMask):
+        return mask.query_valid(q_len)
+    return jnp.any(mask[:, 0] & jnp.eye(q_len, mask.shape[-1], dtype=bool), axis=-1)
+
+
+# ------------------------------------------------------------------------------------- the einsum path (reference)
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float
 ) -> jax.Array:
     """``softmax(q k^T * scale + mask) v`` for ``q [b, q, h, d_qk]``, ``k [b, k, n, d_qk]``, ``v [b, k, n, d_v]``
-    -> ``[b, q, h, d_v]``, with ``mask [b or 1, 1, q, k]`` (True = visible).
+    -> ``[b, q, h, d_v]``, with an ``AttentionMask`` or a boolean ``mask [b or 1, 1, q, k]`` (True = visible).
 
     ``n`` key/value heads must divide the ``h`` query heads: query head ``i`` attends with key/value head
     ``i // (h // n)`` (grouped-query attention; ``n == h`` is multi-head, ``n == 1`` multi-query attention).
     Keys and values are never repeated per query head: the queries are viewed as ``[b, q, n, h // n, d]``.
     Masked scores are filled with the dtype's minimum, not -inf, so a fully masked row (a left-pad query) stays
-    finite. The softmax is computed in float32.
+    finite. The softmax is computed in float32. This is ``attention_impl="xla"``, the reference.
     """
+    mask = dense_mask(mask, q.shape[1], k.shape[1])
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads == heads:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, q.dtype)
         probs = _masked_softmax(shard(scores, _SCORE_NAMES), mask, v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    if heads % kv_heads or v.shape[2] != kv_heads:
-        raise ValueError(f"key/value heads ({kv_heads}, values {v.shape[2]}) must be equal and divide the "
-                         f"query heads ({heads})")
-    batch, length = q.shape[:2]
-    grouped = (batch, length, kv_heads, heads // kv_heads, q.shape[3])
-    # Query head i = kv head i // groups: the kv-head dim is the major half of the split, laid out like heads.
+    q = _grouped_queries(q, k, v)
     # Letters: b batch, q query position, k key position, n kv head, g query head within its group, d feature.
-    q = jnp.reshape(q, grouped, out_sharding=explicit_spec(_GROUPED_Q_NAMES, grouped))
     scores = jnp.einsum("bqngd,bknd->bngqk", q, k) * jnp.asarray(scale, q.dtype)
     probs = _masked_softmax(shard(scores, _GROUPED_SCORE_NAMES), None if mask is None else mask[:, :, None],
                             v.dtype)
-    out = jnp.einsum("bngqk,bknd->bqngd", probs, v)
-    merged = (batch, length, heads, v.shape[3])
+    return _merged_heads(jnp.einsum("bngqk,bknd->bqngd", probs, v))
+
+
+def _grouped_queries(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``q [b, q, h, d]`` viewed as ``[b, q, n, h // n, d]`` for ``n`` key/value heads."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % kv_heads or v.shape[2] != kv_heads:
+        raise ValueError(f"key/value heads ({kv_heads}, values {v.shape[2]}) must be equal and divide the "
+                         f"query heads ({heads})")
+    grouped = (*q.shape[:2], kv_heads, heads // kv_heads, q.shape[3])
+    # Query head i = kv head i // groups: the kv-head dim is the major half of the split, laid out like heads.
+    return jnp.reshape(q, grouped, out_sharding=explicit_spec(_GROUPED_Q_NAMES, grouped))
+
+
+def _merged_heads(out: jax.Array) -> jax.Array:
+    """``[b, q, n, g, d]`` -> ``[b, q, n * g, d]`` laid out like the query heads."""
+    merged = (*out.shape[:2], out.shape[2] * out.shape[3], out.shape[4])
     return jnp.reshape(out, merged, out_sharding=explicit_spec(_BLHD, merged))
 
 
@@ -90,13 +143,281 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array | None, dtype: jnp.dtype)
     return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
 
 
+# ------------------------------------------------------------------------------------------------- the chooser
+def tokamax_available() -> bool:
+    """Whether the optional ``tokamax`` package is installed (``pip install 'nnx-zoo[gpu]'``)."""
+    return importlib.util.find_spec("tokamax") is not None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning line per distinct message per process (a traced function may be traced many times)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, AttentionFallbackWarning, stacklevel=3)
+
+
+def _platform(platform: str | None) -> str:
+    platform = jax.default_backend() if platform is None else platform.lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _portable(q_len: int, k_len: int, platform: str) -> str:
+    """The portable path for a shape: the einsum path while its scores are small, else blockwise."""
+    if platform == "cpu":
+        return "xla" if q_len * k_len <= CPU_XLA_MAX_SCORES else "blockwise"
+    return "xla" if q_len <= ACCELERATOR_XLA_MAX_QUERIES else "blockwise"
+
+
+def _cudnn_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool, qk_dim: int,
+                   v_dim: int) -> str | None:
+    """Why cuDNN flash attention cannot serve a call (None: it can)."""
+    if platform != "gpu":
+        return f"it runs on NVIDIA GPUs only (platform {platform!r})"
+    if segments:
+        return "packed documents (segment_ids)"
+    if padding:
+        return "padding or a cache offset (kv_valid / q_offset)"
+    if q_len != k_len:
+        return f"queries ({q_len}) and keys ({k_len}) of different lengths"
+    if qk_dim > CUDNN_MAX_HEAD_DIM or qk_dim % 8 or v_dim > qk_dim:
+        return f"head dims {qk_dim}/{v_dim} (needs qk <= {CUDNN_MAX_HEAD_DIM}, a multiple of 8, v <= qk)"
+    return None
+
+
+def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool) -> str | None:
+    """Why tokamax's attention cannot serve a call (None: it can)."""
+    if not tokamax_available():
+        return "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
+    if platform not in ("gpu", "tpu"):
+        return f"its kernels run on GPUs and TPUs (platform {platform!r})"
+    if segments:
+        return "packed documents (segment_ids)"
+    if padding:
+        return "padding or a cache offset (kv_valid / q_offset)"
+    if q_len != k_len:
+        return f"queries ({q_len}) and keys ({k_len}) of different lengths"
+    return None
+
+
+def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: str | None = None,
+                          segments: bool = False, padding: bool = False, qk_dim: int = 128,
+                          v_dim: int = 128) -> str:
+    """The implementation ``attention`` runs for ``attention_impl=requested`` on a call of this shape.
+
+    ``platform``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default: JAX's default backend). ``segments``: packed
+    documents; ``padding``: invalid keys (left padding, unwritten cache slots) or a decode step's cache offset.
+
+    ``auto``:
+      - CPU: ``xla`` while one head's scores ``q_len * k_len`` are at most ``CPU_XLA_MAX_SCORES`` (2048 x 2048,
+        measured: below it the einsum path is as fast or faster), ``blockwise`` beyond (memory linear).
+      - GPU: ``cudnn`` where it serves (causal, no padding or segments, head dims <= 256), else ``tokamax`` where
+        installed and serving, else the portable path (``xla`` for <= 16 queries, e.g. decoding; ``blockwise``).
+      - TPU: ``tokamax`` where installed and serving, else the portable path.
+    ``xla`` and ``blockwise`` always run as asked. ``cudnn`` / ``tokamax`` asked for by name where they cannot
+    serve fall back to the portable path with one ``AttentionFallbackWarning`` line saying why.
+
+    >>> choose_attention_impl("auto", q_len=8192, k_len=8192, platform="cpu")
+    'blockwise'
+    >>> choose_attention_impl("auto", q_len=2048, k_len=2048, platform="gpu", segments=True)
+    'blockwise'
+    """
+    if requested not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention_impl {requested!r}; choose one of {ATTENTION_IMPLS}")
+    platform = _platform(platform)
+    if requested in ("xla", "blockwise"):
+        return requested
+    portable = _portable(q_len, k_len, platform)
+    cudnn_no = _cudnn_refusal(q_len, k_len, platform, segments, padding, qk_dim, v_dim)
+    tokamax_no = _tokamax_refusal(q_len, k_len, platform, segments, padding)
+    if requested == "cudnn":
+        if cudnn_no is None:
+            return "cudnn"
+        _warn_once(f"attention_impl='cudnn' cannot serve {cudnn_no}; using {portable!r}")
+        return portable
+    if requested == "tokamax":
+        if tokamax_no is None:
+            return "tokamax"
+        _warn_once(f"attention_impl='tokamax' cannot serve: {tokamax_no}; using {portable!r}")
+        return portable
+    # auto
+    if platform == "gpu" and cudnn_no is None:
+        return "cudnn"
+    if platform in ("gpu", "tpu"):
+        if tokamax_no is None:
+            return "tokamax"
+        if not tokamax_available() and portable == "blockwise":
+            _warn_once(f"tokamax is not installed (pip install 'nnx-zoo[gpu]'): attention uses {portable!r}")
+    return portable
+
+
+# -------------------------------------------------------------------------------------------- the one dispatcher
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float,
+              impl: str = "auto", *, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+    """Attention of ``q [b, q, h, d_qk]`` over ``k [b, k, n, d_qk]`` and ``v [b, k, n, d_v]`` (``n`` divides
+    ``h``: GQA/MQA; ``d_v`` may differ from ``d_qk``: MLA) -> ``[b, q, h, d_v]``, run by ``impl``
+    (``ATTENTION_IMPLS``; ``auto`` and fallbacks as ``choose_attention_impl`` says).
+
+    ``mask``: an ``AttentionMask`` (every implementation), a dense boolean ``[b or 1, 1, q, k]`` array or None
+    (no mask at all; both only for ``xla``, which then runs whatever ``impl`` says). On a mesh the kernels run
+    inside ``shard_map`` over the activations' layout (queries may be split over the sequence; keys whole) and
+    return what the einsum path returns, laid out the same way. ``block_q`` / ``block_k``: blockwise's tiles.
+
+    >>> out = attention(q, k, v, causal_mask(seq, pad_mask), head_dim**-0.5, impl="blockwise")
+    """
+    if not isinstance(mask, AttentionMask):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention_impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+        return dot_product_attention(q, k, v, mask, scale)
+    q_len, k_len = q.shape[1], k.shape[1]
+    padding = mask.kv_valid is not None or not mask.static_start
+    chosen = choose_attention_impl(impl, q_len=q_len, k_len=k_len, segments=mask.segment_ids is not None,
+                                   padding=padding, qk_dim=q.shape[3], v_dim=v.shape[3])
+    if chosen in ("cudnn", "tokamax"):
+        refusal = _kernel_refusal_here(chosen, q)
+        if refusal is not None:
+            fallback = _portable(q_len, k_len, _platform(None))
+            if impl == chosen:  # asked for by name: say so; auto just takes the portable path
+                _warn_once(f"attention_impl={chosen!r} cannot serve {refusal}; using {fallback!r}")
+            chosen = fallback
+    if chosen == "xla":
+        return dot_product_attention(q, k, v, mask, scale)
+    local: Callable[..., jax.Array]
+    if chosen == "blockwise":
+        local = functools.partial(_blockwise_local, scale=scale, block_q=block_q, block_k=block_k)
+    elif chosen == "cudnn":
+        local = functools.partial(_cudnn_local, scale=scale)
+    else:
+        local = functools.partial(_tokamax_local, scale=scale)
+    return _merged_heads(_on_mesh(local, _grouped_queries(q, k, v), k, v, mask))
+
+
+def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
+    """What the chooser cannot see that stops a GPU/TPU kernel: the dtype, or queries split over devices
+    (each device's causal mask would need its own offset)."""
+    if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"{q.dtype} inputs (cuDNN flash attention takes bfloat16/float16)"
+    if _ambient_mesh() is not None and _axes(_activation_spec(_QUERY_SIDE, q.shape[:2])[1]):
+        return "queries split over the sequence (context parallelism)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------- the per-device kernels
+def _blockwise_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, block_q, block_k):
+    return blockwise_attention(q, k, v, scale=scale, q_offset=q_offset, kv_valid=kv_valid, q_segment_ids=q_seg,
+                               kv_segment_ids=kv_seg, block_q=block_q, block_k=block_k)
+
+
+def _flat_heads(q: jax.Array) -> jax.Array:
+    """Grouped ``[b, q, n, g, d]`` -> ``[b, q, n * g, d]`` (query head ``i`` uses key/value head ``i // g``)."""
+    return q.reshape(*q.shape[:2], q.shape[2] * q.shape[3], q.shape[4])
+
+
+def _cudnn_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
+    del q_offset, kv_valid, q_seg, kv_seg  # the chooser sent only causal, unpadded, one-document calls here
+    b, s, n, g, _ = q.shape
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # MLA: the public API wants value width == query width; zero columns add nothing
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))
+    out = jax.nn.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True, implementation="cudnn")
+    return out[..., :dv].reshape(b, s, n, g, dv)
+
+
+def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
+    del q_offset, kv_valid, q_seg, kv_seg  # causal, unpadded, one document (see _tokamax_refusal)
+    import tokamax  # optional; the chooser checked it is installed
+
+    b, s, n, g, _ = q.shape
+    kernels = ("mosaic", "triton") if _platform(None) == "gpu" else ("mosaic",)
+    out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True, implementation=kernels)
+    return out.reshape(b, s, n, g, v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------- under a mesh
+def _ambient_mesh() -> jax.sharding.AbstractMesh | None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def _axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+    """The layout ``names`` resolve to (as ``shard`` would place them), each dim kept on the longest prefix of its
+    mesh axes that divides it: ``shard_map`` needs whole shards (Auto meshes may otherwise pad)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = tuple(resolve_activation(names, shape))
+    entries = []
+    for dim, entry in zip(shape, spec + (None,) * (len(shape) - len(spec))):
+        kept: list[str] = []
+        for axis in _axes(entry):
+            if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
+                break
+            kept.append(axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*entries)
+
+
+def _on_mesh(local: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
+             mask: AttentionMask) -> jax.Array:
+    """``local(q, k, v, q_offset, kv_valid, q_segment_ids, kv_segment_ids) -> [b, q, n, g, d_v]`` on grouped
+    queries ``q [b, q, n, g, d]``, run on each device's block inside ``shard_map`` when a mesh is ambient.
+
+    Queries keep their layout (batch, sequence, heads split as the rules say), keys and values are whole along
+    the sequence (``activation_kv_length``). A device holding queries ``[start, start + local_q)`` of the
+    sequence passes ``q_offset + start`` to its kernel, so its causal mask is the global one."""
+    q_offset = jnp.asarray(mask.q_offset, jnp.int32)
+    masks = (mask.kv_valid, mask.query_segment_ids(q.shape[1]), mask.segment_ids)
+    mesh = _ambient_mesh()
+    if mesh is None:
+        return local(q, k, v, q_offset, *masks)
+    q_spec = _activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
+    kv_names = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
+    specs = [q_spec, _activation_spec(kv_names, k.shape), _activation_spec(kv_names, v.shape), PartitionSpec()]
+    mask_specs = [_activation_spec(_KEY_SIDE, masks[0].shape) if masks[0] is not None else None,
+                  PartitionSpec(*q_spec[:2]) if masks[1] is not None else None,
+                  _activation_spec(_KEY_SIDE, masks[2].shape) if masks[2] is not None else None]
+    present = [i for i, m in enumerate(masks) if m is not None]
+    args = [q, k, v, q_offset] + [masks[i] for i in present]
+    specs += [mask_specs[i] for i in present]
+    args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
+    length_axes = _axes(q_spec[1])
+    every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in _axes(e)))
+
+    def per_device(q, k, v, q_offset, *present_masks):
+        start = jax.lax.axis_index(length_axes) * q.shape[1] if length_axes else 0
+        local_masks = [None, None, None]
+        for i, m in zip(present, present_masks):
+            local_masks[i] = m
+        # Every input varies over every mesh axis in play, so the kernel's gradients (which do) have the
+        # inputs' types; shard_map then sums the key/value gradients over the devices that shared them.
+        q, k, v, *local_masks = (_varying(a, every_axis) for a in (q, k, v, *local_masks))
+        return local(q, k, v, _varying(q_offset + start, every_axis), *local_masks)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec)(*args)
+
+
+def _varying(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
+    """``a`` typed as varying over ``axes`` inside ``shard_map`` (those it does not vary over already)."""
+    if a is None:
+        return None
+    missing = tuple(x for x in axes if x not in jax.typeof(a).vma)
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped key/value heads (MHA, GQA, MQA) and rotate-half rope.
 
     ``num_kv_heads`` must divide ``num_heads`` (1 is multi-query attention); ``head_dim`` is free of
     ``features / num_heads``. ``use_bias`` adds biases to the q/k/v projections (HF ``attention_bias``; ``o_bias``
     defaults to the same), ``qk_norm`` RMS-normalizes each query and key head over ``head_dim`` before rope
-    (HF ``q_norm``/``k_norm``). The softmax scale is ``head_dim ** -0.5`` unless given.
+    (HF ``q_norm``/``k_norm``). The softmax scale is ``head_dim ** -0.5`` unless given. ``attention_impl``
+    picks the kernel (``ATTENTION_IMPLS``; see ``attention``).
 
     Weights carry logical names: ``q_proj`` ``("embed", "heads", "kv")``, ``k_proj``/``v_proj``
     ``("embed", "kv_heads", "kv")``, ``o_proj`` ``("heads", "kv", "embed")``. The output comes back in the
@@ -120,6 +441,7 @@ class Attention(nnx.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
         scale: float | None = None,
+        attention_impl: str = "auto",
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
@@ -129,7 +451,10 @@ class Attention(nnx.Module):
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must be a positive divisor of num_heads ({num_heads})")
         if head_dim % 2:
             raise ValueError(f"head_dim must be even (rope rotates pairs), got {head_dim}")
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attention_impl = attention_impl
         self.scale = head_dim**-0.5 if scale is None else float(scale)
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.q_proj = Linear(features, (num_heads, head_dim), kernel_names=("embed", "heads", "kv"),
@@ -146,13 +471,14 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> jax.Array:
-        """``x [b, s, embed]``, rope ``cos/sin [b or 1, s, head_dim / 2]``, boolean ``mask [b or 1, 1, s, s]``
-        (``causal_mask``) -> ``[b, s, embed]``."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 mask: AttentionMask | jax.Array | None) -> jax.Array:
+        """``x [b, s, embed]``, rope ``cos/sin [b or 1, s, head_dim / 2]``, ``mask`` (``causal_mask``; a dense
+        boolean ``[b or 1, 1, s, s]`` or None runs the einsum path) -> ``[b, s, embed]``."""
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)
         # Keys and values are gathered over the sequence (context parallelism keeps only queries split).
-        out = dot_product_attention(q, shard(k, _BKND), shard(v, _BKND), mask, self.scale)
+        out = attention(q, shard(k, _BKND), shard(v, _BKND), mask, self.scale, self.attention_impl)
         return restore_sharding(self.o_proj(shard(out, _BLHD), _BLE), in_sharding)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -164,15 +490,16 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin, interleaved=False), apply_rope(k, cos, sin, interleaved=False), v
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               start: jax.Array, mask: AttentionMask | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention for ``t`` new tokens ``x [b, t, embed]`` against one layer's cache.
 
         The new keys and values are written into ``k_cache``/``v_cache [b, max_len, kv_heads, head_dim]`` at
         slots ``start .. start + t``, ``start`` being the cache's ``length`` before ``KVCache.advance``, which
-        gives the rope positions behind ``cos``/``sin`` and ``mask [b, 1, t, max_len]``. Returns
+        gives the rope positions behind ``cos``/``sin`` and ``mask`` (``q_offset = start``, the valid slots).
+        Returns
         ``(out [b, t, embed], k_cache, v_cache)``."""
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)
         k_cache, v_cache = write_slots(k_cache, k, start), write_slots(v_cache, v, start)
-        out = dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask, self.scale)
+        out = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask, self.scale, self.attention_impl)
         return restore_sharding(self.o_proj(shard(out, _BLHD), _BLE), in_sharding), k_cache, v_cache

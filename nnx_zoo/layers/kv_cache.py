@@ -14,6 +14,7 @@ from typing import NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 
+from nnx_zoo.layers.attention_mask import AttentionMask
 from nnx_zoo.sharding import shard
 
 # Logical names: the cache is laid out like the keys and values it holds (batch split like activation_batch,
@@ -64,7 +65,7 @@ class KVCache(NamedTuple):
 
     def advance(self, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, KVCache]:
         """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next
-        ``t`` slots: ``(positions [batch, t], attention mask [batch, 1, t, max_len], cache)`` (see
+        ``t`` slots: ``(positions [batch, t], AttentionMask over the max_len slots, cache)`` (see
         ``advance_slots``). The keys and values are written per layer by ``Attention.decode``."""
         return advance_cache(self, token_mask)
 
@@ -86,7 +87,7 @@ def empty_slots(batch: int, max_len: int) -> dict[str, jax.Array]:
                 length=jnp.zeros((), jnp.int32))
 
 
-def advance_cache(cache: _Cache, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, _Cache]:
+def advance_cache(cache: _Cache, token_mask: jax.Array) -> tuple[jax.Array, AttentionMask, _Cache]:
     """``cache.advance`` of any cache NamedTuple with the slot fields ``valid``, ``next_position`` and ``length``:
     ``(positions, mask, cache)`` with the bookkeeping moved on by ``advance_slots``."""
     positions, mask, valid, next_position, length = advance_slots(
@@ -95,21 +96,20 @@ def advance_cache(cache: _Cache, token_mask: jax.Array) -> tuple[jax.Array, jax.
 
 
 def advance_slots(valid: jax.Array, next_position: jax.Array, length: jax.Array, token_mask: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, AttentionMask, jax.Array, jax.Array, jax.Array]:
     """The slot bookkeeping of a fixed-size cache for ``t`` new tokens per row (``token_mask [batch, t]``).
 
     Returns ``(positions, mask, valid, next_position, length)``: the rope position of each new token (padding
-    gets 0; it is never attended to), which slots each new token may attend to (``[batch, 1, t, max_len]``: real
-    tokens in earlier slots or its own), and the bookkeeping moved on by ``t`` slots.
+    gets 0; it is never attended to), which slots each new token may attend to (an ``AttentionMask`` with
+    ``q_offset = length``, the new tokens' first slot, and ``kv_valid`` the valid slots: real tokens in earlier
+    slots or its own), and the bookkeeping moved on by ``t`` slots.
     """
     token_mask = shard(token_mask.astype(bool), _SLOT_NAMES)
-    t, max_len = token_mask.shape[1], valid.shape[1]
+    t = token_mask.shape[1]
     positions = next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
     positions = jnp.where(token_mask, positions, 0)
     valid = jax.lax.dynamic_update_slice(valid, token_mask, (0, length))
-    query_slot = length + jnp.arange(t)
-    causal = jnp.arange(max_len)[None, :] <= query_slot[:, None]  # [t, max_len]
-    mask = causal[None, None] & valid[:, None, None, :]
+    mask = AttentionMask(q_offset=length, kv_valid=valid)
     next_position = next_position + jnp.sum(token_mask, axis=1, dtype=jnp.int32)
     return positions, mask, valid, next_position, length + t
 

@@ -88,8 +88,9 @@ def batch_split(
     Micro-batch ``j`` holds rows ``j, j + factor, j + 2 factor, ...``: splitting ``[B, ...]`` as
     ``[B / factor, factor, ...]`` keeps each device's rows on it (the batch dim keeps its sharding, whatever mesh
     axes the rules gave it), so no collective is needed to split or merge. The micro-batches are independent
-    calls, unrolled, so XLA may overlap one's compute with the next one's collectives. Arguments whose leading
-    dim is the batch are split too; others (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped
+    calls, unrolled, so XLA may overlap one's compute with the next one's collectives. Arguments (and the leaves
+    of pytree arguments, such as an ``AttentionMask``) whose leading dim is the batch are split too; others
+    (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped
     like ``x``) and the leaves of ``aux`` with a leading batch dim are put back in order; scalar leaves of ``aux``
     are summed. ``y`` leaves with exactly ``x``'s sharding (``restore_sharding``). ``factor=1`` calls ``fn``.
     """
@@ -115,7 +116,12 @@ def batch_split(
         a = jnp.reshape(a, (batch // factor, factor) + a.shape[1:], out_sharding=spec)
         return [jax.lax.index_in_dim(a, j, axis=1, keepdims=False) for j in range(factor)]
 
-    pieces = [split(a) for a in (x, *args)]
+    def split_tree(tree: Any) -> list[Any]:  # an argument may be a pytree (an AttentionMask): split each leaf
+        leaves, treedef = jax.tree.flatten(tree)
+        per_leaf = [split(leaf) for leaf in leaves]
+        return [jax.tree.unflatten(treedef, [p[j] for p in per_leaf]) for j in range(factor)]
+
+    pieces = [split_tree(a) for a in (x, *args)]
     outs = [fn(*(p[j] for p in pieces)) for j in range(factor)]
 
     def merge(*leaves: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_zoo.hf import KeyTable, SafetensorsCheckpoint, load_module, save_module
-from nnx_zoo.layers.attention import Attention, causal_mask
+from nnx_zoo.layers.attention import Attention, AttentionMask, causal_mask
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.kv_cache import KVCache
 from nnx_zoo.layers.linear import Linear
@@ -67,17 +67,18 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                               head_dim=c.head_dim, use_bias=c.attention_bias, qk_norm=c.QK_NORM,
-                              norm_eps=c.rms_norm_eps, kernel_init=init, rngs=rngs, **_dtypes(c))
+                              norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl, kernel_init=init, rngs=rngs,
+                              **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, kernel_init=init, rngs=rngs, **_dtypes(c))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> jax.Array:
-        """``x [batch, seq, embed]`` -> same shape; ``mask [batch or 1, 1, seq, seq]`` (``causal_mask``)."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None) -> jax.Array:
+        """``x [batch, seq, embed]`` -> same shape; ``mask``: ``causal_mask``'s."""
         h = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
         return shard(h + self.mlp(self.post_attn_norm(h)), _BLE)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The layer on ``t`` new tokens against this layer's cache (``Attention.decode``): ``(output, k_cache,
         v_cache)`` with the new keys and values written at slots ``start .. start + t``."""
         attn, k_cache, v_cache = self.attn.decode(self.input_norm(x), cos, sin, k_cache, v_cache, start, mask)

@@ -6,7 +6,7 @@ class keywords, its ``model_type``, its architecture name, whether its attention
 head (``qk_norm``), its presets (``cpu_presets`` gives the two small CPU ones every family has), the field values
 of its flagship size (which become the subclass's defaults) and constant HF keys; it may refuse HF settings it
 does not implement (``_hf_problems``). Fields after ``initializer_range`` are nnx_zoo's own (compute/parameter
-dtype, layer scanning, rematerialization) and are not written to HF.
+dtype, layer scanning, rematerialization, attention kernel) and are not written to HF.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
+from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling, rope_from_hf, rope_to_hf
 from nnx_zoo.layers.scan import REMAT_POLICIES
 
@@ -163,6 +164,8 @@ class DecoderConfig(FamilyConfig):
     param_dtype: str = "float32"  # storage dtype of parameters
     scan_layers: bool = True  # scan the layer stack (one compiled body); False unrolls it (debugging, same numbers)
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    attention_impl: str = "auto"  # 'auto' | 'xla' (einsum, the reference) | 'blockwise' (portable flash) | 'cudnn'
+    # | 'tokamax' (nnx_zoo.layers.attention.choose_attention_impl)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -198,7 +201,14 @@ class DecoderConfig(FamilyConfig):
                      f"{self.rope_scaling!r}")
         if self.remat_policy not in REMAT_POLICIES:
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         return p
+
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """``(query/key width, value width)`` of one attention head (both ``head_dim``)."""
+        return self.head_dim, self.head_dim
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod

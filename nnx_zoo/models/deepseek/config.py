@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
@@ -71,6 +72,8 @@ class DeepSeekV3Config(FamilyConfig):
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
     seq_aux_loss_alpha: float = 0.0  # weight of the sequence-wise balance loss (V3 paper eq. 17-20); 0 = off.
     # When > 0, model.forward(...) carries it as aux_loss, which the trainer adds to the loss.
+    attention_impl: str = "auto"  # MLA's attention kernel: 'auto' | 'xla' (einsum, the reference) | 'blockwise'
+    # (portable flash) | 'cudnn' | 'tokamax' (nnx_zoo.layers.attention.choose_attention_impl)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -127,6 +130,8 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"seq_aux_loss_alpha must be a number >= 0 (0 = off), got {self.seq_aux_loss_alpha!r}")
         if self.remat_policy not in REMAT_POLICIES:
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         return p
 
     def _moe_problems(self) -> list[str]:
@@ -159,6 +164,11 @@ class DeepSeekV3Config(FamilyConfig):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attention_head_dims(self) -> tuple[int, int]:
+        """``(query/key width, value width)`` of one attention head (192 and 128 in V3)."""
+        return self.qk_head_dim, self.v_head_dim
 
     @property
     def num_dense_layers(self) -> int:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_zoo.layers.attention import dot_product_attention
+from nnx_zoo.layers.attention import AttentionMask, attention, dense_mask
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope, yarn_softmax_multiplier
@@ -36,7 +36,9 @@ _LATENT_NORM_EPS = 1e-6  # HF's q_a / kv_a norms use the RMSNorm default, not rm
 
 class MLA(nnx.Module):
     """Multi-head Latent Attention. Call with ``x [batch, seq, embed]``, rope ``cos/sin [batch, seq, rope/2]``
-    and a boolean ``mask [batch or 1, 1, seq, seq]``; ``decode`` runs new tokens against a cache.
+    and a ``mask`` (``causal_mask``); ``decode`` runs new tokens against a cache. ``config.attention_impl``
+    picks the kernel of the full forward (``nnx_zoo.layers.attention.attention``; query/key width 192, value 128
+    in V3); ``decode`` keeps the absorbed einsum form (its scores are one row per new token: linear in the cache).
 
     >>> attn = MLA(DeepSeekV3Config.preset("deepseek3-mini"), rngs=nnx.Rngs(0))
     """
@@ -65,7 +67,8 @@ class MLA(nnx.Module):
                              use_bias=c.attention_bias, **kw)
         self.scale = c.qk_head_dim**-0.5 * yarn_softmax_multiplier(c.rope_scaling)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 mask: AttentionMask | jax.Array | None) -> jax.Array:
         c = self.config
         in_sharding = sharding_of(x)
         q_nope, q_rope = self._queries(x, cos, sin)
@@ -79,7 +82,7 @@ class MLA(nnx.Module):
         k = shard(jnp.concatenate([k_nope, k_rope], axis=-1), _BKHD)
         v = shard(v, _BKHD)
 
-        out = shard(dot_product_attention(q, k, v, mask, self.scale), _BLHD)
+        out = shard(attention(q, k, v, mask, self.scale, c.attention_impl), _BLHD)
         return restore_sharding(self.o_proj(out, _BLE), in_sharding)
 
     def _queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -101,11 +104,11 @@ class MLA(nnx.Module):
         return self.kv_a_norm(latent), k_rope
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
-               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               start: jax.Array, mask: AttentionMask | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention for ``t`` new tokens ``x [b, t, embed]`` against a cache, in the absorbed form.
 
         The new tokens' ``compress`` output is written into ``latent_cache [b, max_len, kv_lora]`` and
-        ``rope_cache [b, max_len, rope]`` at slots ``start .. start + t``; ``mask [b, 1, t, max_len]`` says
+        ``rope_cache [b, max_len, rope]`` at slots ``start .. start + t``; ``mask`` (``cache.advance``'s) says
         which slots each new token sees. Keys are never expanded per head: ``q_nope`` is taken through the key
         half of ``kv_b_proj`` (``q_nope . (W_k latent) = (W_k^T q_nope) . latent``), scores are taken against
         the cached latent, and the value half is applied after the attention-weighted sum of latents. Returns
@@ -122,7 +125,8 @@ class MLA(nnx.Module):
         q_latent = weight_einsum("bthn,chn->bthc", q_nope, w_k.astype(q_nope.dtype), _BLH_KV_LORA)
         scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent_cache.astype(q_latent.dtype))
                   + jnp.einsum("bthr,bsr->bhts", q_rope, rope_cache.astype(q_rope.dtype)))
-        scores = jnp.where(mask, scores * jnp.asarray(self.scale, scores.dtype), jnp.finfo(scores.dtype).min)
+        visible = dense_mask(mask, scores.shape[2], scores.shape[3])  # [b, 1, t, max_len]
+        scores = jnp.where(visible, scores * jnp.asarray(self.scale, scores.dtype), jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_latent.dtype)
         context = jnp.einsum("bhts,bsc->bthc", probs, latent_cache.astype(probs.dtype))
         out = shard(weight_einsum("bthc,chv->bthv", context, w_v.astype(context.dtype), _BLHD), _BLHD)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_zoo.layers.attention import causal_mask
+from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
@@ -81,14 +81,11 @@ class DecoderLayer(nnx.Module):
                 c.initializer_range), rngs=rngs, **_dtypes(c))
         self.is_moe = moe
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None) -> LayerOutput:
-        """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask [batch or 1, 1, seq, seq]`` (``causal_mask``)."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None) -> LayerOutput:
+        """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask``: ``causal_mask``'s."""
         x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
-        seq = x.shape[1]
         # A token is real (not padding) when it may attend to itself.
-        token_mask = (jnp.ones((1, seq), bool) if mask is None
-                      else jnp.any(mask[:, 0] & jnp.eye(seq, dtype=bool), axis=-1))
-        return self._feed_forward(x, token_mask)
+        return self._feed_forward(x, token_mask_of(mask, x.shape[1]))
 
     def _feed_forward(self, x: jax.Array, token_mask: jax.Array) -> LayerOutput:
         if not self.is_moe:
@@ -97,7 +94,7 @@ class DecoderLayer(nnx.Module):
         return LayerOutput(shard(x + moe.output, _BLE), moe.expert_indices, moe.dropped_tokens, moe.balance_loss)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
-               start: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The layer on ``t`` new tokens against this layer's cache (``MLA.decode``): ``(output, latent_cache,
         rope_cache)`` with the new tokens written at slots ``start .. start + t``."""
         attn, latent_cache, rope_cache = self.attn.decode(self.input_norm(x), cos, sin, latent_cache, rope_cache,
@@ -105,13 +102,13 @@ class DecoderLayer(nnx.Module):
         out = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
         return out.hidden, latent_cache, rope_cache
 
-    def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, factor: int
+    def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, factor: int
                     ) -> LayerOutput:
         """``self(x, cos, sin, mask)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same output
         (dropless), the hidden state with exactly ``x``'s sharding; dropped pairs are summed over micro-batches."""
         layer = gathered_over_fsdp(self) if factor > 1 else self  # one gather for all micro-batches
 
-        def run(h: jax.Array, m: jax.Array | None) -> tuple[jax.Array, tuple[Any, ...]]:
+        def run(h: jax.Array, m: AttentionMask | None) -> tuple[jax.Array, tuple[Any, ...]]:
             out = layer(h, cos, sin, m)
             return out.hidden, tuple(out[1:])
 
@@ -139,7 +136,7 @@ class MTPHead(nnx.Module):
         self.final_norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
 
     def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
-                 mask: jax.Array | None) -> jax.Array:
+                 mask: AttentionMask | None) -> jax.Array:
         joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
         out = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
         return self.final_norm(out.hidden)
