@@ -149,6 +149,10 @@ def _tiled(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tile: int, ch
     chunk = chunk or max(_MIN_CHUNK_ELEMENTS, m * max(k, n)) // (k * n)
     chunk = max(1, min(bound, chunk))
     num_tiles = -(-bound // chunk) * chunk
+    # Inside jax.shard_map, both operands enter the custom_vjp varying over the same mesh axes: the weight
+    # gradient of this shard's rows then is a valid cotangent, and JAX's own transpose of this widening sums it
+    # over the shards (a weight replicated over the token shards gets the total).
+    lhs, rhs = _varying_like(lhs, rhs), _varying_like(rhs, lhs)
     return _tiled_vjp(lhs, rhs, group_sizes, tile, chunk, num_tiles, out_dtype)
 
 
@@ -225,10 +229,18 @@ def _tiled_backward(tile, chunk, num_tiles, out_dtype, residuals, dout):
         drhs = drhs.at[tile_group].add(dw)
         return drhs, dx.astype(lhs.dtype).reshape(chunk * tile, k)
 
-    drhs = jnp.zeros(rhs.shape, jnp.float32)
+    drhs = _varying_like(jnp.zeros(rhs.shape, jnp.float32), rhs, dout)  # the scan carry: the type of rhs
     drhs, dx = jax.lax.scan(step, drhs, _chunks(layout, chunk, tile))
     dlhs = _gather_rows(dx.reshape(num_tiles * tile, k), layout.dest)
     return dlhs, drhs.astype(rhs.dtype), None  # None: group_sizes (integers) get no gradient
+
+
+def _varying_like(init: jax.Array, *operands: jax.Array) -> jax.Array:
+    """``init`` typed as varying over every manual mesh axis that one of ``operands`` varies over (inside
+    ``jax.shard_map``; elsewhere the same values and type): adding a zero summed from each operand gives ``init``
+    their axes on any jax version (the sums are over empty slices: XLA folds them away)."""
+    zero = sum(jnp.sum(a[:0], dtype=init.dtype) for a in operands)
+    return init + zero
 
 
 _tiled_vjp = jax.custom_vjp(_tiled_forward, nondiff_argnums=(3, 4, 5, 6))

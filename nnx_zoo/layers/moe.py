@@ -7,10 +7,12 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
 
 - ``dense`` runs every expert on every token and weights the results (zero for experts not chosen). It is the
   simple reference and fast for few experts on small inputs.
-- ``gmm`` sorts the ``T * k`` (token, expert) pairs by expert, runs ``jax.lax.ragged_dot`` over the contiguous
-  groups and scatters the results back. Under a mesh it runs inside ``jax.shard_map`` over the token axes, each
-  shard sorting its own tokens against all-gathered expert weights (FSDP-style; expert parallelism is a separate
-  path), because sorting and ``ragged_dot`` do not partition automatically under Explicit axes.
+- ``gmm`` sorts the ``T * k`` (token, expert) pairs by expert, runs a grouped matmul over the contiguous groups
+  (``nnx_zoo.layers.grouped_matmul``: a tiled portable path, ``jax.lax.ragged_dot``, or a tokamax / Pallas-Triton
+  kernel, picked by ``grouped_matmul_impl``) and scatters the results back. Under a mesh it runs inside
+  ``jax.shard_map`` over the token axes, each shard sorting its own tokens against all-gathered expert weights
+  (FSDP-style; expert parallelism is a separate path), because sorting and grouped matmuls do not partition
+  automatically under Explicit axes.
 - ``ep`` (expert parallelism) runs inside ``jax.shard_map`` over the mesh axes that the active rule set maps the
   logical name ``exp`` to (no mesh axis is named here). Each shard holds ``E / n_ep`` whole experts. XLA:CPU has
   no ``ragged_all_to_all``, so the dispatch is an all-gather of the tokens and their routing over the EP axes;
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from nnx_zoo.layers.grouped_matmul import grouped_matmul
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.spec import (
     ambient_mesh_or_none,
@@ -60,6 +63,8 @@ _WO_NAMES = ("exp", "moe_mlp", "embed_no_exp")
 class RoutedExperts(nnx.Module):
     """``num_experts`` SwiGLU experts, stacked: ``wi_gate``/``wi_up [E, embed, moe_mlp]``, ``wo [E, moe_mlp, embed]``.
 
+    ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``).
+
     >>> experts = RoutedExperts(8, 64, 32, rngs=nnx.Rngs(0))
     >>> idx, w = jnp.zeros((10, 2), jnp.int32), jnp.full((10, 2), 0.5)
     >>> experts(jnp.ones((10, 64)), idx, w, impl="gmm").shape
@@ -75,10 +80,12 @@ class RoutedExperts(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
+        grouped_matmul_impl: str = "auto",
         rngs: nnx.Rngs,
     ):
         self.num_experts = num_experts
         self.dtype = dtype
+        self.grouped_matmul_impl = grouped_matmul_impl
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)
@@ -139,7 +146,7 @@ class RoutedExperts(nnx.Module):
 
     def _gmm(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         wi_gate, wi_up, wo = self._weights()
-        local = _grouped_swiglu(self.num_experts)
+        local = _grouped_swiglu(self.num_experts, self.grouped_matmul_impl)
         mesh = ambient_mesh_or_none()
         if mesh is None:
             return local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
@@ -296,8 +303,8 @@ def _replicate(w: jax.Array) -> jax.Array:
     return shard(w, (None,) * w.ndim)
 
 
-def _grouped_swiglu(num_experts: int):
-    """The per-shard grouped-matmul expert computation (no collectives)."""
+def _grouped_swiglu(num_experts: int, impl: str = "auto"):
+    """The per-shard grouped-matmul expert computation (no collectives); ``impl``: ``grouped_matmul``'s."""
 
     def run(x, expert_idx, weights, wi_gate, wi_up, wo):
         num_tokens, k = expert_idx.shape
@@ -305,9 +312,9 @@ def _grouped_swiglu(num_experts: int):
         order = jnp.argsort(flat_expert, stable=True)  # (token, slot) pairs grouped by expert
         rows = x[order // k]
         group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(rows, wi_gate, group_sizes)
-        up = jax.lax.ragged_dot(rows, wi_up, group_sizes)
-        out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes)
+        gate = grouped_matmul(rows, wi_gate, group_sizes, impl=impl)
+        up = grouped_matmul(rows, wi_up, group_sizes, impl=impl)
+        out_sorted = grouped_matmul(jax.nn.silu(gate) * up, wo, group_sizes, impl=impl)
         out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
         return out.reshape(num_tokens, k, -1).sum(axis=1)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
+from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
@@ -63,9 +64,12 @@ class DeepSeekV3Config(FamilyConfig):
     # ---- nnx_zoo only ----
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of parameters
-    moe_impl: str = "auto"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + ragged_dot;
+    moe_impl: str = "auto"  # 'dense': every expert on every token (small-scale reference); 'gmm': sort + grouped
+    # matmul (grouped_matmul_impl below);
     # 'ep': expert parallelism over the mesh axes the rules map 'exp' to (falls back to 'gmm' without them);
     # 'auto': the measured fastest of dense/gmm on the backend (nnx_zoo.layers.moe.default_moe_impl)
+    grouped_matmul_impl: str = "auto"  # the gmm path's grouped matmul: 'auto' | 'tiled' (portable) | 'xla'
+    # (jax.lax.ragged_dot) | 'tokamax' | 'pallas_triton' (nnx_zoo.layers.grouped_matmul.choose_grouped_matmul_impl)
     moe_capacity_factor: float | None = None  # 'ep': <= ceil(cf * tokens * k / E) tokens per expert; None: dropless
     batch_split_factor: int = 1  # split each MoE layer's batch into this many micro-batches (1 = off)
     scan_layers: bool = True  # scan each layer stack (one compiled body); False unrolls it (debugging, same numbers)
@@ -117,6 +121,8 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"rope_scaling must be None, a YarnScaling or an HF rope dict, got {self.rope_scaling!r}")
         if self.moe_impl not in MOE_IMPLS:
             p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.grouped_matmul_impl not in GROUPED_MATMUL_IMPLS:
+            p.append(f"grouped_matmul_impl must be one of {GROUPED_MATMUL_IMPLS}, got {self.grouped_matmul_impl!r}")
         if self.moe_capacity_factor is not None:
             if not isinstance(self.moe_capacity_factor, (int, float)) or not self.moe_capacity_factor > 0:
                 p.append(f"moe_capacity_factor must be a positive number or None (dropless), got "

@@ -124,7 +124,8 @@ class DeepSeekMoE(nnx.Module):
         self.e_score_correction_bias = RouterBias(
             jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
         )
-        self.experts = RoutedExperts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, **kw)
+        self.experts = RoutedExperts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
+                                     grouped_matmul_impl=c.grouped_matmul_impl, **kw)
         if c.n_shared_experts:
             self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, **kw)
         else:
