@@ -18,7 +18,7 @@ A family is a subclass naming its config class and its HF key table (``nnx_zoo.m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
@@ -99,19 +99,27 @@ class CausalLMOutput(NamedTuple):
     expert received; ``dropped_tokens [moe_layers]`` int32 (``with_expert_load``): pairs dropped over capacity.
     ``aux_loss`` (scalar): the model's own training loss term (e.g. a sequence-wise balance loss, already
     weighted, a mean over the sequences holding a real token), computed whenever the config turns it on.
+    ``final_hidden [batch, seq, embed]``: the final normed hidden state, the output head's input, always.
+    ``mtp_hidden [depth, batch, seq, embed]`` (``with_mtp``): each MTP depth's normed hidden state, the head's
+    input for ``mtp_logits``. With ``with_logits=False`` ``logits`` and ``mtp_logits`` are None (not computed):
+    a trainer applies ``model.output_head()`` to these in chunks (``nnx_zoo.train.loss``).
 
     >>> out = model.forward(ids, mask, with_hidden_states=True)
     >>> out.logits.shape, out.hidden_states.shape, out.mtp_logits
     ((2, 16, 256), (3, 2, 16, 128), None)
+    >>> model.forward(ids, mask, with_logits=False).final_hidden.shape
+    (2, 16, 128)
     """
 
-    logits: jax.Array
+    logits: jax.Array | None
     hidden_states: jax.Array | None = None
     mtp_logits: jax.Array | None = None
     expert_indices: jax.Array | None = None
     expert_load: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
     aux_loss: jax.Array | None = None
+    final_hidden: jax.Array | None = None
+    mtp_hidden: jax.Array | None = None
 
 
 class CausalLMBase(nnx.Module):
@@ -166,22 +174,59 @@ class CausalLMBase(nnx.Module):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False) -> CausalLMOutput:
-        """The forward pass with the outputs asked for, as one ``CausalLMOutput`` (see there for each field)."""
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+        """The forward pass with the outputs asked for, as one ``CausalLMOutput`` (see there for each field).
+        ``with_logits=False``: no output head (``logits``, ``mtp_logits`` None); ``final_hidden`` (and
+        ``mtp_hidden``) are its inputs, for ``output_head()``."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
+
+    @contextlib.contextmanager
+    def sharding_scope(self) -> Iterator[None]:
+        """The model's rules (and, with no ambient mesh, its parameters' mesh) in force, as inside ``forward``:
+        for code that lays out the model's activations outside ``forward`` (the trainer's chunked loss).
+
+        >>> with model.sharding_scope():
+        ...     spec = resolve_activation(("activation_batch", "activation_length"), (8, 128))
+        """
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            yield
+
+    def output_head(self) -> Callable[[jax.Array], jax.Array]:
+        """The output head as a function ``hidden [..., batch, seq, embed] -> logits [..., batch, seq, vocab]``
+        (``forward``'s ``final_hidden`` / ``mtp_hidden`` in, its ``logits`` / ``mtp_logits`` out), the weight
+        gathered over its FSDP axes once here: call ``output_head()`` once per step and apply the function to as
+        many token chunks as you like (one gather, and under Explicit meshes one gradient reduction, for all).
+
+        >>> out = model.forward(ids, with_logits=False)
+        >>> head = model.output_head()
+        >>> logits = head(out.final_hidden[:, :64])   # the first 64 positions' logits
+        """
+        with self.sharding_scope():
+            # Tied: the embedding table (``Embed.attend``); gathered like the untied head (see ``_logits``).
+            head = gathered_over_fsdp(self.embed if self.lm_head is None else self.lm_head)
+
+        def apply(hidden: jax.Array) -> jax.Array:
+            with self.sharding_scope():
+                return self._logits(hidden, head=head)
+
+        return apply
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
 
-    def _logits(self, hidden: jax.Array) -> jax.Array:
+    def _logits(self, hidden: jax.Array, head: Embed | Linear | None = None) -> jax.Array:
         """The output head's logits for ``hidden [..., batch, seq, embed]`` (leading dims, e.g. the main model and
-        its MTP depths stacked, share one head matmul)."""
-        if self.lm_head is None:
+        its MTP depths stacked, share one head matmul). ``head``: the head module already gathered
+        (``output_head``); by default ``lm_head`` gathered here, or the embedding table when tied."""
+        if head is None and self.lm_head is None:
             return self.embed.attend(hidden)
+        if isinstance(head, Embed):
+            return head.attend(hidden)
         # Gathered over its FSDP axes once and, under Explicit meshes, typed reduced over the token axes: its
         # gradient is reduced over all of them in one step (a reduce-scatter over the gathered axes). Reduced by
         # the dot, it was all-reduced whole over the axes it is not stored on first (ep-as-cp: the sequence's).
-        return gathered_over_fsdp(self.lm_head)(hidden, (None,) * (hidden.ndim - 3) + _BLV)
+        head = gathered_over_fsdp(self.lm_head) if head is None else head
+        return head(hidden, (None,) * (hidden.ndim - 3) + _BLV)
 
     def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
@@ -298,10 +343,11 @@ class CausalLM(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False) -> CausalLMOutput:
-        """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits``, and
-        ``hidden_states`` with ``with_hidden_states``. A dense model has no experts (``expert_load``,
-        ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss; ``with_mtp`` is an error (no MTP heads).
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+        """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits`` (None with
+        ``with_logits=False``), ``final_hidden``, and ``hidden_states`` with ``with_hidden_states``. A dense model
+        has no experts (``expert_load``, ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss;
+        ``with_mtp`` is an error (no MTP heads).
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
         if with_mtp:
@@ -323,7 +369,8 @@ class CausalLM(CausalLMBase):
             final_hidden = self.norm(h)
             hidden_states = (stack_hidden_states(embeddings, layer_outputs, final_hidden) if with_hidden_states
                              else None)
-            return CausalLMOutput(logits=self._logits(final_hidden), hidden_states=hidden_states)
+            return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
+                                  hidden_states=hidden_states, final_hidden=final_hidden)
 
     # ---- generation: a fixed-size KVCache ----
     def init_cache(self, batch: int, max_len: int) -> KVCache:

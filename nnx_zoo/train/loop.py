@@ -51,6 +51,10 @@ class TrainConfig:
     mtp_weight: float = 0.3
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
     routing_bias_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off
+    # Tokens per device whose logits the output head + cross-entropy computes at a time (nnx_zoo.train.loss
+    # chunked_head_cross_entropy): None = chunks of at most 512 MiB of float32 logits (a batch that fits is one
+    # chunk: no recompute), 0 = the whole micro-batch at once. Same loss and gradients either way.
+    loss_chunk_tokens: int | None = None
     log_every: int = 1
     checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal
     keep_checkpoints: int = 3
@@ -83,6 +87,8 @@ class TrainConfig:
             problems.append(f"routing_bias_rate must be >= 0, got {self.routing_bias_rate}")
         if self.mtp_weight < 0:
             problems.append(f"mtp_weight must be >= 0, got {self.mtp_weight}")
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            problems.append(f"loss_chunk_tokens must be >= 0 (0: no chunking) or None, got {self.loss_chunk_tokens}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
         if self.peak_flops_per_device is not None and not 0 < self.peak_flops_per_device < math.inf:
@@ -277,7 +283,7 @@ def train(
 
     step_fn = _pinned_step(state, rules, config.allow_partial, accum_steps=config.accum_steps,
                            mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
-                           routing_bias_rate=config.routing_bias_rate)
+                           routing_bias_rate=config.routing_bias_rate, loss_chunk_tokens=config.loss_chunk_tokens)
     peak, peak_source = peak_flops_per_device(config.peak_flops_per_device)
     summary.update(peak_flops_per_device=peak, peak_source=peak_source)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)

@@ -2,11 +2,14 @@
 
 Works for any model that meets the causal-LM contract (``docs/causal_lm.md``): ``model.forward(input_ids,
 attention_mask=None, *, segment_ids=None, **model_kwargs)`` returns one object with ``logits [batch, seq, vocab]``
-and the aux fields (None when not computed). A model without ``forward`` is called as ``model(input_ids,
-attention_mask)`` and its result taken as the logits. When the output carries ``mtp_logits`` (a sequence whose
-k-th entry predicts the token ``k + 2`` places ahead) the multi-token-prediction loss is added with
-``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise balance loss, already weighted by the model, and a
-mean over the sequences holding a real token) is added as is; an ``expert_load`` is summed into the metrics.
+and the aux fields (None when not computed). A model with ``output_head()`` (every ``CausalLMBase``) is asked for
+its final hidden states instead (``with_logits=False``) and the head runs with the cross-entropy in chunks of
+tokens (``chunked_head_cross_entropy``, ``loss_chunk_tokens``): no float32 logits of the whole batch. A model
+without ``forward`` is called as ``model(input_ids, attention_mask)`` and its result taken as the logits. When the
+output carries ``mtp_logits`` or ``mtp_hidden`` (a sequence whose k-th entry predicts the token ``k + 2`` places
+ahead) the multi-token-prediction loss is added with ``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise
+balance loss, already weighted by the model, and a mean over the sequences holding a real token) is added as is;
+an ``expert_load`` is summed into the metrics.
 
 With gradient accumulation every term stays a mean over the whole step: the cross-entropy and each MTP head's loss
 over all of the step's tokens, the aux loss over all of its real sequences (``step_counts``), so ``accum_steps``
@@ -24,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.sharding import shard_mode_of
-from nnx_zoo.train.loss import token_cross_entropy
+from nnx_zoo.train.loss import chunked_head_cross_entropy, token_cross_entropy
 
 Batch = dict[str, jax.Array]
 
@@ -82,9 +85,42 @@ def model_outputs(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str
     return forward(batch["input_ids"], attention_mask=batch.get("attention_mask"), **kwargs)
 
 
+def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, Any], ...] = (),
+                loss_chunk_tokens: int | None = None) -> tuple[Any, list[tuple[jax.Array, jax.Array]]]:
+    """The model's outputs on ``batch`` and each head's (summed cross-entropy, loss tokens): the main head's
+    first, then MTP depth ``k``'s against the targets shifted left by ``k`` (targets and mask are shifted, not the
+    logits: the same sum, and only small integer arrays move).
+
+    A model with ``output_head()`` gives its final hidden states (``with_logits=False``) and the head runs with
+    the loss in chunks (``chunked_head_cross_entropy``; ``loss_chunk_tokens`` as its ``chunk_tokens``): the main
+    and MTP hidden states stacked, one head matmul per chunk. Otherwise the model's logits go to
+    ``token_cross_entropy``.
+    """
+    output_head = getattr(model, "output_head", None)
+    if output_head is not None:
+        model_kwargs = (*model_kwargs, ("with_logits", False))
+    out = model_outputs(model, batch, model_kwargs)
+    depth_outputs = getattr(out, "mtp_hidden" if output_head is not None else "mtp_logits", None)
+    depth = 0 if depth_outputs is None else depth_outputs.shape[0]
+    targets = [shift_left(batch["targets"], k) if k else batch["targets"] for k in range(depth + 1)]
+    masks = [shift_left(batch["loss_mask"], k) if k else batch["loss_mask"] for k in range(depth + 1)]
+    if output_head is None:
+        logits = [out.logits, *(() if depth_outputs is None else depth_outputs)]
+        return out, [token_cross_entropy(lg, t, m) for lg, t, m in zip(logits, targets, masks, strict=True)]
+    head = output_head()  # its weight gathered once for every chunk and depth
+    hidden = out.final_hidden if depth == 0 else jnp.concatenate([out.final_hidden[None], depth_outputs])
+    stack = (lambda xs: xs[0]) if depth == 0 else jnp.stack
+    with model.sharding_scope():
+        sums, tokens = chunked_head_cross_entropy(hidden, head, stack(targets), stack(masks),
+                                                  chunk_tokens=loss_chunk_tokens)
+    if depth == 0:
+        return out, [(sums, tokens)]
+    return out, [(sums[k], tokens[k]) for k in range(depth + 1)]
+
+
 def loss_terms(
     model: nnx.Module, batch: Batch, mtp_weight: float, model_kwargs: tuple[tuple[str, Any], ...] = (),
-    counts: dict[str, jax.Array] | None = None,
+    counts: dict[str, jax.Array] | None = None, loss_chunk_tokens: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the step's loss, times the step's token count, and its summed metrics.
 
@@ -92,24 +128,19 @@ def loss_terms(
     mean over MTP heads of each head's per-token loss over all of the step's tokens for that head, plus the
     ``aux_loss`` as a mean over all of the step's real sequences. ``counts`` (``step_counts`` of the whole batch)
     are those totals; without them this micro-batch is the whole step. Summing the shares of all micro-batches and
-    dividing by ``counts["tokens"]`` gives exactly the loss of one step on the whole batch.
+    dividing by ``counts["tokens"]`` gives exactly the loss of one step on the whole batch. ``loss_chunk_tokens``:
+    see ``head_losses``.
     """
-    out = model_outputs(model, batch, model_kwargs)
-    ce_sum, tokens = token_cross_entropy(out.logits, batch["targets"], batch["loss_mask"])
+    out, losses = head_losses(model, batch, model_kwargs, loss_chunk_tokens)
+    (ce_sum, tokens), mtp_losses = losses[0], losses[1:]
     step_tokens = tokens if counts is None else counts["tokens"]
     total = ce_sum
     metrics = {"ce_sum": ce_sum, "tokens": tokens}
-    mtp_logits = getattr(out, "mtp_logits", None)
-    mtp_logits = () if mtp_logits is None else mtp_logits
-    for k, head_logits in enumerate(mtp_logits):
+    for k, (mtp_sum, mtp_tokens) in enumerate(mtp_losses):
         shift = k + 1  # head k predicts targets[t + shift]
-        # Targets and mask are shifted, not the logits: the same sum, and only small integer arrays move.
-        mtp_sum, mtp_tokens = token_cross_entropy(
-            head_logits, shift_left(batch["targets"], shift), shift_left(batch["loss_mask"], shift)
-        )
         head_tokens = mtp_tokens if counts is None else counts[f"mtp{shift}_tokens"]
         # Scale so that the MTP term is mtp_weight * (mean over heads of the per-token MTP loss).
-        total = total + mtp_weight / len(mtp_logits) * mtp_sum * step_tokens / jnp.maximum(head_tokens, 1.0)
+        total = total + mtp_weight / len(mtp_losses) * mtp_sum * step_tokens / jnp.maximum(head_tokens, 1.0)
         metrics[f"mtp{shift}_sum"] = mtp_sum
         metrics[f"mtp{shift}_tokens"] = mtp_tokens
     expert_load = getattr(out, "expert_load", None)
@@ -145,14 +176,18 @@ def train_step(
     mtp_weight: float = 0.0,
     model_kwargs: tuple[tuple[str, Any], ...] = (),
     routing_bias_rate: float = 0.0,
+    loss_chunk_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One optimizer step over ``batch``, accumulating gradients over ``accum_steps`` micro-batches.
 
     ``model_kwargs`` (pairs, static) are passed to ``model.forward``, e.g. ``(("with_mtp", True),)``. Jit it with
-    ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs"))``; model and
-    optimizer are updated in place. When the model reports ``expert_load`` (MoE models called with
-    ``with_expert_load``) and ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the
-    optimizer update (DeepSeek's aux-loss-free balancing).
+    ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs", "loss_chunk_tokens"))``;
+    model and optimizer are updated in place. ``loss_chunk_tokens`` (static): tokens per device whose logits the
+    head + cross-entropy computes at a time (``chunked_head_cross_entropy``; None: at most
+    ``nnx_zoo.train.loss.DEFAULT_CHUNK_BYTES`` of float32 logits a chunk, 0: the whole micro-batch at once).
+    When the model reports ``expert_load`` (MoE models called with ``with_expert_load``) and
+    ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the optimizer update
+    (DeepSeek's aux-loss-free balancing).
     """
     # Differentiate only what the optimizer updates (e.g. LoRA adapters with ``wrt=LoRAParam``).
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
@@ -160,7 +195,8 @@ def train_step(
     micro_batches = split_microbatches(batch, accum_steps)
     first = jax.tree.map(lambda x: x[0], micro_batches)
     metric_shapes = jax.eval_shape(
-        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight, model_kwargs)[1], params)
+        lambda p: loss_terms(nnx.merge(graphdef, p, rest), first, mtp_weight, model_kwargs,
+                             loss_chunk_tokens=loss_chunk_tokens)[1], params)
     # Means over the whole step (all micro-batches), not means of micro-batch means.
     counts = step_counts(batch, sum(1 for name in metric_shapes if name.startswith("mtp") and name.endswith("_sum")))
 
@@ -168,7 +204,8 @@ def train_step(
         grad_acc, metric_acc = carry
 
         def summed_loss(p):
-            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight, model_kwargs, counts)
+            return loss_terms(nnx.merge(graphdef, p, rest), micro_batch, mtp_weight, model_kwargs, counts,
+                              loss_chunk_tokens)
 
         (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(params)
         return (jax.tree.map(jnp.add, grad_acc, grads), jax.tree.map(jnp.add, metric_acc, metrics)), None

@@ -211,7 +211,7 @@ class DeepSeekV3(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``; generation passes
         ``position_ids = cumsum(attention_mask) - 1``, as HF's ``generate`` does).
 
@@ -220,6 +220,8 @@ class DeepSeekV3(CausalLMBase):
         into DeepSeek's aux-loss-free balancing) and ``dropped_tokens``. ``with_routing``: ``expert_indices``.
         ``aux_loss`` is there whenever ``config.seq_aux_loss_alpha > 0``: the sequence-wise balance loss summed
         over the MoE layers (MTP heads excluded), averaged over the sequences holding a real token.
+        ``with_logits=False``: no output head; ``final_hidden`` (and with ``with_mtp`` ``mtp_hidden``) are its
+        inputs, for ``output_head()``.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
         if with_mtp and self.mtp_layers is None:
@@ -263,17 +265,20 @@ class DeepSeekV3(CausalLMBase):
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
                 hidden_states = stack_hidden_states(embeddings, layer_outputs, final_hidden)
-            if with_mtp:  # the main and MTP hidden states share one head matmul: one weight gradient to reduce
+            mtp_hidden = logits = mtp_logits = None
+            if with_mtp:
                 mtp_hidden = self._mtp(token_embeddings[1:], masks, segment_ids, final_hidden, run, positions)
-                logits = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))
+            if with_logits and with_mtp:  # the main and MTP hidden states share one head matmul: one weight
+                logits = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))  # gradient to reduce
                 logits, mtp_logits = logits[0], logits[1:]
-            else:
-                logits, mtp_logits = self._logits(final_hidden), None
+            elif with_logits:
+                logits = self._logits(final_hidden)
             return CausalLMOutput(
                 logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
                 aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
-                                                                                     attention_mask))
+                                                                                     attention_mask),
+                final_hidden=final_hidden, mtp_hidden=mtp_hidden)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
