@@ -4,6 +4,8 @@ Each section compiles ``jax.value_and_grad`` of a model's loss for one batch and
 ``compiled.memory_analysis()`` (``temp``: XLA's scratch for the step; ``arguments``: parameters and batch).
 Sections live in their own modules and are listed in ``SECTIONS``:
 
+- ``attention``, ``attention_cpu`` (``kernel_memory_attention.py``): the Llama-3.2-1B grad step at 1 x 4096 and
+  1 x 8192 per ``attention_impl``; and where ``auto`` switches from ``xla`` to ``blockwise`` on this CPU.
 - ``moe`` (``kernel_memory_moe.py``): the 4-layer DeepSeek-V2-Lite-shaped grad step at 1 x 2048, bf16, remat
   full: ``dense`` vs ``gmm`` with the tiled grouped matmul vs ``gmm`` with ``jax.lax.ragged_dot``.
 
@@ -12,19 +14,25 @@ Sections live in their own modules and are listed in ``SECTIONS``:
     python benchmarks/kernel_memory.py --quick         # smaller shapes (smoke run)
 """
 
-# NOTE for whoever owns the attention section: an uncommitted earlier version of this file (with the attention
-# section) was overwritten by mistake by the grouped-matmul work (2026-11-25 ~19:43 UTC). The MoE section now lives
-# in kernel_memory_moe.py; add the attention section back as an entry of SECTIONS.
-
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import _harness as h
+from kernel_memory_attention import (
+    attention_cpu_markdown,
+    attention_cpu_section,
+    attention_markdown,
+    attention_section,
+)
 from kernel_memory_moe import moe_markdown, moe_section
 
 SECTIONS = {  # name -> (run(quick, log) -> dict, markdown(dict) -> str)
+    "attention": (attention_section, attention_markdown),
+    "attention_cpu": (attention_cpu_section, attention_cpu_markdown),
     "moe": (moe_section, moe_markdown),
 }
 
@@ -41,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results = {name: SECTIONS[name][0](a.quick, log) for name in (a.sections or SECTIONS)}
+    previous = h.RESULTS_DIR / "kernel_memory.json" if a.out_dir is None else Path(a.out_dir) / "kernel_memory.json"
+    if a.sections and not a.quick and previous.exists():  # sections not run this time keep their last results
+        kept = json.loads(previous.read_text()).get("sections", {})
+        results = {name: results.get(name, kept.get(name)) for name in SECTIONS if name in results or name in kept}
     env = h.environment()
     md = "\n\n".join([f"# Kernel memory: XLA temp of AOT-compiled train steps on {env['backend']} (jax {env['jax']})",
                       *(SECTIONS[name][1](section) for name, section in results.items())])

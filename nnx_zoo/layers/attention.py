@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
+from nnx_zoo.layers import blockwise_attention as blockwise
 from nnx_zoo.layers.attention_mask import AttentionMask, causal_mask
-from nnx_zoo.layers.blockwise_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 from nnx_zoo.layers.kv_cache import write_slots
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
@@ -64,10 +64,12 @@ __all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "Attentio
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
 
-# auto on CPU: the einsum path while one head's scores (q_len * k_len float32) stay small, blockwise beyond.
-# Measured on this 2-core CPU (benchmarks/kernel_memory.py --cpu-speed, llama3-small-like shapes, fwd+bwd):
-# see CPU_XLA_MAX_SCORES' note in that benchmark's results. 2048 x 2048 scores = 16 MiB per head.
-CPU_XLA_MAX_SCORES = 2048 * 2048
+# auto on CPU: the einsum path while one head's scores (q_len * k_len) are at most 512 x 512, blockwise beyond.
+# Measured on this 2-core CPU (benchmarks/kernel_memory.py, section attention_cpu: one causal call, forward +
+# backward, 8 query / 2 key-value heads of width 32, float32): blockwise / xla = 0.83 at 512, 0.42 at 1024, 0.25
+# at 2048, 0.18 at 4096 (xla 12.0 s there). Up to 512 blockwise is a single tile, so nothing is gained, and the
+# CPU train-step benchmarks (sequences of 128) keep exactly the einsum program they had.
+CPU_XLA_MAX_SCORES = 512 * 512
 # auto on GPU/TPU: the einsum path only for a few queries (decoding: one score row per query, linear in the
 # cache), a kernel or blockwise otherwise.
 ACCELERATOR_XLA_MAX_QUERIES = 16
@@ -211,8 +213,9 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
     documents; ``padding``: invalid keys (left padding, unwritten cache slots) or a decode step's cache offset.
 
     ``auto``:
-      - CPU: ``xla`` while one head's scores ``q_len * k_len`` are at most ``CPU_XLA_MAX_SCORES`` (2048 x 2048,
-        measured: below it the einsum path is as fast or faster), ``blockwise`` beyond (memory linear).
+      - CPU: ``xla`` while one head's scores ``q_len * k_len`` are at most ``CPU_XLA_MAX_SCORES`` (512 x 512;
+        beyond it blockwise was measured faster: 0.42x the time at 1024, 0.18x at 4096), ``blockwise`` beyond
+        (memory linear in the sequence). Decoding (one query row per token) stays on ``xla``.
       - GPU: ``cudnn`` where it serves (causal, no padding or segments, head dims <= 256), else ``tokamax`` where
         installed and serving, else the portable path (``xla`` for <= 16 queries, e.g. decoding; ``blockwise``).
       - TPU: ``tokamax`` where installed and serving, else the portable path.
@@ -255,7 +258,7 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
 
 # -------------------------------------------------------------------------------------------- the one dispatcher
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float,
-              impl: str = "auto", *, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+              impl: str = "auto", *, block_q: int | None = None, block_k: int | None = None) -> jax.Array:
     """Attention of ``q [b, q, h, d_qk]`` over ``k [b, k, n, d_qk]`` and ``v [b, k, n, d_v]`` (``n`` divides
     ``h``: GQA/MQA; ``d_v`` may differ from ``d_qk``: MLA) -> ``[b, q, h, d_v]``, run by ``impl``
     (``ATTENTION_IMPLS``; ``auto`` and fallbacks as ``choose_attention_impl`` says).
@@ -263,7 +266,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
     ``mask``: an ``AttentionMask`` (every implementation), a dense boolean ``[b or 1, 1, q, k]`` array or None
     (no mask at all; both only for ``xla``, which then runs whatever ``impl`` says). On a mesh the kernels run
     inside ``shard_map`` over the activations' layout (queries may be split over the sequence; keys whole) and
-    return what the einsum path returns, laid out the same way. ``block_q`` / ``block_k``: blockwise's tiles.
+    return what the einsum path returns, laid out the same way. ``block_q`` / ``block_k``: blockwise's tiles
+    (default ``blockwise_attention.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``, read at call time).
 
     >>> out = attention(q, k, v, causal_mask(seq, pad_mask), head_dim**-0.5, impl="blockwise")
     """
@@ -286,7 +290,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
         return dot_product_attention(q, k, v, mask, scale)
     local: Callable[..., jax.Array]
     if chosen == "blockwise":
-        local = functools.partial(_blockwise_local, scale=scale, block_q=block_q, block_k=block_k)
+        local = functools.partial(_blockwise_local, scale=scale, block_q=block_q or blockwise.DEFAULT_BLOCK_Q,
+                                  block_k=block_k or blockwise.DEFAULT_BLOCK_K)
     elif chosen == "cudnn":
         local = functools.partial(_cudnn_local, scale=scale)
     else:
@@ -306,8 +311,9 @@ def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
 
 # ----------------------------------------------------------------------------------------- the per-device kernels
 def _blockwise_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, block_q, block_k):
-    return blockwise_attention(q, k, v, scale=scale, q_offset=q_offset, kv_valid=kv_valid, q_segment_ids=q_seg,
-                               kv_segment_ids=kv_seg, block_q=block_q, block_k=block_k)
+    return blockwise.blockwise_attention(q, k, v, scale=scale, q_offset=q_offset, kv_valid=kv_valid,
+                                         q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_q=block_q,
+                                         block_k=block_k)
 
 
 def _flat_heads(q: jax.Array) -> jax.Array:
