@@ -42,7 +42,8 @@ EXIT_CODES = """exit codes:
 """
 
 # Config fields that change how the model computes, not what: free to change when resuming a run.
-HOW_FIELDS = frozenset({"moe_impl", "batch_split_factor", "scan_layers", "remat_policy"})
+HOW_FIELDS = frozenset({"moe_impl", "grouped_matmul_impl", "attention_impl", "batch_split_factor", "scan_layers",
+                        "remat_policy"})
 
 
 class Entry(NamedTuple):
@@ -129,6 +130,9 @@ def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iter
                    "of any supported family, instead of a randomly initialized preset")
     hints = typing.get_type_hints(config_cls)
     fields = {f.name for f in dataclasses.fields(config_cls)}
+    if "attention_impl" in fields:
+        g.add_argument("--attention-impl", choices=("auto", "xla", "blockwise", "cudnn", "tokamax"),
+                       help="attention kernel (shortcut for --model.attention_impl; the run prints what 'auto' chose)")
     if "moe_impl" in fields:
         g.add_argument("--moe-impl", choices=("auto", "dense", "gmm", "ep"),
                        help="MoE compute path (shortcut for --model.moe_impl)")
@@ -331,6 +335,8 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {
         k.removeprefix("model__"): v for k, v in vars(args).items() if k.startswith("model__") and v is not None
     }
+    if getattr(args, "attention_impl", None):
+        overrides["attention_impl"] = args.attention_impl
     if getattr(args, "moe_impl", None):
         overrides["moe_impl"] = args.moe_impl
     if getattr(args, "remat", None):
@@ -461,6 +467,8 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
+    from nnx_zoo.layers.kernels import describe as describe_kernels
+    from nnx_zoo.layers.kernels import kernel_choices
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
@@ -473,6 +481,8 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     params = config.num_parameters()
     print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "
           f"({params.active / 1e6:.1f}M active), run dir {settings.run_dir}", file=sys.stderr)
+    kernels = describe_kernels(config, kernel_choices(config, seq_len=args.seq_len, segments=args.data != "synthetic"))
+    print(f"nnx_zoo: kernels: {kernels}", file=sys.stderr)
     structure, model_settings = model_definition(config)
     if source.pretrained is not None:  # where the starting weights came from is part of what the run is
         model_settings["from_pretrained"] = str(source.pretrained.resolve())
@@ -494,7 +504,7 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
               "--extend); to re-plan the schedule, add --override-settings instead; for a new run, use another "
               "--run-dir.")
         return EXIT_DONE
-    print_summary(summary, settings)
+    print_summary({**summary, "kernels": kernels}, settings)
     return EXIT_STOPPED if summary.get("stopped_by_signal") else EXIT_DONE
 
 
@@ -514,6 +524,8 @@ def print_summary(summary: dict[str, Any], config: Any) -> None:
         lines.append(f"last step: {last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device'] * 1e3:.3f} "
                      f"GFLOP/s per device" + (f", MFU {100 * mfu:.2f}%" if mfu is not None else ""))
     lines.append(f"peak per device: {summary['peak_flops_per_device'] / 1e9:.1f} GFLOP/s ({summary['peak_source']})")
+    if summary.get("kernels"):
+        lines.append(f"kernels: {summary['kernels']}")
     run_dir = Path(config.run_dir)
     lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; checkpoints: {run_dir / 'checkpoints'}")
     print("\n".join(lines))
