@@ -58,10 +58,13 @@ def grouped_matmul(
     """``out [m, n]`` with ``out[rows of group i] = lhs[rows of group i] @ rhs[i]``; rows sorted by group.
 
     ``lhs [m, k]``, ``rhs [g, k, n]``, ``group_sizes [g]`` (integers, ``sum <= m``; empty groups are fine).
-    ``preferred_element_type`` is the output dtype (default: ``lhs`` and ``rhs`` promoted); products are
-    accumulated in float32. ``tile`` sets the ``tiled`` path's row tile (default: ``default_tile(m, g)``) and
-    ``chunk`` its tiles per scan step (default: as many as keep the step's weight copies within the rows' size,
-    and all of them for small problems). ``group_sizes`` gets no gradient.
+    The products run in ``lhs``'s dtype: ``rhs`` may be stored wider (float32 master weights with bfloat16
+    activations) and is cast to it (the ``tiled`` path casts one chunk of tiles at a time, so no narrowed copy of
+    the whole ``rhs`` is made, and its gradient is accumulated in float32 and returned in ``rhs``'s dtype).
+    Products are accumulated in float32; ``preferred_element_type`` is the output dtype (default ``lhs``'s).
+    ``tile`` sets the ``tiled`` path's row tile (default: ``default_tile(m, g)``) and ``chunk`` its tiles per scan
+    step (default: as many as keep the step's weight copies within the rows' size, and all of them for small
+    problems). ``group_sizes`` gets no gradient.
 
     >>> x, w = jnp.ones((5, 8)), jnp.ones((2, 8, 3))
     >>> grouped_matmul(x, w, jnp.array([3, 2]), impl="tiled")[:, 0]
@@ -72,12 +75,13 @@ def grouped_matmul(
                          f"{rhs.shape}, {group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integers, got {group_sizes.dtype}")
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = jax.lax.stop_gradient(group_sizes).astype(jnp.int32)
     impl = choose_grouped_matmul_impl(impl)
     if impl == "tiled":
         tile = tile or default_tile(lhs.shape[0], rhs.shape[0])
         return _tiled(lhs, rhs, group_sizes, tile, chunk, out_dtype)
+    rhs = rhs.astype(lhs.dtype)
     if impl == "tokamax":
         tokamax = _import_tokamax()
         return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
@@ -205,7 +209,7 @@ def _tiled_forward(lhs, rhs, group_sizes, tile, chunk, num_tiles, out_dtype):
     def step(carry, inputs):
         source, tile_group = inputs
         x = _gather_rows(lhs, source).reshape(chunk, tile, k)  # c: tiles of this chunk, t: rows of a tile
-        w = rhs[tile_group]  # [c, k, n]: each tile's group weight
+        w = rhs[tile_group].astype(lhs.dtype)  # [c, k, n]: each tile's group weight, in the compute dtype
         y = jnp.einsum("ctk,ckn->ctn", x, w, preferred_element_type=jnp.float32)
         return carry, y.astype(out_dtype).reshape(chunk * tile, -1)
 
@@ -222,7 +226,7 @@ def _tiled_backward(tile, chunk, num_tiles, out_dtype, residuals, dout):
         source, tile_group = inputs
         x = _gather_rows(lhs, source).reshape(chunk, tile, k)
         dy = _gather_rows(dout, source).reshape(chunk, tile, -1)
-        w = rhs[tile_group]  # [c, k, n]
+        w = rhs[tile_group].astype(lhs.dtype)  # [c, k, n]
         dx = jnp.einsum("ctn,ckn->ctk", dy, w, preferred_element_type=jnp.float32)
         # Each tile's weight-gradient term; tiles of one group are summed by the scatter-add.
         dw = jnp.einsum("ctk,ctn->ckn", x, dy, preferred_element_type=jnp.float32)

@@ -112,6 +112,22 @@ def test_bfloat16_accumulates_in_float32():
     assert out.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("impl", ["tiled", "xla"])
+def test_float32_weights_with_bfloat16_rows_compute_in_bfloat16(impl):
+    """float32 master weights, bfloat16 activations: the product is the one of the weights cast to bfloat16 (the
+    tiled path casts chunk by chunk), the output is bfloat16, the weights' gradient float32."""
+    lhs, rhs = _operands(40, 3)
+    lhs = lhs.astype(jnp.bfloat16)
+    sizes = jnp.array([17, 0, 23], jnp.int32)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl=impl, tile=8, chunk=2), lhs, rhs)
+    cotangent = jax.random.normal(jax.random.key(3), out.shape).astype(jnp.bfloat16)
+    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b.astype(jnp.bfloat16), sizes), lhs, rhs)
+    assert out.dtype == jnp.bfloat16 and vjp(cotangent)[1].dtype == jnp.float32
+    for g, w in zip((out, *vjp(cotangent)), (want, *want_vjp(cotangent))):
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
+
+
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.int64, jnp.uint8])
 def test_group_sizes_take_any_integer_type_and_get_no_gradient(dtype):
     lhs, rhs = _operands(6, 2)
