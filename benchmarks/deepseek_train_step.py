@@ -3,7 +3,9 @@
 Part 1, the whole step: forward + backward of the mean next-token cross-entropy over all parameters, float32,
 same config and same batch, tokens/s = batch * seq / seconds per step. Contenders:
   jax-dense   nnx_zoo, moe_impl='dense' (every expert on every token)
-  jax-gmm     nnx_zoo, moe_impl='gmm' (sort + jax.lax.ragged_dot)
+  jax-gmm     nnx_zoo, moe_impl='gmm' with grouped_matmul_impl='tiled' (sort, then row tiles of one expert
+              each, batched einsums, custom-vjp backward: nnx_zoo.layers.grouped_matmul)
+  jax-gmm-ragged  nnx_zoo, moe_impl='gmm' with grouped_matmul_impl='xla' (jax.lax.ragged_dot)
   jax-tiled   nnx_zoo with RoutedExperts' gmm path replaced, inside this script only, by a prototype dropless
               grouped matmul built from batched einsums over fixed-size row tiles (see moe_kernels.py)
   torch-Nt    transformers DeepseekV3ForCausalLM built from `config.to_hf_dict()`, torch.set_num_threads(N)
@@ -75,11 +77,12 @@ def tiled_gmm_patch():
 
 
 # ------------------------------------------------------------------------------------------------------ JAX steps
-# name -> (config.moe_impl, patch context)
+# name -> (config overrides, patch context)
 JAX_IMPLS = {
-    "jax-dense": ("dense", contextlib.nullcontext),
-    "jax-gmm": ("gmm", contextlib.nullcontext),
-    "jax-tiled": ("gmm", tiled_gmm_patch),
+    "jax-dense": ({"moe_impl": "dense"}, contextlib.nullcontext),
+    "jax-gmm": ({"moe_impl": "gmm", "grouped_matmul_impl": "tiled"}, contextlib.nullcontext),
+    "jax-gmm-ragged": ({"moe_impl": "gmm", "grouped_matmul_impl": "xla"}, contextlib.nullcontext),
+    "jax-tiled": ({"moe_impl": "gmm"}, tiled_gmm_patch),
 }
 
 
@@ -214,7 +217,7 @@ def run_step_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     for name in a.impls:
         impl, patch = JAX_IMPLS[name]
         t0 = time.perf_counter()
-        model = make_model(cfg.with_overrides(moe_impl=impl))
+        model = make_model(cfg.with_overrides(**impl))
         init_s = time.perf_counter() - t0
         contenders[name], infos[name], profiled[name] = jax_train_step(model, ids, patch)
         infos[name]["init_s"] = init_s
@@ -270,7 +273,7 @@ def run_moe_block_comparison(preset: str, batch: int, seq: int, a, log) -> dict:
     contenders, flops = {}, {}
     for name in a.impls:
         impl, patch = JAX_IMPLS[name]
-        moe = DeepSeekMoE(cfg.with_overrides(moe_impl=impl), rngs=nnx.Rngs(0))
+        moe = DeepSeekMoE(cfg.with_overrides(**impl), rngs=nnx.Rngs(0))
         contenders[f"{name} moe"], flops[f"{name} moe"] = compile_block(moe, lambda m, x: m(x)[0], patch)
     mlp = SwiGLU(cfg.hidden_size, width, rngs=nnx.Rngs(0))
     contenders["jax dense-mlp"], flops["jax dense-mlp"] = compile_block(mlp, lambda m, x: m(x))
