@@ -64,7 +64,7 @@ def test_signatures(family):
     call = inspect.signature(family.__call__).parameters
     assert list(call)[:3] == ["self", "input_ids", "attention_mask"] and call["attention_mask"].default is None
     for flag in ("segment_ids", "position_ids", "with_hidden_states", "with_mtp", "with_expert_load",
-                 "with_routing"):
+                 "with_routing", "with_logits"):
         assert _keyword(family.forward, flag).kind is inspect.Parameter.KEYWORD_ONLY
     assert list(inspect.signature(family.init_cache).parameters) == ["self", "batch", "max_len"]
     assert list(inspect.signature(family.prefill).parameters) == ["self", "input_ids", "attention_mask", "cache"]
@@ -86,15 +86,20 @@ def test_call_forward_and_cache_shapes(models, family):
         cache = model.init_cache(BATCH, SEQ + 1)
         prefill_logits, cache = model.prefill(ids, None, cache)
         step_logits, cache = model.decode_step(ids[:, -1], cache)
+        headless = model.forward(ids, mask, with_logits=False)
         return model(ids, mask), model(ids), model.forward(ids, mask, with_hidden_states=True), prefill_logits, \
-            step_logits, cache.length
+            step_logits, cache.length, headless, model.output_head()(headless.final_hidden)
 
-    logits, unmasked, out, prefill_logits, step_logits, length = run(model, ids, mask)
+    logits, unmasked, out, prefill_logits, step_logits, length, headless, head_logits = run(model, ids, mask)
     assert isinstance(logits, jax.Array) and logits.shape == (BATCH, SEQ, VOCAB)
     assert isinstance(out, CausalLMOutput) and out._fields == CausalLMOutput._fields
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(logits))
     assert out.hidden_states.shape == (LAYERS + 1, BATCH, SEQ, config.hidden_size)
     assert out.mtp_logits is None  # not asked for
+    # Without the head: its input, which the trainer's chunked loss feeds to output_head() (the same logits).
+    assert headless.logits is None and headless.final_hidden.shape == (BATCH, SEQ, config.hidden_size)
+    np.testing.assert_allclose(np.asarray(headless.final_hidden), np.asarray(out.hidden_states[-1]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(head_logits), np.asarray(logits), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(prefill_logits), np.asarray(unmasked), rtol=1e-5, atol=1e-5)
     assert step_logits.shape == (BATCH, VOCAB) and int(length) == SEQ + 1
 
