@@ -412,7 +412,7 @@ def _varying(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
     """``a`` typed as varying over ``axes`` inside ``shard_map`` (those it does not vary over already)."""
     if a is None:
         return None
-    missing = tuple(x for x in axes if x not in jax.typeof(a).vma)
+    missing = tuple(x for x in axes if x not in blockwise.varying_axes(a))
     return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 

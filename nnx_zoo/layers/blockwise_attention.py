@@ -106,6 +106,19 @@ def _key_blocks_to_visit(q_offset: jax.Array, q_start: jax.Array, bq: int, bk: i
     return jnp.clip(last_slot // bk + 1, 0, nk)
 
 
+def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` (a fresh loop carry: zeros) typed to vary over the manual mesh axes ``ref`` varies over, so a loop
+    inside ``shard_map`` keeps its carry's type (outside ``shard_map``: ``x`` itself)."""
+    missing = tuple(a for a in varying_axes(ref) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)  # jax 0.10; later versions name the set ``vma``
+    return manual.varying if manual is not None else getattr(jax.typeof(x), "vma", frozenset())
+
+
 def _scores(q_blk: jax.Array, k_blk: jax.Array, scale: float) -> jax.Array:
     """``[b, n, g, bq, bk]`` float32 scores of one tile."""
     s = jnp.einsum("bqngd,bknd->bngqk", q_blk, k_blk, preferred_element_type=jnp.float32)
@@ -149,6 +162,7 @@ def _forward(scale: float, bq: int, bk: int, q, k, v, masks):
 
         state = (jnp.full((b, n, g, bq), -jnp.inf, jnp.float32), jnp.zeros((b, n, g, bq), jnp.float32),
                  jnp.zeros((b, n, g, bq, dv), jnp.float32))
+        state = tuple(_varying_like(x, q_blk) for x in state)
         m, total, acc = jax.lax.fori_loop(0, _key_blocks_to_visit(q_offset, q_start, bq, bk, nk), key_block, state)
         seen_any = total > 0
         o_blk = jnp.where(seen_any[..., None], acc / jnp.where(seen_any, total, 1.0)[..., None], 0.0)
@@ -158,8 +172,8 @@ def _forward(scale: float, bq: int, bk: int, q, k, v, masks):
         lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_blk, q_start, axis=3)
         return out, lse
 
-    out = jnp.zeros((b, nq * bq, n, g, dv), v.dtype)
-    lse = jnp.zeros((b, n, g, nq * bq), jnp.float32)
+    out = _varying_like(jnp.zeros((b, nq * bq, n, g, dv), v.dtype), q)
+    lse = _varying_like(jnp.zeros((b, n, g, nq * bq), jnp.float32), q)
     out, lse = jax.lax.fori_loop(0, nq, query_block, (out, lse))
     return out[:, :sq], lse[..., :sq]
 
@@ -207,13 +221,13 @@ def _backward(scale: float, bq: int, bk: int, residuals, d_out):
             dv = jax.lax.dynamic_update_slice_in_dim(dv, _slice(dv, k_start, bk, 1) + dv_blk, k_start, axis=1)
             return dq_blk, dk, dv
 
-        dq_blk = jnp.zeros(q_blk.shape, jnp.float32)
+        dq_blk = _varying_like(jnp.zeros(q_blk.shape, jnp.float32), q_blk)
         dq_blk, dk, dv = jax.lax.fori_loop(0, _key_blocks_to_visit(q_offset, q_start, bq, bk, nk), key_block,
                                            (dq_blk, dk, dv))
         dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, q_start, axis=1)
         return dq, dk, dv
 
-    zeros = (jnp.zeros(q_p.shape, jnp.float32), jnp.zeros(k_p.shape, jnp.float32), jnp.zeros(v_p.shape, jnp.float32))
+    zeros = tuple(_varying_like(jnp.zeros(x.shape, jnp.float32), q) for x in (q_p, k_p, v_p))
     dq, dk, dv = jax.lax.fori_loop(0, nq, query_block, zeros)
     mask_cotangents = jax.tree.map(lambda _: None, masks)  # integer/boolean inputs: no cotangent
     return (dq[:, :sq].astype(q.dtype), dk[:, :sk].astype(k.dtype), dv[:, :sk].astype(v.dtype), mask_cotangents)
