@@ -156,7 +156,7 @@ def attention_worker(shape: tuple[int, ...], impl: str, segments: bool, rounds: 
     import jax
     import jax.numpy as jnp
 
-    from nnx_zoo.layers.attention import AttentionMask, attention, choose_attention_impl
+    from nnx_zoo.layers.attention import attention, causal_mask, choose_attention_impl
 
     batch, seq, heads, kv_heads, qk_dim, v_dim = shape
     keys = jax.random.split(jax.random.key(0), 4)
@@ -165,11 +165,11 @@ def attention_worker(shape: tuple[int, ...], impl: str, segments: bool, rounds: 
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, qk_dim), dtype)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, v_dim), dtype)
     segment_ids = (jnp.arange(seq)[None] * 4 // seq).repeat(batch, 0) if segments else None  # 4 documents a row
-    mask = AttentionMask.causal(seq, segment_ids=segment_ids)
+    mask = causal_mask(seq, None, segment_ids)
     chosen = choose_attention_impl(impl, q_len=seq, k_len=seq, segments=segments, qk_dim=qk_dim, v_dim=v_dim)
 
     def loss(q, k, v):
-        return jnp.sum(attention(q, k, v, mask, qk_dim**-0.5, impl=impl).astype(jnp.float32))
+        return jnp.sum(attention(q, k, v, mask, qk_dim**-0.5, impl).astype(jnp.float32))
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     seconds = _time_jax(lambda: step(q, k, v), rounds)
@@ -213,7 +213,8 @@ def llama_case(s: Shapes, timeout_s: float) -> list[dict]:
 
 def moe_case(s: Shapes, timeout_s: float) -> list[dict]:
     preset, batch, seq = s.moe
-    cut = ["--model.num_hidden_layers", str(s.moe_layers), "--model.num_nextn_predict_layers", "0"]
+    cut = ["--model.num_hidden_layers", str(s.moe_layers), "--model.first_k_dense_replace", "1",
+           "--model.num_nextn_predict_layers", "0"]
     rows = [run_recipe("dense", recipe_args(preset, batch, seq, *cut, "--moe-impl", "dense"), s.steps, s.skip,
                        timeout_s)]
     for kernel in GMM_KERNELS:
