@@ -55,14 +55,19 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
-def test_trains_on_local_jsonl_with_packing_and_muon(tmp_path):
+def test_trains_on_local_jsonl_with_packing_and_muon(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document number {i} says hello."}) for i in range(40)) + "\n")
     run_dir = tmp_path / "run"
-    args = ["--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus), "--optimizer", "muon"]
+    # Packed documents (segment_ids) through the blockwise attention kernel, asked for by name.
+    args = ["--steps", "2", "--run-dir", str(run_dir), "--data", str(corpus), "--optimizer", "muon",
+            "--attention-impl", "blockwise"]
     assert recipe.main([*SMALL, *args]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["loss"] > 0 for r in records)
+    captured = capsys.readouterr()
+    assert "nnx_zoo: kernels: attention blockwise, moe dense (moe_impl=auto)" in captured.err
+    assert "kernels: attention blockwise, moe dense (moe_impl=auto)" in captured.out  # and in the summary
 
 
 def test_mesh_axis_given_twice_is_refused(capsys):
@@ -89,5 +94,8 @@ def test_given_peak_is_used_and_named_and_compiling_is_announced(tmp_path, capsy
     captured = capsys.readouterr()
     assert "peak per device: 2.0 GFLOP/s (given by --peak-flops)" in captured.out
     assert "compiling the train step ..." in captured.err and "compiled and ran step 1 in" in captured.err
+    # What 'auto' chose on this CPU at 16 positions, printed at start and in the summary.
+    assert "nnx_zoo: kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.err
+    assert "kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.out
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / 2e9)
