@@ -2,8 +2,8 @@
 
 The scores of one query block against one key block (a ``[q_block, k_block]`` tile per head) are the largest
 thing ever built, so memory grows linearly with the sequence, not with its square. The forward keeps, per query
-row, the running maximum ``m``, the running sum ``l`` (``total``) of ``exp(score - m)`` and the running weighted sum of
-values; each new key block rescales them by ``exp(m_old - m_new)``. The backward (``jax.custom_vjp``) saves only
+row, the running maximum ``m``, the running sum ``l`` (``total``) of ``exp(score - m)`` and the running weighted
+sum of values; each new key block rescales them by ``exp(m_old - m_new)``. The backward (``jax.custom_vjp``) saves only
 the output and the log-sum-exp ``lse = m + log(l)`` per row and recomputes each tile's probabilities
 ``exp(score - lse)``, as FlashAttention-2 does:
 

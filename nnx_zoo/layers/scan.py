@@ -90,9 +90,9 @@ def batch_split(
     axes the rules gave it), so no collective is needed to split or merge. The micro-batches are independent
     calls, unrolled, so XLA may overlap one's compute with the next one's collectives. Arguments (and the leaves
     of pytree arguments, such as an ``AttentionMask``) whose leading dim is the batch are split too; others
-    (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped
-    like ``x``) and the leaves of ``aux`` with a leading batch dim are put back in order; scalar leaves of ``aux``
-    are summed. ``y`` leaves with exactly ``x``'s sharding (``restore_sharding``). ``factor=1`` calls ``fn``.
+    (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped like ``x``) and the leaves of ``aux``
+    with a leading batch dim are put back in order; scalar leaves of ``aux`` are summed. ``y`` leaves with
+    exactly ``x``'s sharding (``restore_sharding``). ``factor=1`` calls ``fn``.
     """
     if not isinstance(factor, int) or factor < 1:
         raise ValueError(f"batch_split_factor must be a positive integer, got {factor!r}")
