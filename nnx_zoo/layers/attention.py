@@ -220,7 +220,9 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
         installed and serving, else the portable path (``xla`` for <= 16 queries, e.g. decoding; ``blockwise``).
       - TPU: ``tokamax`` where installed and serving, else the portable path.
     ``xla`` and ``blockwise`` always run as asked. ``cudnn`` / ``tokamax`` asked for by name where they cannot
-    serve fall back to the portable path with one ``AttentionFallbackWarning`` line saying why.
+    serve fall back to the portable path with one ``AttentionFallbackWarning`` line saying why. Two things this
+    function cannot see are checked by ``attention`` itself, with the same fallback: the dtype (cuDNN flash
+    attention takes bfloat16/float16 only) and queries split over devices (context parallelism) for the kernels.
 
     >>> choose_attention_impl("auto", q_len=8192, k_len=8192, platform="cpu")
     'blockwise'
