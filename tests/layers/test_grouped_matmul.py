@@ -295,8 +295,19 @@ _BATCH, _SEQ = 8, 16
 
 @functools.cache
 def _model_state():
-    model = DeepSeekV3(DeepSeekV3Config.preset("deepseek3-mini", **_CONFIG, moe_impl="dense"), rngs=nnx.Rngs(0))
-    return nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
+    """(params, the rest), drawn with numpy (the model's own initializers compile one program per shape)."""
+    config = DeepSeekV3Config.preset("deepseek3-mini", **_CONFIG)
+    abstract = nnx.eval_shape(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+        if "['scale']" in jax.tree_util.keystr(path):  # RMSNorm scales
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(rng.normal(0.0, 0.1, leaf.shape), leaf.dtype) if leaf.ndim >= 2 else jnp.zeros(
+            leaf.shape, leaf.dtype)
+
+    return tuple(jax.tree_util.tree_map_with_path(draw, nnx.state(abstract, which))
+                 for which in (nnx.Param, nnx.Not(nnx.Param)))
 
 
 def _ids():
@@ -319,14 +330,19 @@ def _loss_and_grads(moe_impl: str, sizes: dict[str, int] | None = None, mode: st
 
     step = jax.jit(jax.value_and_grad(loss))
     if sizes is None:
-        return step(params, rest, ids)
+        return step.trace(params, rest, ids).lower().compile(_COMPILER_OPTIONS)(params, rest, ids)
     mesh = make_mesh(sizes, shard_mode=mode)
     params, rest = (jax.tree.unflatten(jax.tree.structure(t), [
         jax.device_put(a, s) for a, s in zip(jax.tree.leaves(t), state_shardings(t, mesh, get_rules(rules)))])
         for t in (params, rest))
     ids = jax.device_put(ids, jax.NamedSharding(mesh, logical_to_mesh_axes(("activation_batch", None), rules, mesh)))
     with jax.set_mesh(mesh):
-        return step(params, rest, ids)
+        return step.trace(params, rest, ids).lower().compile(_COMPILER_OPTIONS)(params, rest, ids)
+
+
+# Cheaper LLVM optimization: the programs are small and run once, compiling is the cost (XLA:CPU keeps float
+# semantics at every level: no fast math).
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 @functools.cache
