@@ -190,7 +190,7 @@ class RoutedExperts(nnx.Module):
             # No EP axes: the backend's own dropless path.
             local_path = self._dense if default_moe_impl() == "dense" else self._gmm
             return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
-        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), ())
+        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), (), dropless=self._ep_dropless())
         if mesh is None:
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
             return out, dropped
@@ -202,13 +202,20 @@ class RoutedExperts(nnx.Module):
         gather_axes = tuple(a for a in token_axes if a in ep_axes)
         sum_axes = tuple(a for a in ep_axes if a not in token_axes)  # EP axes the tokens are replicated over
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, gather_axes, sum_axes,
-                          count_axes=tuple(dict.fromkeys(token_axes + ep_axes)))
+                          count_axes=tuple(dict.fromkeys(token_axes + ep_axes)), dropless=self._ep_dropless())
         x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
         expert_idx = shard(expert_idx, _TOKENS_TOPK)
         weights = shard(weights, _TOKENS_TOPK)
         experts = tuple(shard(w, ("exp", None, None)) for w in (wi_gate, wi_up, wo))
         out, dropped = _on_mesh(local, mesh, ep_axes, tokens, tokens, x, expert_idx, weights, experts)
         return shard(out, _TOKENS), dropped
+
+    def _ep_dropless(self):
+        """EP's dropless computation on a shard's own experts, the platform's dropless path (``default_moe_impl``):
+        every local expert on every gathered token (``dense``), or the tokens sorted by local expert through the
+        grouped matmul (``gmm``: pairs routed to other shards' experts sort last, past every local group, and are
+        not computed)."""
+        return _dense_local if default_moe_impl() == "dense" else _grouped_local(self.grouped_matmul_impl)
 
     def _ep_per_sequence(self, x, expert_idx, weights, capacity_factor, mesh, ep_axes):
         """``_ep`` on ``x [batch, seq, embed]`` laid out as activations: each shard gathers its block over the EP
@@ -220,7 +227,8 @@ class RoutedExperts(nnx.Module):
         dims = ((1, tuple(a for a in length_axes if a in ep_axes)), (0, tuple(a for a in batch_axes if a in ep_axes)))
         split = batch_axes + length_axes
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), tuple(a for a in ep_axes if a not in split),
-                          count_axes=tuple(dict.fromkeys(split + ep_axes)), gather_dims=dims)
+                          count_axes=tuple(dict.fromkeys(split + ep_axes)), gather_dims=dims,
+                          dropless=self._ep_dropless())
         x = shard(x.astype(self.dtype), _BL + (None,))
         expert_idx, weights = (shard(a, _BL + ("activation_topk",)) for a in (expert_idx, weights))
         routing = resolve_activation(_BL + ("activation_topk",), expert_idx.shape)
@@ -348,6 +356,7 @@ def _ep_shard(
     sum_axes: tuple[str, ...],
     count_axes: tuple[str, ...] = (),
     gather_dims: tuple[tuple[int, tuple[str, ...]], ...] = (),
+    dropless=None,
 ):
     """The per-shard expert-parallel computation (run inside ``shard_map``, or alone without a mesh).
 
@@ -356,8 +365,10 @@ def _ep_shard(
     EP axes that do not split the tokens). Returns ``(out, dropped)``: ``dropped`` counts (token, expert) pairs
     over capacity, summed over ``count_axes`` (every shard then holds the total). ``gather_dims`` ((dim, axes),
     ...) is the same for a ``[batch, seq, ...]`` block: gathered over each dim's axes in turn, flattened to tokens
-    here, the output scattered back in reverse order.
+    here, the output scattered back in reverse order. ``dropless`` computes the local experts without a capacity
+    (``_dense_local`` by default, or ``_grouped_local(impl)``).
     """
+    dropless = dropless or _dense_local
 
     def run(x, expert_idx, weights, wi_gate, wi_up, wo):
         local_experts = wi_gate.shape[0]
@@ -376,7 +387,7 @@ def _ep_shard(
         first = jax.lax.axis_index(ep_axes) * local_experts if ep_axes else 0
         local_idx = expert_idx - first  # outside [0, local_experts): another shard's expert
         if capacity_factor is None:
-            out, dropped = _dense_local(x, local_idx, weights, wi_gate, wi_up, wo), jnp.zeros((), jnp.int32)
+            out, dropped = dropless(x, local_idx, weights, wi_gate, wi_up, wo), jnp.zeros((), jnp.int32)
         else:
             capacity = math.ceil(capacity_factor * x.shape[0] * expert_idx.shape[1] / num_experts)
             capacity = max(1, min(capacity, x.shape[0]))  # a token picks an expert at most once
@@ -393,6 +404,20 @@ def _ep_shard(
         if count_axes:
             dropped = jax.lax.psum(dropped, count_axes)
         return out, dropped
+
+    return run
+
+
+def _grouped_local(impl: str):
+    """Dropless over the local experts by grouped matmul (``_grouped_swiglu``): ``local_idx`` outside
+    ``[0, local experts)`` (another shard's expert) becomes one trailing group that ``group_sizes`` leaves out, so
+    those pairs sort past every local group and the grouped matmul gives them zero rows."""
+
+    def run(x, local_idx, weights, wi_gate, wi_up, wo):
+        local_experts = wi_gate.shape[0]
+        is_local = (local_idx >= 0) & (local_idx < local_experts)
+        idx = jnp.where(is_local, local_idx, local_experts)
+        return _grouped_swiglu(local_experts, impl)(x, idx, weights, wi_gate, wi_up, wo)
 
     return run
 

@@ -385,3 +385,41 @@ def test_gmm_output_keeps_the_input_sharding(mode):
             assert jax.typeof(out).sharding.spec == jax.typeof(x).sharding.spec
     assert out.sharding.spec == x.sharding.spec
     np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+
+
+# EP's dropless local computation through the grouped matmul (what accelerators run: default_moe_impl "gmm").
+@pytest.mark.parametrize(("sizes", "mode", "rules"), [
+    ({"fsdp": 4, "expert": 2}, "explicit", "default"),
+    ({"fsdp": 4, "expert": 2}, "auto", "ep-as-cp"),  # the sequence split over expert: per-sequence dispatch
+    ({"fsdp": 4, "expert": 2}, "explicit", "shard-exp-on-fsdp"),  # experts over (expert, fsdp)
+], ids=["explicit-default", "auto-ep-as-cp", "explicit-shard-exp-on-fsdp"])
+def test_ep_with_grouped_local_experts_equals_dense(sizes, mode, rules, monkeypatch):
+    from nnx_zoo.layers import moe as moe_module
+    from nnx_zoo.sharding import create_sharded, use_rules
+
+    monkeypatch.setattr(moe_module, "default_moe_impl", lambda platform=None: "gmm")
+    def make():
+        return RoutedExperts(8, 16, 12, grouped_matmul_impl="tiled", kernel_init=nnx.initializers.normal(0.3),
+                             rngs=nnx.Rngs(0))
+
+    x = jax.random.normal(jax.random.key(1), (8, 4, 16))
+    weights, idx = jax.lax.top_k(jax.random.uniform(jax.random.key(2), (8, 4, 8)), 2)
+
+    def loss(experts, x, weights, impl):
+        graphdef, state = nnx.split(experts)
+
+        def f(state, x, weights):
+            with use_rules(rules):
+                out = nnx.merge(graphdef, state)(x, idx, weights, impl=impl)
+            return jnp.sum(jnp.sin(out)), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(state, x, weights)
+
+    want = jax.device_get(loss(make(), x, weights, "dense"))
+    mesh = make_mesh(sizes, shard_mode=mode)
+    experts = create_sharded(make, mesh, rules)
+    spec = logical_to_mesh_axes(("activation_batch", "activation_length", None), rules, mesh)
+    x = jax.device_put(x, jax.NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        got = jax.device_get(loss(experts, x, weights, "ep"))
+    _assert_same(got, want)
