@@ -117,6 +117,9 @@ def choose_grouped_matmul_impl(requested: str, platform: str | None = None) -> s
             return "tokamax"
         if platform == "gpu" and _pallas_triton_available():
             return "pallas_triton"
+        if platform == "gpu":  # (XLA:TPU's own ragged dot is a kernel; XLA:GPU's is the dense expansion)
+            _warn_once("grouped_matmul: no GPU grouped-matmul kernel (tokamax is not installed and this jax lacks "
+                       "the Pallas-Triton ragged_dot); using the 'tiled' path")
         return portable
     if requested == "tokamax" and _import_tokamax() is None:
         _warn_once(f"grouped_matmul: tokamax is not installed; using the {portable!r} path "

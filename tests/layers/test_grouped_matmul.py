@@ -216,9 +216,11 @@ def test_named_impls_are_kept_where_they_run(fake_tokamax, monkeypatch):
     ("tokamax", "tpu", "xla", "tokamax is not installed"),
     ("pallas_triton", "cpu", "tiled", "needs an NVIDIA GPU"),
     ("pallas_triton", "tpu", "xla", "needs an NVIDIA GPU"),
+    ("auto", "gpu", "tiled", "no GPU grouped-matmul kernel"),
 ])
 def test_a_missing_kernel_says_so_once_and_runs_the_portable_path(impl, platform, portable, says, no_tokamax,
-                                                                   fresh_warnings):
+                                                                   fresh_warnings, monkeypatch):
+    monkeypatch.setattr(gm_module, "_pallas_triton_available", lambda: False)
     with pytest.warns(RuntimeWarning, match=says):
         assert choose_grouped_matmul_impl(impl, platform) == portable
     with warnings.catch_warnings():
