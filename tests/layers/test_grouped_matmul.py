@@ -94,6 +94,15 @@ def test_tiled_equals_ragged_dot_for_random_group_sizes(cuts):
     _assert_same(tiled(lhs, rhs, jnp.asarray(sizes, jnp.int32)), reference(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
 
 
+def _out_and_cotangents(f, lhs, rhs, cotangent):
+    """(f(lhs, rhs), d/d lhs, d/d rhs) for the output cotangent ``cotangent``, jitted."""
+    def run(a, b, ct):
+        out, vjp = jax.vjp(f, a, b)
+        return (out, *vjp(ct))
+
+    return jax.jit(run)(lhs, rhs, cotangent)
+
+
 def test_bfloat16_accumulates_in_float32():
     """bf16 operands: the output and both gradients are the float32 products of the same bf16 values, rounded
     once to bf16 (tolerance: one bf16 rounding, 2^-8 relative, doubled for accumulation order)."""
@@ -101,10 +110,9 @@ def test_bfloat16_accumulates_in_float32():
     lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
     sizes = jnp.array([17, 0, 23], jnp.int32)
     cotangent = jax.random.normal(jax.random.key(3), (40, N)).astype(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl="tiled", tile=8), lhs, rhs)
-    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs.astype(jnp.float32),
-                             rhs.astype(jnp.float32))
-    got, want = (out, *vjp(cotangent)), (want, *want_vjp(cotangent.astype(jnp.float32)))
+    got = _out_and_cotangents(lambda a, b: grouped_matmul(a, b, sizes, impl="tiled", tile=8), lhs, rhs, cotangent)
+    want = _out_and_cotangents(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs.astype(jnp.float32),
+                               rhs.astype(jnp.float32), cotangent.astype(jnp.float32))
     for g, w in zip(got, want):
         assert g.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
@@ -119,11 +127,13 @@ def test_float32_weights_with_bfloat16_rows_compute_in_bfloat16(impl):
     lhs, rhs = _operands(40, 3)
     lhs = lhs.astype(jnp.bfloat16)
     sizes = jnp.array([17, 0, 23], jnp.int32)
-    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, impl=impl, tile=8, chunk=2), lhs, rhs)
-    cotangent = jax.random.normal(jax.random.key(3), out.shape).astype(jnp.bfloat16)
-    want, want_vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b.astype(jnp.bfloat16), sizes), lhs, rhs)
-    assert out.dtype == jnp.bfloat16 and vjp(cotangent)[1].dtype == jnp.float32
-    for g, w in zip((out, *vjp(cotangent)), (want, *want_vjp(cotangent))):
+    cotangent = jax.random.normal(jax.random.key(3), (40, N)).astype(jnp.bfloat16)
+    got = _out_and_cotangents(lambda a, b: grouped_matmul(a, b, sizes, impl=impl, tile=8, chunk=2), lhs, rhs,
+                              cotangent)
+    want = _out_and_cotangents(lambda a, b: jax.lax.ragged_dot(a, b.astype(jnp.bfloat16), sizes), lhs, rhs,
+                               cotangent)
+    assert got[0].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
+    for g, w in zip(got, want):
         w = np.asarray(w, np.float32)
         np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=2**-7, atol=2**-7 * float(np.abs(w).max()))
 
@@ -136,7 +146,7 @@ def test_group_sizes_take_any_integer_type_and_get_no_gradient(dtype):
     def f(lhs, rhs, sizes):
         return jnp.sum(grouped_matmul(lhs, rhs, sizes, impl="tiled"))
 
-    grads = jax.grad(f, argnums=(0, 1, 2), allow_int=True)(lhs, rhs, sizes)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2), allow_int=True))(lhs, rhs, sizes)
     assert grads[2].dtype == jax.dtypes.float0
     with pytest.raises(TypeError, match="integers"):
         grouped_matmul(lhs, rhs, sizes.astype(np.float32), impl="tiled")
