@@ -219,6 +219,10 @@ def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--routing-bias-rate", type=float, default=1e-3,
                    help="aux-loss-free balancing of MoE models: router bias step after each update (0: off; "
                    "default %(default)s)")
+    g.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="tokens per device whose logits the output head + cross-entropy computes at a time (default: "
+                   "chunks of at most 512 MiB of float32 logits, one chunk on an Auto mesh splitting the tokens; "
+                   "0: the whole micro-batch at once, no recompute)")
 
 
 # ------------------------------------------------------------------------------------- which model, which family
@@ -414,6 +418,7 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
         mtp_weight=extras.mtp_weight,
         model_kwargs=extras.model_kwargs,
         routing_bias_rate=extras.routing_bias_rate,
+        loss_chunk_tokens=args.loss_chunk_tokens,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,

@@ -53,7 +53,8 @@ class TrainConfig:
     routing_bias_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off
     # Tokens per device whose logits the output head + cross-entropy computes at a time (nnx_zoo.train.loss
     # chunked_head_cross_entropy): None = chunks of at most 512 MiB of float32 logits (a batch that fits is one
-    # chunk: no recompute), 0 = the whole micro-batch at once. Same loss and gradients either way.
+    # chunk: no recompute; an Auto mesh splitting the tokens: one chunk, as XLA would reduce the head's gradient
+    # once per chunk there), 0 = the whole micro-batch at once. Same loss and gradients either way.
     loss_chunk_tokens: int | None = None
     log_every: int = 1
     checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal

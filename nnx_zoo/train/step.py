@@ -184,7 +184,8 @@ def train_step(
     ``nnx.jit(train_step, static_argnames=("accum_steps", "mtp_weight", "model_kwargs", "loss_chunk_tokens"))``;
     model and optimizer are updated in place. ``loss_chunk_tokens`` (static): tokens per device whose logits the
     head + cross-entropy computes at a time (``chunked_head_cross_entropy``; None: at most
-    ``nnx_zoo.train.loss.DEFAULT_CHUNK_BYTES`` of float32 logits a chunk, 0: the whole micro-batch at once).
+    ``nnx_zoo.train.loss.DEFAULT_CHUNK_BYTES`` of float32 logits a chunk, one chunk under an Auto mesh that splits
+    the tokens; 0: the whole micro-batch at once).
     When the model reports ``expert_load`` (MoE models called with ``with_expert_load``) and
     ``routing_bias_rate > 0``, ``model.update_routing_bias(load, rate)`` runs after the optimizer update
     (DeepSeek's aux-loss-free balancing).

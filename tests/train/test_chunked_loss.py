@@ -307,6 +307,31 @@ def test_chunked_head_cross_entropy_alone_and_its_shapes():
     assert default_chunk_tokens(128256) == 1046 and default_chunk_tokens(32000) == 4194
 
 
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_the_default_chunks_except_where_an_auto_mesh_would_reduce_the_head_per_chunk(mode):
+    """Tokens split over fsdp 8: the default chunks under an Explicit mesh (the head's gradient reduced once), and
+    under an Auto mesh stays one chunk (XLA reduces the head's gradient inside the loop, once per chunk: see the
+    docstring), unless ``chunk_tokens`` asks. Traced only: 128 tokens a device at a 2**20 vocabulary, whose
+    default chunk is 128 tokens."""
+    mesh = make_mesh({"fsdp": 8}, shard_mode=mode)
+    vocab = 2**20
+    shape = jax.ShapeDtypeStruct
+
+    def lengths(chunk_tokens):
+        sharding = jax.NamedSharding(mesh, jax.P("fsdp"))
+        args = (shape((16, 512, 4), jnp.float32, sharding=sharding), shape((4, vocab), jnp.float32),
+                shape((16, 512), jnp.int32, sharding=sharding), shape((16, 512), jnp.float32, sharding=sharding))
+
+        def loss(h, w, t, m):
+            return chunked_head_cross_entropy(h, lambda x: x @ w, t, m, chunk_tokens=chunk_tokens)[0]
+
+        with jax.set_mesh(mesh):
+            return _scan_lengths(jax.make_jaxpr(loss)(*args).jaxpr)
+
+    assert lengths(None) == ([8] if mode == "explicit" else [])  # 2 x 512 tokens a device, 128 a chunk
+    assert lengths(256) == [4]
+
+
 def _head_loss_temp_bytes(chunk_tokens: int, tokens: int, vocab: int, embed: int) -> int:
     """XLA temp bytes of the compiled gradient (head weight and hidden) of a head + loss over ``tokens``."""
     batch, seq = 2, tokens // 2
