@@ -8,8 +8,12 @@ Assumptions, each stated in the printed plan:
 - Parameters and gradients in the model's ``param_dtype``, sharded like the parameters; AdamW's two moments in
   float32 (``2 x 4`` bytes per parameter, sharded like it).
 - Activations in the compute ``dtype``; router logits and scores, the softmax probabilities and everything of the
-  cross-entropy in float32. Attention materializes its ``[batch, heads, q, k]`` scores (no flash attention: the
-  layers here use ``jnp.einsum`` + softmax), with all keys local (context parallelism splits queries only).
+  cross-entropy in float32. The attention kernel (``kernels["attention"]``): ``xla`` materializes its
+  ``[batch, heads, q, k]`` scores; the others (``blockwise``, ``cudnn``, ``tokamax``) keep only the output and a
+  float32 log-sum-exp per query and head (their tiles are small and short-lived). All keys are local (context
+  parallelism splits queries only).
+- The loss: the whole batch's logits at once, or (``loss_chunk_tokens``, as the trainer's chunked head +
+  cross-entropy does) that many tokens' logits at a time per device.
 - ``remat='none'`` keeps every intermediate of every layer for the backward pass; ``remat='full'`` keeps only each
   layer's input and recomputes one layer at a time, so its peak adds one layer's intermediates once. The other
   policies (``dots_saveable``, ...) lie between; the plan shows the two ends. A stack of one layer is no loop once
@@ -37,11 +41,15 @@ the rest in two phases that do not overlap in time, so the peak is ``held + max(
 
 Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
 the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
-- MLA attention: ``T*a*(3e + 3*q_lora + 3*kv_lora + 2*H*(nope+rope) + 2*H*v) + b*H*s*S*(a + 4)``: three
-  RMSNorms keeping 3 of their width each (input norm, query latent, kv latent); the concatenated roped query and
-  key; values and the attention output; scores (compute dtype) and probabilities (float32) over ``S`` keys.
-- GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + b*H*s*S*(a + 4)`` (``K`` key/value heads of width ``d``):
-  queries and keys before and after rope, values, attention output.
+- MLA attention: ``T*a*(3e + 3*q_lora + 3*kv_lora + 2*H*(nope+rope) + 2*H*v) + scores``: three RMSNorms keeping
+  3 of their width each (input norm, query latent, kv latent); the concatenated roped query and key; values and
+  the attention output.
+- GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + scores`` (``K`` key/value heads of width ``d``): queries and
+  keys before and after rope, values, attention output.
+- scores: ``xla``: ``b*H*s*S*(a + 10)`` over ``S`` keys: the scores (compute dtype), their float32
+  probabilities and the backward's float32 score gradients (measured on XLA's buffers at float32, seq 1024-2048:
+  11.9-15.8 bytes per score; ``a + 10`` is the middle);
+  the flash-style kernels: ``b*H*s*4``, the float32 log-sum-exp per query row.
 - dense SwiGLU MLP: ``T*a*(3e + w*I)``: the norm's 3; ``w = 6`` in a looped stack under ``'none'`` (gate, up,
   sigmoid(gate), 1 - sigmoid(gate), silu(gate), product: every residual autodiff saves is a stacked buffer),
   ``w = 4`` in a layer compiled whole (XLA fuses the sigmoid terms): ``SWIGLU_KEPT``.
@@ -52,9 +60,10 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   weights); shared experts ``T*a*(e + w*I_s)``. Under ``'none'`` a looped MoE stack also keeps every layer's
   gathered gate/up expert weights (``kept_expert_weight_bytes``), and the one-layer phase adds one layer's
   cotangents (their own buffers: the intermediates they would reuse sit in the stacked residuals).
-- embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``T*V*(a + 8 [+4 when a != 4])``: the
-  logits, their float32 log-softmax and its gradient (and the float32 copy of bf16 logits). An MTP head adds a
-  MoE layer, ``T*a*4e`` for its inputs and its own logits term.
+- embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``L*V*(a + 8 [+4 when a != 4])``: the
+  logits of ``L`` tokens (all ``T``, or one chunk of ``loss_chunk_tokens``), their float32 log-softmax and its
+  gradient (and the float32 copy of bf16 logits). An MTP head adds a MoE layer, ``T*a*4e`` for its inputs and its
+  own logits term.
 - gathered weights: each weight all-gathered is a new buffer of its gathered block (the shard stays in the
   parameter's own buffer): one layer of the largest looped stack, the largest other parameter, and every
   one-layer stack. The routed experts' weights go as the MoE path gathers them: ``gmm`` all of a layer's experts
@@ -113,15 +122,24 @@ class DecoderShapes:
     moe_impl: str = "gmm"  # the activation formula: 'gmm' (dropless grouped matmul, also 'ep') or 'dense'
     # What the MoE path gathers of its expert weights while a layer runs (EXPERT_GATHERS).
     expert_gather: str = "all"
+    # The attention kernel: 'xla' materializes the scores; 'blockwise', 'cudnn' and 'tokamax' do not.
+    attention: str = "xla"
+    grouped_matmul: str = "kernel"  # 'tiled': the portable grouped matmul (per-tile weight copies); else a kernel
+    loss_chunk_tokens: int | None = None  # tokens whose logits the loss holds at once per device; None: all
 
     @classmethod
-    def from_config(cls, config: Any) -> DecoderShapes:
-        """From a model config with HF names (a dense decoder or an MLA/MoE one)."""
+    def from_config(cls, config: Any, kernels: dict[str, str] | None = None,
+                    loss_chunk_tokens: int | None = None) -> DecoderShapes:
+        """From a model config with HF names (a dense decoder or an MLA/MoE one). ``kernels``: the implementations
+        that will run (``nnx_zoo.layers.kernels.kernel_choices``); without them the config's settings, where
+        ``auto`` counts as ``xla`` attention (scores materialized: the upper bound) and the ``gmm`` MoE path."""
         get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
         layers = get("num_hidden_layers")
         experts = get("n_routed_experts") or get("num_experts")
         dense = get("first_k_dense_replace") if experts else layers
-        impl = get("moe_impl", "gmm")
+        kernels = kernels or {}
+        impl = kernels.get("moe") or get("moe_impl", "gmm")
+        attention = kernels.get("attention") or get("attention_impl", "xla")
         return cls(
             hidden=config.hidden_size, vocab=config.vocab_size, heads=config.num_attention_heads,
             dense_layers=dense, moe_layers=layers - dense, mtp_layers=get("num_nextn_predict_layers"),
@@ -134,6 +152,8 @@ class DecoderShapes:
             shared_intermediate=get("moe_intermediate_size") * get("n_shared_experts"),
             moe_impl="gmm" if impl in ("auto", "ep") else impl,
             expert_gather={"dense": "fsdp", "ep": "all-but-exp"}.get(impl, "all"),
+            attention="xla" if attention == "auto" else attention, loss_chunk_tokens=loss_chunk_tokens,
+            grouped_matmul=kernels.get("grouped_matmul") or get("grouped_matmul_impl", "kernel"),
         )
 
 
@@ -203,7 +223,10 @@ def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rule
 def attention_bytes(s: DecoderShapes, n: Local) -> int:
     """What one attention layer keeps for its backward pass (module docstring's formula)."""
     a, t, e, h = s.dtype_bytes, n.tokens, s.hidden, n.heads
-    scores = n.batch * h * n.seq * n.keys * (a + 4)
+    if s.attention == "xla":  # scores, float32 probabilities, the backward's float32 score gradients
+        scores = n.batch * h * n.seq * n.keys * (a + 10)
+    else:  # flash-style kernels: the float32 log-sum-exp per query row and head
+        scores = n.batch * h * n.seq * 4
     if s.kv_lora:
         # Each RMSNorm keeps 3 of its width (input in float32, normalized, scaled): the layer's input norm, the
         # query latent's and the kv latent's; the concatenated, roped query and key; the values and the attention
@@ -242,8 +265,24 @@ def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
                        + a * s.experts)
     else:
         experts = t * s.top_k * a * (2 * e + swiglu * n.moe_mlp)
+        if s.grouped_matmul == "tiled" and not looped:
+            experts += tiled_grouped_matmul_bytes(t * s.top_k, s.experts, e, n.moe_mlp, a)
     shared = t * a * (e + swiglu * n.shared_mlp) if s.shared_intermediate else 0
     return t * a * 3 * e + router + experts + shared
+
+
+def tiled_grouped_matmul_bytes(rows: int, groups: int, k: int, n: int, dtype_bytes: int) -> int:
+    """What the portable ``tiled`` grouped matmul (``nnx_zoo.layers.grouped_matmul``) adds while one of its
+    matmuls runs: one scan step's per-tile weight copies (compute dtype) and their float32 weight-gradient terms,
+    and the float32 weight-gradient accumulator ``[groups, k, n]``. Transient (the layer's own phase), so a looped
+    stack under remat 'none' does not keep it per layer. The tile and chunk rules are that module's
+    (``default_tile`` and its ``_tiled``; ``tests/sharding/test_sharding_plan.py`` checks they agree)."""
+    tile = 8
+    while tile * 2 <= min(128, rows // (2 * max(groups, 1))):
+        tile *= 2
+    bound = -(-rows // tile) + groups
+    chunk = max(1, min(bound, max(1 << 22, rows * max(k, n)) // (k * n)))
+    return chunk * k * n * (dtype_bytes + 4) + groups * k * n * 4
 
 
 def kept_expert_weight_bytes(s: DecoderShapes, n: Local) -> int:
@@ -263,7 +302,8 @@ def kept_expert_weight_bytes(s: DecoderShapes, n: Local) -> int:
 def output_bytes(s: DecoderShapes, n: Local) -> int:
     """Embedding lookup, final norm, and the logits with their float32 log-softmax and gradient."""
     a = s.dtype_bytes
-    return n.tokens * a * 3 * s.hidden + n.tokens * n.vocab * (a + 8 + (4 if a != 4 else 0))
+    logits_tokens = min(n.tokens, s.loss_chunk_tokens or n.tokens)
+    return n.tokens * a * 3 * s.hidden + logits_tokens * n.vocab * (a + 8 + (4 if a != 4 else 0))
 
 
 # Logical names of the dimensions that FSDP shards and that are all-gathered when a weight is used (the others,
@@ -463,8 +503,9 @@ class MemoryPlan:
         dtype = {4: "float32", 2: "bfloat16"}.get(s.dtype_bytes, f"{s.dtype_bytes}-byte")
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
-            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention scores "
-            "materialized (no flash attention)",
+            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention {s.attention} "
+            + ("(scores materialized)" if s.attention == "xla" else "(no score matrix)") + ", logits of "
+            + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             f"  parameters                  {_human(self.param_bytes)}",
             f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
             f"  AdamW state                 {_human(self.optimizer_bytes)}  (2 moments in float32)",
@@ -494,6 +535,8 @@ def memory_plan(
     batch_per_device: int | None = None,
     global_batch: int | None = None,
     allow_partial: bool = True,
+    kernels: dict[str, str] | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> MemoryPlan:
     """The per-device memory plan of training ``model`` (built from ``config``) on ``mesh``.
 
@@ -504,7 +547,11 @@ def memory_plan(
     ``batch_per_device`` rows per batch shard (the global batch is that times the mesh's batch shards, those
     of ``activation_batch``), or ``global_batch`` split over them (at least one row each; default one row per
     shard); ``seq_len`` is the whole sequence (context parallelism splits it). Divisibility fallbacks as in
-    ``sharding_report`` (``allow_partial``).
+    ``sharding_report`` (``allow_partial``). ``kernels``: the implementations that will run, as
+    ``nnx_zoo.layers.kernels.kernel_choices`` gives them for the target platform (``{"attention": "cudnn", "moe":
+    "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``).
+    ``loss_chunk_tokens``: the trainer's chunked loss holds that many tokens' logits at a time per device
+    (``nnx_zoo.train.loss.default_chunk_tokens``); None: the whole batch's logits at once.
     """
     rules = get_rules(rules)
     batch_shards = _shards("activation_batch", rules, mesh)
@@ -513,7 +560,7 @@ def memory_plan(
     if batch_per_device < 1 or seq_len < 1:
         raise ValueError(f"the batch per device and seq_len must be positive, got {batch_per_device} and {seq_len}")
     report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
-    shapes = DecoderShapes.from_config(config)
+    shapes = DecoderShapes.from_config(config, kernels, loss_chunk_tokens)
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
     weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
     activations = {remat: {**activation_breakdown(shapes, local, remat), **weights} for remat in REMATS}

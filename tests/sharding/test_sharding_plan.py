@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo import AutoConfig, AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.layers.kernels import kernel_choices
 from nnx_zoo.sharding import (
     RULE_SETS,
     ShardingError,
@@ -24,8 +25,15 @@ from nnx_zoo.sharding import (
     sharding_report,
     use_rules,
 )
-from nnx_zoo.sharding.plan import PART_PHASES, activation_peak, gathered_weight_bytes, memory_plan
+from nnx_zoo.sharding.plan import (
+    PART_PHASES,
+    activation_peak,
+    gathered_weight_bytes,
+    memory_plan,
+    tiled_grouped_matmul_bytes,
+)
 from nnx_zoo.sharding.resolve import resolve
+from nnx_zoo.train.loss import chunked_head_cross_entropy
 from nnx_zoo.train.step import token_cross_entropy
 
 V3 = DeepSeekV3Config.preset("deepseek3-671b", dtype="bfloat16", param_dtype="bfloat16")
@@ -141,6 +149,7 @@ def test_create_sharded_is_strict_unless_asked_and_then_warns():
 CASES = [  # (mesh, layers, first dense layers, remat, moe_impl, vocab); small models to keep CI's compiles short
     # stacks of one layer each (no loops): the one-layer stacks are kept whole, the output head phase dominates
     ({"fsdp": 1}, 2, 1, "none", "dense", 4096),
+    # gmm runs the portable tiled grouped matmul here: its per-tile weight copies count (without them 0.84)
     ({"fsdp": 4, "expert": 2}, 2, 1, "full", "gmm", 4096),
     # two stacks of 2 layers (scan loops), small vocab: the one-layer phase (the head phase: the cases above)
     ({"fsdp": 8}, 4, 2, "full", "dense", 512),
@@ -148,6 +157,38 @@ CASES = [  # (mesh, layers, first dense layers, remat, moe_impl, vocab); small m
     # `expert`), the one-layer phase (cotangents) on top
     ({"fsdp": 4, "expert": 2}, 4, 2, "none", "dense", 512),
 ]
+# Long sequences, one device, where the attention kernel decides the memory: (preset, layers, remat, attention,
+# batch x seq, vocab, loss chunk tokens). Measured estimate / XLA: the einsum path's quadratic scores in the
+# recomputed layer 0.90 at the a + 10 bytes per score the plan uses (a + 12: 1.01; without the score gradients,
+# a + 4: 0.56). Blockwise attention with tiled gmm, one-layer stacks: 0.92. Blockwise in a looped stack under
+# remat none with the chunked loss, its logits 256 tokens at a time: 1.09 (XLA 183 MiB; counting every token's
+# logits instead: 4.7; the whole-logits loss takes 839 MiB, estimated at 1.02).
+LONG = [
+    ("llama3-tiny", 3, "full", "xla", (1, 2048), 4096, None),
+    ("deepseek3-mini", 2, "full", "blockwise", (2, 1024), 4096, None),
+    ("llama3-tiny", 3, "none", "blockwise", (1, 2048), 32000, 256),
+]
+
+
+def _xla_temp(model: nnx.Module, mesh, batch: int, seq: int, chunk: int | None) -> int:
+    """XLA's temp bytes of the gradient of the loss on ``batch x seq`` token ids: the whole batch's logits, or
+    (``chunk``) the trainer's chunked head + cross-entropy."""
+    graphdef, state = nnx.split(model)
+
+    def loss(state: nnx.State, ids: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, state)
+        mask = jnp.ones_like(ids, jnp.float32)
+        if chunk is None:
+            total, count = token_cross_entropy(model(ids), ids, mask)
+        else:
+            with model.sharding_scope():
+                hidden = model.forward(ids, with_logits=False).final_hidden
+                total, count = chunked_head_cross_entropy(hidden, model.output_head(), ids, mask, chunk_tokens=chunk)
+        return total / count
+
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
+                               sharding=named_sharding(("activation_batch", None), "default", mesh))
+    return jax.jit(jax.grad(loss)).lower(state, ids).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize(("sizes", "layers", "first_dense", "remat", "impl", "vocab"), CASES)
@@ -160,16 +201,10 @@ def test_activation_estimate_within_tolerance_of_xla(sizes, layers, first_dense,
     batch, seq = 8, 64
     with jax.set_mesh(mesh), use_rules("default"):
         model = create_sharded(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), mesh, "default")
-        graphdef, state = nnx.split(model)
-
-        def loss(state: nnx.State, ids: jax.Array) -> jax.Array:
-            total, count = token_cross_entropy(nnx.merge(graphdef, state)(ids), ids, jnp.ones_like(ids, jnp.float32))
-            return total / count
-
-        ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
-                                   sharding=named_sharding(("activation_batch", None), "default", mesh))
-        xla = jax.jit(jax.grad(loss)).lower(state, ids).compile().memory_analysis().temp_size_in_bytes
-    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch // devices)
+        xla = _xla_temp(model, mesh, batch, seq, None)
+    kernels = kernel_choices(config, seq_len=seq, platform="cpu")
+    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch // devices,
+                       kernels=kernels)
     parts = plan.activations[remat]
     estimate = plan.activation_bytes(remat)
     # A looped stack under none stores exactly what autodiff saves (no fusion can drop a stacked residual): the
@@ -186,7 +221,40 @@ def test_activation_estimate_within_tolerance_of_xla(sizes, layers, first_dense,
     if remat == "none" and layers - first_dense > 1:  # a looped MoE stack under none keeps its gathered experts
         assert parts["expert weights, every layer"] > 0 and parts["cotangents, one layer"] > 0
     if impl == "gmm":  # the experts' non-FSDP dims are gathered too
+        assert kernels["grouped_matmul"] == "tiled"
         assert gathered_weight_bytes(plan.report, "all") > gathered_weight_bytes(plan.report, "fsdp")
+
+
+@pytest.mark.parametrize(("preset", "layers", "remat", "attention", "shape", "vocab", "chunk"), LONG)
+def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, layers, remat, attention, shape, vocab,
+                                                                     chunk):
+    overrides = dict(num_hidden_layers=layers, remat_policy=remat, attention_impl=attention, vocab_size=vocab)
+    if preset.startswith("deepseek"):
+        overrides.update(first_k_dense_replace=1, moe_impl="gmm", num_nextn_predict_layers=0)
+    config = AutoConfig.preset(preset, **overrides)
+    mesh = make_mesh({"fsdp": 1}, shard_mode="explicit", devices=jax.devices()[:1])
+    batch, seq = shape
+    with jax.set_mesh(mesh), use_rules("default"):
+        model = create_sharded(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
+                               "default")
+        xla = _xla_temp(model, mesh, batch, seq, chunk)
+    kernels = kernel_choices(config, seq_len=seq, platform="cpu")
+    assert kernels["attention"] == attention
+    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch, kernels=kernels,
+                       loss_chunk_tokens=chunk)
+    estimate = plan.activation_bytes(remat)
+    assert 0.85 <= estimate / xla <= 1.15, (estimate, xla, plan.activations[remat])
+
+
+def test_the_plans_tiled_grouped_matmul_rules_are_the_kernels():
+    from nnx_zoo.layers.grouped_matmul import _MIN_CHUNK_ELEMENTS, default_tile
+
+    for rows, groups in [(12288, 64), (128, 8), (16, 16), (100000, 8)]:
+        tile = default_tile(rows, groups)
+        bound = -(-rows // tile) + groups  # the kernel's static tile bound and chunk of tiles per scan step
+        chunk = max(1, min(bound, max(_MIN_CHUNK_ELEMENTS, rows * 2048) // (2048 * 1408)))
+        assert tiled_grouped_matmul_bytes(rows, groups, 2048, 1408, 2) == (chunk * 2048 * 1408 * 6
+                                                                          + groups * 2048 * 1408 * 4)
 
 
 def test_activation_peak_is_held_plus_the_larger_phase():
