@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import typing
@@ -175,6 +176,9 @@ def _run_arguments(g: argparse._ArgumentGroup) -> None:
                    "mesh's batch shards, at least 1)")
     g.add_argument("--plan-seq-len", type=int, metavar="LEN",
                    help="--plan: sequence length for the activation estimate (default: --seq-len)")
+    g.add_argument("--plan-platform", choices=("gpu", "tpu", "cpu"), default="gpu",
+                   help="--plan: the backend whose kernels the estimate assumes, as 'auto' picks them there "
+                   "(default: %(default)s)")
 
 
 def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
@@ -387,15 +391,26 @@ def plan(args: argparse.Namespace, config: Any) -> int:
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
+    from nnx_zoo.layers.kernels import describe as describe_kernels
+    from nnx_zoo.layers.kernels import kernel_choices
     from nnx_zoo.sharding import make_abstract_mesh
     from nnx_zoo.sharding.plan import memory_plan
+    from nnx_zoo.train.loss import default_chunk_tokens
 
     if any(v == -1 for v in args.mesh.values()):
         raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
     model_cls = AutoModelForCausalLM.model_class(config)
+    seq_len = args.plan_seq_len or args.seq_len
+    kernels = kernel_choices(config, seq_len=seq_len, segments=args.data != "synthetic", platform=args.plan_platform)
+    # The trainer's chunked loss: the default chunk, except on an Auto mesh that splits the tokens (one chunk).
+    chunk = args.loss_chunk_tokens
+    if chunk is None:
+        chunk = None if args.shard_mode == "auto" and math.prod(args.mesh.values()) > 1 else default_chunk_tokens(
+            config.vocab_size)
     result = memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, make_abstract_mesh(dict(args.mesh)),
-                         args.rules, seq_len=args.plan_seq_len or args.seq_len,
-                         batch_per_device=args.plan_batch, global_batch=args.batch)
+                         args.rules, seq_len=seq_len, batch_per_device=args.plan_batch, global_batch=args.batch,
+                         kernels=kernels, loss_chunk_tokens=chunk or None)
+    print(f"kernels on {args.plan_platform}: {describe_kernels(config, kernels)}")
     print(result.report.table() + "\n\n" + result.table())
     if result.report.fallbacks:
         print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(result.report.fallbacks)} "
