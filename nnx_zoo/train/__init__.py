@@ -4,6 +4,7 @@
 from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError
 from nnx_zoo.train.data import DataConfig, make_dataset, make_iterator
 from nnx_zoo.train.loop import NonFiniteLossError, TrainConfig, TrainState, train
+from nnx_zoo.train.loss import chunked_head_cross_entropy
 from nnx_zoo.train.metrics import MetricsWriter, peak_flops_per_device
 from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, make_tx
 from nnx_zoo.train.step import token_cross_entropy, train_step
@@ -17,6 +18,7 @@ __all__ = [
     "OptimizerConfig",
     "TrainConfig",
     "TrainState",
+    "chunked_head_cross_entropy",
     "learning_rate_schedule",
     "make_dataset",
     "make_iterator",
