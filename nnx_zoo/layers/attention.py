@@ -66,9 +66,10 @@ ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
 
 # auto on CPU: the einsum path while one head's scores (q_len * k_len) are at most 512 x 512, blockwise beyond.
 # Measured on this 2-core CPU (benchmarks/kernel_memory.py, section attention_cpu: one causal call, forward +
-# backward, 8 query / 2 key-value heads of width 32, float32): blockwise / xla = 0.83 at 512, 0.42 at 1024, 0.25
-# at 2048, 0.18 at 4096 (xla 12.0 s there). Up to 512 blockwise is a single tile, so nothing is gained, and the
-# CPU train-step benchmarks (sequences of 128) keep exactly the einsum program they had.
+# backward, 8 query / 2 key-value heads of width 32, float32), blockwise / xla: 0.52 at 256, 0.96 at 512, 0.39 at
+# 1024, 0.28 at 2048, 0.24 at 4096 (xla 7.5 s there). Up to 512 the two are within noise of each other (blockwise
+# is one tile there), so the CPU train-step benchmarks (sequences of 128) keep exactly the einsum program they
+# had; beyond it blockwise is faster and its memory linear.
 CPU_XLA_MAX_SCORES = 512 * 512
 # auto on GPU/TPU: the einsum path only for a few queries (decoding: one score row per query, linear in the
 # cache), a kernel or blockwise otherwise.
@@ -214,7 +215,7 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
 
     ``auto``:
       - CPU: ``xla`` while one head's scores ``q_len * k_len`` are at most ``CPU_XLA_MAX_SCORES`` (512 x 512;
-        beyond it blockwise was measured faster: 0.42x the time at 1024, 0.18x at 4096), ``blockwise`` beyond
+        beyond it blockwise was measured faster: 0.39x the time at 1024, 0.24x at 4096), ``blockwise`` beyond
         (memory linear in the sequence). Decoding (one query row per token) stays on ``xla``.
       - GPU: ``cudnn`` where it serves (causal, no padding or segments, head dims <= 256), else ``tokamax`` where
         installed and serving, else the portable path (``xla`` for <= 16 queries, e.g. decoding; ``blockwise``).
