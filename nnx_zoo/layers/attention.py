@@ -340,7 +340,14 @@ def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
 
     b, s, n, g, _ = q.shape
     kernels = ("mosaic", "triton") if _platform(None) == "gpu" else ("mosaic",)
-    out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True, implementation=kernels)
+    try:
+        out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
+                                            implementation=kernels)
+    except ValueError:  # tokamax names a kernel it could not import (e.g. Mosaic GPU): its Triton one alone
+        if kernels[1:] == ():
+            raise
+        out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
+                                            implementation=kernels[1:])
     return out.reshape(b, s, n, g, v.shape[-1])
 
 
