@@ -29,6 +29,36 @@ def test_wsd_schedule_is_flat_then_decays_linearly():
     assert float(lr(110)) == pytest.approx(0.0)
 
 
+def _reference_lr(schedule, step, peak, floor, warmup, total, decay_fraction):
+    """The documented schedule, restated in plain numpy: linear 0 -> peak over ``warmup`` steps, then constant
+    (``constant``) or constant until the last ``round(decay_fraction * (total - warmup))`` steps, which fall
+    linearly to ``floor`` (``wsd``)."""
+    step = np.asarray(step, np.float64)
+    lr = np.where(step < warmup, peak * step / max(warmup, 1), peak)
+    if schedule == "wsd":
+        decay = max(1, round(decay_fraction * (total - warmup)))
+        start = total - decay
+        lr = np.where(step >= start, peak + (floor - peak) * np.clip((step - start) / decay, 0, 1), lr)
+    return lr
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "constant"])
+@pytest.mark.parametrize("warmup", [0, 1, 7])
+def test_wsd_and_constant_warmup_match_a_numpy_reference(schedule, warmup):
+    """The learning rate at every warmup step and every step after (to the end of a 40-step run) equals the
+    numpy restatement ``_reference_lr``: a warmup that starts at the peak, ends a step early or late, or is
+    skipped by one of the schedules fails."""
+    cfg = OptimizerConfig(lr=0.6, warmup_steps=warmup, min_lr_ratio=0.25, schedule=schedule,
+                          wsd_decay_fraction=0.25)
+    lr = learning_rate_schedule(cfg, 40)
+    steps = np.arange(41)
+    ours = np.asarray([float(lr(s)) for s in steps])
+    expected = _reference_lr(schedule, steps, 0.6, 0.15, warmup, 40, 0.25)
+    np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-7)
+    if warmup:
+        assert ours[0] == 0.0 and ours[warmup] == pytest.approx(0.6)
+
+
 def test_no_weight_decay_on_norm_scales():
     mask = decay_mask(ToyLM(16, 8, nnx.Rngs(0)))
     assert mask["scale"] is False
