@@ -12,6 +12,7 @@ dtype, layer scanning, rematerialization, attention kernel) and are not written 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,9 @@ from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling, rope_from_hf, rope_to_hf
 from nnx_zoo.layers.scan import REMAT_POLICIES
+
+# The dtype names a model computes and stores parameters in (``jnp.dtype`` aliases such as jnp.bfloat16 map here).
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
 class ParameterCount(NamedTuple):
@@ -46,9 +50,28 @@ class FamilyConfig:
     """
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+    # config.json keys with no sensible default: the architecture's shape. A file without one is refused, naming
+    # it (a silent default such as hidden_size=4096 would only show up later as a list of wrong tensor shapes).
+    REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_field_names(cls, names: Any) -> None:
+        """Raise ``TypeError`` naming each of ``names`` that is not a field of this config, with close matches
+        (a misspelt override must not become a raw dataclass error, or silently nothing)."""
+        fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = [name for name in names if name not in fields]
+        if not unknown:
+            return
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, fields, n=3)
+            hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
+        raise TypeError(f"unknown {cls.__name__} fields: {', '.join(hints)}; fix the name (its fields are "
+                        f"{', '.join(fields)})")
 
     def with_overrides(self, **overrides: Any) -> Self:
         """A copy with some fields changed (validated again)."""
+        self.check_field_names(overrides)
         return dataclasses.replace(self, **overrides)  # type: ignore[type-var]
 
     @classmethod
@@ -59,6 +82,7 @@ class FamilyConfig:
         except KeyError:
             raise ValueError(f"unknown preset {name!r} of {cls.__name__}; choose one of {sorted(cls.PRESETS)}"
                              ) from None
+        cls.check_field_names(overrides)
         return cls(**{**fields, **overrides})
 
     @classmethod
@@ -68,21 +92,33 @@ class FamilyConfig:
         Both rope forms are read (transformers-5 ``rope_parameters``; the hub's legacy ``rope_scaling`` with a
         top-level ``rope_theta``). ``overrides`` set any field, e.g. ``dtype="bfloat16"``. A file of another
         ``model_type``, or one that is missing, not a JSON object, or holds unusable values, raises
-        ``nnx_zoo.hf.CheckpointFormatError`` naming the file; an unknown override is the caller's ``TypeError``.
+        ``nnx_zoo.hf.CheckpointFormatError`` naming the file; so does one without a shape field
+        (``REQUIRED_HF_FIELDS``, e.g. ``hidden_size``), naming it. An unknown override is the caller's
+        ``TypeError``, with the close field names.
         """
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:  # the caller's mistake, not the file's
-            raise TypeError(f"unknown {cls.__name__} fields {unknown}")
+        cls.check_field_names(overrides)  # the caller's mistake, not the file's
         if isinstance(dir_or_dict, Mapping):
-            return cls._from_hf_dict(dict(dir_or_dict), overrides)
+            return cls._from_hf_dict(cls._with_required(dict(dir_or_dict), overrides), overrides)
         path = config_json_path(dir_or_dict)
         source = str(path) + (f" (with overrides {overrides})" if overrides else "")
         try:
-            return cls._from_hf_dict(read_json_object(path, "model config"), overrides)
+            return cls._from_hf_dict(cls._with_required(read_json_object(path, "model config"), overrides),
+                                     overrides)
         except CheckpointFormatError:
             raise
         except ValueError as err:
             raise CheckpointFormatError(f"{source}: {err}") from err
+
+    @classmethod
+    def _with_required(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """``d`` itself, after a ``ValueError`` naming the ``REQUIRED_HF_FIELDS`` neither it nor ``overrides``
+        gives."""
+        missing = [name for name in cls.REQUIRED_HF_FIELDS if name not in d and name not in overrides]
+        if missing:
+            raise ValueError(f"missing required field(s) {', '.join(missing)}: the model's shape cannot be guessed; "
+                             "add them to config.json (as the checkpoint's publisher wrote them), or pass them as "
+                             f"overrides, e.g. from_hf(path, {missing[0]}=...)")
+        return d
 
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Self:
@@ -95,7 +131,11 @@ class FamilyConfig:
             try:
                 object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
             except TypeError:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype") from None
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a dtype; use one of {', '.join(DTYPE_NAMES)}"
+                                 ) from None
+            if getattr(self, name) not in DTYPE_NAMES:  # numpy knows more (int8, float8_*) than a model runs in
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a supported compute/parameter dtype; use one "
+                                 f"of {', '.join(DTYPE_NAMES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +152,8 @@ class DecoderConfig(FamilyConfig):
     schedule), a ``LinearScaling`` / ``Llama3Scaling`` / ``YarnScaling``, or an HF rope dict (converted).
     """
 
+    REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size",
+                                                      "num_hidden_layers", "num_attention_heads")
     MODEL_TYPE: ClassVar[str] = ""  # HF model_type this config reads and writes
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope

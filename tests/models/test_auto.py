@@ -99,6 +99,10 @@ def test_config_validation():
     assert all(s in str(info.value) for s in ("head_dim must be even", "hidden_size must be a positive", "remat"))
     with pytest.raises(ValueError, match="not a dtype"):
         Llama3Config(dtype="float99")
+    with pytest.raises(ValueError, match="dtype='bf16' is not a dtype; use one of float32, bfloat16"):
+        Qwen3Config.preset("qwen3-tiny", dtype="bf16")
+    with pytest.raises(ValueError, match="param_dtype='int8' is not a supported .* use one of float32, bfloat16"):
+        Llama3Config.preset("llama3-tiny", param_dtype="int8")
     assert Llama3Config.preset("llama3-tiny", head_dim=None).head_dim == 128 // 4
 
 
@@ -106,9 +110,12 @@ def test_hf_config_round_trip_and_rope_forms():
     for name in ("llama3.2-1b", "llama3-small", "qwen3-0.6b", "qwen3-tiny"):
         config = AutoConfig.preset(name)
         assert type(config).from_hf(config.to_hf_dict()) == config
-    legacy = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0,
+    shape = {k: v for k, v in Llama3Config.preset("llama3-tiny").to_hf_dict().items()
+             if k in (*Llama3Config.REQUIRED_HF_FIELDS, "num_key_value_heads")}
+    legacy = {**shape, "model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0,
               "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    modern = {"model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    modern = {**shape, "model_type": "llama", "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 1e6}}
     assert (Llama3Config.from_hf(legacy).rope_theta, Llama3Config.from_hf(legacy).rope_scaling) == (
         5e5, Llama3Scaling(8.0, 1.0, 4.0, 8192))
     assert (Llama3Config.from_hf(modern).rope_theta, Llama3Config.from_hf(modern).rope_scaling) == (
@@ -160,3 +167,29 @@ def test_bad_inputs(checkpoints):
         model(jnp.zeros((2, 4), jnp.int32), jnp.ones((2, 3), jnp.int32))
     with pytest.raises(ValueError, match="does not fit a cache of 3 slots"):
         model.prefill(jnp.zeros((1, 4), jnp.int32), None, model.init_cache(1, 3))
+
+
+def test_misspelt_overrides_name_the_close_fields():
+    # Presets, copies and checkpoints alike: the bad name and what it probably meant, not a raw dataclass error.
+    calls = [lambda: AutoConfig.preset("qwen3-tiny", vocab_sizee=64),
+             lambda: Llama3Config.preset("llama3-tiny").with_overrides(vocab_sizee=64),
+             lambda: Qwen3Config.from_hf(Qwen3Config.preset("qwen3-tiny").to_hf_dict(), vocab_sizee=64),
+             lambda: DeepSeekV3Config.preset("deepseek3-tiny", vocab_sizee=64)]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"unknown \w+Config fields: 'vocab_sizee' \(did you mean 'vocab_size'"):
+            call()
+
+
+@pytest.mark.parametrize("cls, preset", [(Llama3Config, "llama3-tiny"), (Qwen3Config, "qwen3-tiny"),
+                                         (DeepSeekV3Config, "deepseek3-tiny")])
+def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
+    full = cls.preset(preset).to_hf_dict()
+    for missing in ("hidden_size", "num_hidden_layers"):
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k != missing}))
+        for read in (lambda: cls.from_hf(tmp_path), lambda: AutoConfig.from_hf(tmp_path)):
+            with pytest.raises(CheckpointFormatError, match=f"missing required field\\(s\\) {missing}:"):
+                read()
+        # An override supplies it; the dict form is refused the same way.
+        assert getattr(cls.from_hf(tmp_path, **{missing: full[missing]}), missing) == full[missing]
+        with pytest.raises(ValueError, match=f"missing required field\\(s\\) {missing}"):
+            cls.from_hf({k: v for k, v in full.items() if k != missing})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
@@ -32,6 +32,12 @@ class DeepSeekV3Config(FamilyConfig):
     >>> cfg = DeepSeekV3Config.from_hf("/path/to/checkpoint")   # a directory with config.json, or a dict
     >>> cfg.with_overrides(num_hidden_layers=2).num_parameters().total
     """
+
+    # config.json keys without which the model's shape is a guess (FamilyConfig.from_hf names the missing ones)
+    REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "n_routed_experts", "num_experts_per_tok")
 
     vocab_size: int = 129280
     hidden_size: int = 7168
