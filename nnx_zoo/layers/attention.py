@@ -179,15 +179,9 @@ def _cudnn_refusal(q_len: int, k_len: int, platform: str, segments: bool, paddin
     """Why cuDNN flash attention cannot serve a call (None: it can)."""
     if platform != "gpu":
         return f"it runs on NVIDIA GPUs only (platform {platform!r})"
-    if segments:
-        return "packed documents (segment_ids)"
-    if padding:
-        return "padding or a cache offset (kv_valid / q_offset)"
-    if q_len != k_len:
-        return f"queries ({q_len}) and keys ({k_len}) of different lengths"
     if qk_dim > CUDNN_MAX_HEAD_DIM or qk_dim % 8 or v_dim > qk_dim:
         return f"head dims {qk_dim}/{v_dim} (needs qk <= {CUDNN_MAX_HEAD_DIM}, a multiple of 8, v <= qk)"
-    return None
+    return _mask_refusal(q_len, k_len, segments, padding)
 
 
 def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool) -> str | None:
@@ -196,6 +190,11 @@ def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padd
         return "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
     if platform not in ("gpu", "tpu"):
         return f"its kernels run on GPUs and TPUs (platform {platform!r})"
+    return _mask_refusal(q_len, k_len, segments, padding)
+
+
+def _mask_refusal(q_len: int, k_len: int, segments: bool, padding: bool) -> str | None:
+    """What cuDNN's and tokamax's causal kernels cannot take (None: a plain causal self-attention call)."""
     if segments:
         return "packed documents (segment_ids)"
     if padding:
