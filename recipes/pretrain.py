@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -42,9 +43,27 @@ EXIT_CODES = """exit codes:
   128+N  a second signal N arrived: exited at once; the last complete checkpoint is kept
 """
 
+SYNTHETIC_VOCAB = 256  # --synthetic-vocab's default; smaller model vocabularies use their own size
+
 # Config fields that change how the model computes, not what: free to change when resuming a run.
 HOW_FIELDS = frozenset({"moe_impl", "grouped_matmul_impl", "attention_impl", "batch_split_factor", "scan_layers",
                         "remat_policy"})
+
+
+# The module docstring, for --help (inside a class body ``__doc__`` is the class's own docstring).
+DESCRIPTION = __doc__
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description and epilog as written (their examples keep their lines), and every option's default shown
+    after its help unless the help already speaks of it (or there is none: None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default in ("", argparse.SUPPRESS) or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class Entry(NamedTuple):
@@ -55,7 +74,7 @@ class Entry(NamedTuple):
 
     prog: str = "pretrain.py"
     default_model: str = "llama3-tiny"
-    description: str = __doc__
+    description: str = DESCRIPTION
     model_classes: tuple[str, ...] | None = None  # model class names (e.g. "DeepSeekV3"); None: every family
 
 
@@ -110,20 +129,24 @@ def _field_parser(annotation: Any) -> Callable[[str], Any]:
     return parse
 
 
-def build_parser(model_config_cls: type, presets: Iterable[str] = (), *, entry: Entry = GENERIC
-                 ) -> argparse.ArgumentParser:
+def build_parser(model_config_cls: type, presets: Iterable[str] = (), *, entry: Entry = GENERIC,
+                 model_defaults: Any = None, defaults_from: str = "preset") -> argparse.ArgumentParser:
     """The recipe's command line with ``--model.<field>`` for every field of ``model_config_cls``; ``--help``
-    lists ``presets`` and the registered rule sets by name."""
-    p = argparse.ArgumentParser(prog=entry.prog, description=entry.description, epilog=EXIT_CODES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _model_arguments(p.add_argument_group("model"), model_config_cls, presets, entry)
+    lists ``presets`` and the registered rule sets by name, and each field's value in ``model_defaults`` (the
+    chosen preset's config, or the checkpoint's: ``defaults_from`` says which)."""
+    # A one-line usage: argparse's own lists every --model.<field> and would bury the description under it.
+    usage = "%(prog)s [--model PRESET | --from-pretrained DIR] [--model.<field> VALUE ...] [options]"
+    p = argparse.ArgumentParser(prog=entry.prog, usage=usage, description=entry.description, epilog=EXIT_CODES,
+                                formatter_class=HelpFormatter)
+    _model_arguments(p.add_argument_group("model"), model_config_cls, presets, entry, model_defaults, defaults_from)
     _run_arguments(p.add_argument_group("run"))
     _parallelism_arguments(p.add_argument_group("parallelism"))
     _data_and_optimizer_arguments(p.add_argument_group("data and optimization"))
     return p
 
 
-def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iterable[str], entry: Entry) -> None:
+def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iterable[str], entry: Entry,
+                     model_defaults: Any = None, defaults_from: str = "preset") -> None:
     g.add_argument("--model", default=entry.default_model,
                    help=f"preset name: {', '.join(presets)} (default: %(default)s)")
     g.add_argument("--from-pretrained", metavar="DIR",
@@ -141,14 +164,18 @@ def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iter
         g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
     for field in dataclasses.fields(config_cls):
         kind = getattr(hints[field.name], "__name__", None) or str(hints[field.name]).replace("typing.", "")
+        # The value this run would use unless overridden: what a user compares an override against.
+        value = "" if model_defaults is None else f"; {defaults_from}: {getattr(model_defaults, field.name)}"
         g.add_argument(f"--model.{field.name}", dest=f"model__{field.name}", type=_field_parser(hints[field.name]),
-                       metavar="V", help=f"override {config_cls.__name__}.{field.name} ({kind})")
+                       metavar="V", help=f"override {config_cls.__name__}.{field.name} ({kind}{value})".replace(
+                           "%", "%%"))
 
 
 def _run_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--steps", type=int, default=20, help="optimizer steps (default: %(default)s)")
     g.add_argument("--run-dir", help="where metrics and checkpoints go (default: runs/<model>)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's initialization and of the synthetic data and its shuffling")
     g.add_argument("--extend", action="store_true",
                    help="resume a run past the --steps it was planned for, keeping its learning-rate schedule (the "
                    "added steps run at its final learning rate)")
@@ -156,9 +183,10 @@ def _run_arguments(g: argparse._ArgumentGroup) -> None:
                    help="resume with changed settings (seed, data, optimizer hyper-parameters such as --lr, loss "
                    "weights, --steps with a re-planned schedule); without it a resume that would change them stops "
                    "and names each difference")
-    g.add_argument("--log-every", type=int, default=1)
+    g.add_argument("--log-every", type=int, default=1,
+                   help="steps between metrics.jsonl records and progress-line updates")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: end and signals")
-    g.add_argument("--keep-checkpoints", type=int, default=3)
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="how many of the newest checkpoints to keep")
     g.add_argument("--sync-checkpoints", action="store_true", help="save synchronously (default: async)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events (needs tensorboardX)")
     g.add_argument("--profile-steps", type=parse_step_range, metavar="FIRST:LAST",
@@ -186,7 +214,8 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
 
     g.add_argument("--mesh", type=parse_mesh, default={"fsdp": -1},
                    help="mesh axis sizes, e.g. fsdp=4,expert=2; one may be -1 (default: all devices on fsdp)")
-    g.add_argument("--shard-mode", choices=("auto", "explicit"), default="auto")
+    g.add_argument("--shard-mode", choices=("auto", "explicit"), default="auto",
+                   help="JAX sharding mode of the mesh: auto (XLA propagates layouts) or explicit (typed shardings)")
     g.add_argument("--rules", default="default",
                    help=f"rule set name: {', '.join(RULE_SETS)} (default: %(default)s)")
     g.add_argument("--allow-partial", action="store_true",
@@ -195,29 +224,35 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
                    "failing; --plan lists them with the bytes they replicate")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)))
+    g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)),
+                   help="this process's index, 0 .. --num-processes - 1 (env NNX_ZOO_PROCESS_ID)")
     g.add_argument("--coordinator", default=os.environ.get("NNX_ZOO_COORDINATOR", ""),
                    help="host:port of process 0 in a multi-host run (env NNX_ZOO_COORDINATOR)")
 
 
 def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--batch", type=int, default=8, help="global batch (rows per step, default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=64)
+    g.add_argument("--seq-len", type=int, default=64,
+                   help="tokens per row (at most the model's max_position_embeddings)")
     g.add_argument("--accum-steps", type=int, default=1, help="gradient-accumulation micro-batches per step")
     g.add_argument("--data", default="synthetic",
                    help="'synthetic' (default), or a .txt/.jsonl/.parquet file or a directory of them")
     g.add_argument("--tokenizer", default="bytes",
                    help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
-    g.add_argument("--synthetic-vocab", type=int, default=256, help="token ids used by the synthetic data")
+    g.add_argument("--synthetic-vocab", type=int, default=None, metavar="N",
+                   help=f"token ids the synthetic data uses, 0 .. N-1; at most the model's vocab_size (default: "
+                   f"{SYNTHETIC_VOCAB}, or the model's vocab_size if smaller)")
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="muon: Muon on the hidden weight matrices (per layer and expert), AdamW on embeddings, "
                    "output head, norms (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--warmup-steps", type=int, default=5)
-    g.add_argument("--schedule", choices=("cosine", "wsd", "constant"), default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--clip-norm", type=float, default=1.0)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="final learning rate as a fraction of --lr (cosine and wsd schedules)")
+    g.add_argument("--warmup-steps", type=int, default=5, help="steps of linear warmup from 0 to --lr")
+    g.add_argument("--schedule", choices=("cosine", "wsd", "constant"), default="cosine",
+                   help="learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
+    g.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clipping threshold")
     g.add_argument("--mtp-weight", type=float, default=0.3,
                    help="weight of the multi-token-prediction loss (models with MTP heads)")
     g.add_argument("--routing-bias-rate", type=float, default=1e-3,
@@ -306,13 +341,19 @@ def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
     except ValueError as err:
         print(f"{entry.prog}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    parser = build_parser(source.config_cls, presets=_preset_listing(entry), entry=entry)
+    parser = build_parser(source.config_cls, presets=_preset_listing(entry), entry=entry,
+                          model_defaults=_model_defaults(source, argv),
+                          defaults_from="preset" if source.pretrained is None else "checkpoint")
     args, unknown = parser.parse_known_args(argv)
     fields = [w.split("=", 1)[0] for w in unknown if w.startswith("--model.")]
     if fields:
-        names = ", ".join(f.name for f in dataclasses.fields(source.config_cls))
-        print(f"{entry.prog}: {', '.join(fields)}: not a field of {source.config_cls.__name__} (the config of "
-              f"{source.name}); its fields are {names}", file=sys.stderr)
+        names = [f.name for f in dataclasses.fields(source.config_cls)]
+        hints = []
+        for flag in fields:
+            close = difflib.get_close_matches(flag.removeprefix("--model."), names, n=3)
+            hints.append(flag + (f" (did you mean {' or '.join('--model.' + c for c in close)}?)" if close else ""))
+        print(f"{entry.prog}: {', '.join(hints)}: not a field of {source.config_cls.__name__} (the config of "
+              f"{source.name}); its fields are {', '.join(names)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -324,6 +365,16 @@ def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         print(f"\n{entry.prog}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _model_defaults(source: ModelSource, argv: list[str] | None) -> Any:
+    """For ``--help`` only: the config the chosen preset or checkpoint gives, whose values the help shows."""
+    if not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        return None
+    try:
+        return source.config({})
+    except (ValueError, TypeError, OSError):  # the run itself reports a broken checkpoint config
+        return None
 
 
 def _preset_listing(entry: Entry) -> list[str]:
@@ -450,8 +501,20 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
             schedule=args.schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
         data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
-                        seed=args.seed, synthetic_vocab=min(args.synthetic_vocab, config.vocab_size)),
+                        seed=args.seed, synthetic_vocab=synthetic_vocab(args, config)),
     )
+
+
+def synthetic_vocab(args: argparse.Namespace, config: Any) -> int:
+    """How many token ids the synthetic data uses: ``--synthetic-vocab`` (refused past the model's vocabulary:
+    the run would not be what was asked for), by default ``SYNTHETIC_VOCAB`` or the vocabulary if smaller."""
+    if args.synthetic_vocab is None:
+        return min(SYNTHETIC_VOCAB, config.vocab_size)
+    if args.synthetic_vocab > config.vocab_size:
+        raise ValueError(f"--synthetic-vocab {args.synthetic_vocab} exceeds the model's vocab_size "
+                         f"({config.vocab_size}); use --synthetic-vocab {config.vocab_size} or less, or raise "
+                         f"--model.vocab_size to {args.synthetic_vocab}")
+    return args.synthetic_vocab
 
 
 def pretrained_loader(source: ModelSource, args: argparse.Namespace) -> Callable[..., None] | None:

@@ -46,6 +46,10 @@ def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
         (["--lr", "-1"], "lr must be positive"),
         (["--rules", "nope"], "unknown rule set 'nope'"),
         (["--seq-len", "200000"], "--seq-len 200000 exceeds the model's max_position_embeddings (163840"),
+        (["--synthetic-vocab", "600"], "--synthetic-vocab 600 exceeds the model's vocab_size (512); use "
+                                       "--synthetic-vocab 512 or less, or raise --model.vocab_size to 600"),
+        (["--model.vocab_sizee", "5"], "--model.vocab_sizee (did you mean --model.vocab_size?): not a field"),
+        (["--model.dtype", "float8"], "dtype='float8' is not a dtype; use one of float32, bfloat16"),
     ],
 )
 def test_bad_input_gets_one_clear_error(tmp_path, capsys, args, message):
@@ -86,6 +90,45 @@ def test_help_lists_every_preset_and_rule_set(capsys):
     text = "".join(capsys.readouterr().out.split())  # argparse may wrap a name at a hyphen
     for name in [*PRESETS, *RULE_SETS]:
         assert name in text, name
+
+
+def test_help_opens_with_the_description_and_shows_every_option_and_default(capsys):
+    import re
+
+    from nnx_zoo import DeepSeekV3Config
+    from nnx_zoo.models.deepseek import PRESETS
+
+    with pytest.raises(SystemExit):
+        recipe.main(["--model", "deepseek3-mini", "--help"])
+    out = capsys.readouterr().out
+    usage, description = out.split("\n\n")[:2]
+    assert "\n" not in usage.strip() and description.startswith("Pretrain DeepSeek-V3"), out[:300]
+    assert "Examples" in out and ">>>" not in out  # the module's docstring, not an internal class's
+    parser = recipe.build_parser(DeepSeekV3Config, PRESETS)
+    entries = re.split(r"\n  (?=-)", out)
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        entry = next(e for e in entries if e.split()[0].rstrip(",") == action.option_strings[0])
+        help_text = " ".join(entry.split()[1 if action.nargs == 0 else 2:])
+        assert help_text, f"{action.option_strings[0]} has no help"
+        if action.default is not None and action.default is not False and action.default != "":
+            assert "default" in help_text, f"{action.option_strings[0]}: no default shown in {help_text!r}"
+    # Per-family help: each field shows the chosen preset's value.
+    text = " ".join(out.split())
+    mini = DeepSeekV3Config.preset("deepseek3-mini")
+    for field in ("hidden_size", "n_routed_experts", "kv_lora_rank"):
+        assert f"override DeepSeekV3Config.{field} (int; preset: {getattr(mini, field)})" in text, field
+
+
+def test_default_synthetic_vocab_fits_a_smaller_model_vocab():
+    from nnx_zoo import DeepSeekV3Config
+    from nnx_zoo.models.deepseek import PRESETS
+
+    args = recipe.build_parser(DeepSeekV3Config, PRESETS).parse_args([])
+    small = DeepSeekV3Config.preset("deepseek3-tiny", vocab_size=100)
+    assert recipe.pretrain.synthetic_vocab(args, small) == 100  # the default bends to the model
+    assert recipe.pretrain.synthetic_vocab(args, DeepSeekV3Config.preset("deepseek3-tiny")) == 256
 
 
 def test_given_peak_is_used_and_named_and_compiling_is_announced(tmp_path, capsys):
