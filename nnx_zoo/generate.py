@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nnx_zoo.models.causal_lm import check_ids_fit
 from nnx_zoo.sharding import restore_sharding
 
 
@@ -68,6 +69,9 @@ def generate(
     input_ids = jnp.asarray(input_ids)
     attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
     _check_inputs(input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, stop_tokens, pad_token_id)
+    # The prompt's ids in the vocabulary and prompt + new tokens within the positions (host side, before jit).
+    if getattr(model, "config", None) is not None:
+        check_ids_fit(model.config, input_ids, attention_mask, total_len=input_ids.shape[1] + int(max_new_tokens))
     if rng is None or isinstance(rng, (int, np.integer)):
         rng = jax.random.key(0 if rng is None else int(rng))
     # Stop ids are padded with -1 (never a token) to a multiple of 8, so their number rarely forces a recompile.

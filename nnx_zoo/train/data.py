@@ -157,6 +157,16 @@ class PackedTokens:
         return self.ids[index], (segments - segments[0] + 1).astype(np.int32)
 
 
+def check_token_range(tokens: np.ndarray, vocab_size: int, source: str) -> np.ndarray:
+    """``tokens`` (a host batch) after checking every id is in ``0 .. vocab_size - 1``: on device the embedding
+    lookup would clamp a bad id silently, and the train step (jitted) cannot look without a host sync."""
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(f"data {source}: a batch holds token ids {int(tokens.min())} .. {int(tokens.max())}, outside "
+                         f"the model's vocabulary 0 .. {vocab_size - 1}; use a tokenizer (or --synthetic-vocab) that "
+                         "fits the model's vocab_size, or a model with a larger one")
+    return tokens
+
+
 def make_dataset(config: DataConfig, vocab_size: int, **process: int) -> grain.MapDataset:
     """A ``MapDataset`` whose element ``step`` is this process's part of that step's batch:
     ``input_ids``, ``targets``, ``loss_mask`` ``[rows, seq_len]``, and for packed files ``segment_ids``."""
@@ -165,7 +175,8 @@ def make_dataset(config: DataConfig, vocab_size: int, **process: int) -> grain.M
         synthetic = SyntheticTokens(config, vocab_size)
 
         def batch(step: int) -> dict[str, np.ndarray]:
-            tokens = np.stack([synthetic(step * config.global_batch + r) for r in rows])
+            tokens = check_token_range(np.stack([synthetic(step * config.global_batch + r) for r in rows]),
+                                       vocab_size, config.source)
             return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:],
                     "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
     else:
@@ -173,6 +184,7 @@ def make_dataset(config: DataConfig, vocab_size: int, **process: int) -> grain.M
 
         def batch(step: int) -> dict[str, np.ndarray]:
             tokens, segments = map(np.stack, zip(*(packed(step * config.global_batch + r) for r in rows)))
+            check_token_range(tokens, vocab_size, config.source)
             return {"input_ids": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
                     "loss_mask": np.ones_like(tokens[:, 1:], np.float32)}
 

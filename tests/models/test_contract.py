@@ -149,3 +149,27 @@ def test_forward_asks_for_mtp_only_where_there_are_heads(models):
         if getattr(model, "mtp_layers", None) is None:
             with pytest.raises(ValueError, match="with_mtp=True but .*MTP heads"):
                 model.forward(jnp.zeros((1, 4), jnp.int32), with_mtp=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda c: c.__name__)
+def test_out_of_range_ids_and_positions_are_refused(models, family):
+    # Concrete ids are checked on the host before anything runs (no compile here); the embedding would clamp them.
+    model = models[family]
+    limit = model.config.max_position_embeddings
+    for bad in (VOCAB, -1):
+        ids = jnp.zeros((BATCH, SEQ), jnp.int32).at[1, 3].set(bad)
+        for call, kwargs in ((model, {}), (model.forward, {}), (model.generate, {"max_new_tokens": 2})):
+            with pytest.raises(ValueError, match=rf"outside the vocabulary 0\.\.{VOCAB - 1} \(e\.g\. {bad};"):
+                call(ids, **kwargs)
+    with pytest.raises(ValueError, match=f"{limit + 1} tokens exceed the model's max_position_embeddings={limit}"):
+        model(jnp.zeros((1, limit + 1), jnp.int32))
+    with pytest.raises(ValueError, match=f"a prompt of {SEQ} tokens \\+ max_new_tokens={limit - SEQ + 1} exceed"):
+        model.generate(jnp.zeros((1, SEQ), jnp.int32), max_new_tokens=limit - SEQ + 1)
+    with pytest.raises(ValueError, match=f"position_ids reach {limit}, past the model's max_position_embeddings"):
+        model(jnp.zeros((1, SEQ), jnp.int32), position_ids=jnp.arange(SEQ)[None] + limit - SEQ + 1)
+
+
+def test_ids_are_not_checked_inside_jit(models):
+    # Traced ids are never pulled to the host (the train step must not sync): tracing with a bad id goes through.
+    model = models[FAMILIES[0]]
+    assert nnx.eval_shape(lambda m, ids: m(ids), model, jnp.full((1, 4), VOCAB, jnp.int32)).shape == (1, 4, VOCAB)

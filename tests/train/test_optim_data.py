@@ -146,3 +146,14 @@ def test_bad_data_sources_give_clear_errors(tmp_path):
         make_iterator(DataConfig(source=str(tmp_path / "tiny.txt"), seq_len=64, global_batch=1), 300)
     with pytest.raises(ValueError, match="has 258 tokens but the model's vocab_size is 100"):
         make_iterator(DataConfig(source=str(tmp_path / "tiny.txt"), seq_len=2, global_batch=1), 100)
+
+
+def test_batches_with_ids_outside_the_vocabulary_are_refused_on_the_host(monkeypatch):
+    from nnx_zoo.train import data
+
+    # A source whose ids escape the model's vocabulary (here by a patched stream) is stopped at the batch, before
+    # the jitted step would clamp the ids silently.
+    monkeypatch.setattr(data.SyntheticTokens, "__call__", lambda self, row: np.full(17, 40 if row else -1))
+    iterator = make_iterator(DataConfig(seq_len=16, global_batch=2, synthetic_vocab=32), vocab_size=32)
+    with pytest.raises(ValueError, match=r"token ids -1 \.\. 40, outside the model's vocabulary 0 \.\. 31"):
+        next(iterator)

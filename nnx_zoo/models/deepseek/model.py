@@ -223,7 +223,7 @@ class DeepSeekV3(CausalLMBase):
         ``with_logits=False``: no output head; ``final_hidden`` (and with ``with_mtp`` ``mtp_hidden``) are its
         inputs, for ``output_head()``.
         """
-        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids)
+        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
