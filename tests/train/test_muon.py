@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers as Dims
@@ -165,3 +166,69 @@ def test_muon_on_an_explicit_fsdp_mesh_matches_one_device():
         # atol: AdamW divides by sqrt(v), so where a gradient is ~0 its reduction-order noise moves a weight by up
         # to ~lr * 1e-2 (seen on the DeepSeek model: 3.6e-5 on one embedding entry of 32768); 1e-4 is 1% of a step.
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+class _MuonShapes(nnx.Module):
+    """One weight of each matrix view Muon takes (plain, heads folded into the output, heads folded into the input,
+    a layer stack), with an embedding table on AdamW beside them; values drawn with numpy."""
+
+    def __init__(self, values: dict[str, np.ndarray]):
+        names = {"up": ("embed", "mlp"), "wq": ("embed", "heads", "kv"), "wo": ("heads", "kv", "embed"),
+                 "stack": ("layers", "embed", "mlp"), "embed": ("vocab", "embed")}
+        for key, value in values.items():
+            setattr(self, key, nnx.Param(jnp.asarray(value), out_sharding=names[key], eager_sharding=False))
+
+
+# Each Muon weight as the 2-D matrices optax.contrib.muon sees by default: [inputs, outputs], one per layer.
+_AS_MATRICES = {
+    "up": lambda w: {"up": w},
+    "wq": lambda w: {"wq": w.reshape(w.shape[0], -1)},
+    "wo": lambda w: {"wo": w.reshape(-1, w.shape[-1])},
+    "stack": lambda w: {f"stack{i}": w[i] for i in range(w.shape[0])},
+}
+
+
+def test_muon_updates_equal_optax_contrib_muon_on_the_matrices():
+    """The first two updates of every Muon weight equal ``optax.contrib.muon``'s on the same weights laid out by
+    hand as plain 2-D ``[inputs, outputs]`` matrices (one per layer of a stack), with the same learning rate,
+    momentum, Newton-Schulz steps, weight decay and Moonlight's consistent-RMS scale 0.2 (so every Muon update has
+    RMS about 0.2 * lr, AdamW's); the embedding table's equal ``optax.adamw``'s. A wrong scale factor, matrix view
+    or hyper-parameter moves the updates by percents; the tolerance (rtol 1e-4) covers float32 rounding of the same
+    matrix products batched and laid out differently."""
+    rng = np.random.default_rng(0)
+    shapes = {"up": (16, 24), "wq": (16, 2, 8), "wo": (2, 8, 16), "stack": (3, 16, 8), "embed": (32, 16)}
+    values = {k: rng.normal(0, 0.1, s).astype(np.float32) for k, s in shapes.items()}
+    grads = [{k: rng.normal(0, 1.0, s).astype(np.float32) for k, s in shapes.items()} for _ in range(2)]
+    cfg = OptimizerConfig(name="muon", lr=0.02, warmup_steps=0, schedule="constant", weight_decay=0.1,
+                          clip_norm=0.0, muon_beta=0.9, muon_ns_steps=4)
+    model = _MuonShapes(values)
+    optimizer = make_optimizer(cfg, model, 10)
+
+    @nnx.jit
+    def step(model, optimizer, grads):
+        # d/dw of sum(w * g) is g: the optimizer is handed exactly these gradients.
+        g = nnx.grad(lambda m: sum(jnp.sum(getattr(m, k)[...] * v) for k, v in grads.items()))(model)
+        optimizer.update(model, g)
+
+    muon = optax.contrib.muon(0.02, ns_steps=4, beta=0.9, weight_decay=0.1, consistent_rms=0.2)
+    adamw = optax.adamw(0.02, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=0.1)
+    muon_update, adamw_update = jax.jit(muon.update), jax.jit(adamw.update)
+    matrices = {name: m for k, f in _AS_MATRICES.items() for name, m in f(values[k]).items()}
+    states = muon.init(matrices), adamw.init(values["embed"])
+    table = values["embed"]
+    for g in grads:
+        before = {k: np.asarray(getattr(model, k)[...]) for k in shapes}
+        step(model, optimizer, g)
+        ours = {k: np.asarray(getattr(model, k)[...]) - before[k] for k in shapes}
+        g_matrices = {name: m for k, f in _AS_MATRICES.items() for name, m in f(g[k]).items()}
+        updates, muon_state = muon_update(g_matrices, states[0], matrices)
+        matrices = optax.apply_updates(matrices, updates)
+        table_update, adamw_state = adamw_update(g["embed"], states[1], table)
+        table = optax.apply_updates(table, table_update)
+        states = muon_state, adamw_state
+        for k, f in _AS_MATRICES.items():
+            for name, ours_matrix in f(ours[k]).items():
+                np.testing.assert_allclose(ours_matrix, updates[name], rtol=1e-4, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(ours["embed"], table_update, rtol=1e-4, atol=1e-7)
+        rms = np.sqrt(np.mean(ours["up"] ** 2))
+        assert 0.5 * 0.2 * 0.02 < rms < 1.5 * 0.2 * 0.02, rms  # consistent RMS, near AdamW's (Moonlight)
