@@ -91,10 +91,35 @@ def test_readme_recipe_commands_get_their_own_run_dirs_and_devices():
     assert "runs/deepseek3-tiny" not in run_dirs and len(set(run_dirs)) == len(run_dirs), run_dirs
 
 
-def test_readme_python_blocks_with_meshes_say_how_many_devices():
+def test_readme_python_blocks_with_meshes_make_their_devices():
+    # Pasted into a fresh interpreter, a block with a mesh makes its fake CPU devices itself, before jax is imported.
     for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
         if "make_mesh(" in block:
-            assert "xla_force_host_platform_device_count" in block, block[:200]
+            setup = re.search(r'^os\.environ\["XLA_FLAGS"\] = .*--xla_force_host_platform_device_count=\d+', block,
+                              flags=re.M)
+            first_import = re.search(r"^(from|import) (jax|flax|nnx_zoo)", block, flags=re.M)
+            assert setup and first_import and setup.start() < first_import.start(), block[:200]
+
+
+def test_readme_shell_commands_run_in_the_venv_and_the_test_time_is_stated():
+    # After the install command only .venv/bin/python has the packages: a bare `python` fails (no module 'jax').
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+                for line in block.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#")]
+    prose = re.sub(r"```.*?```", "", README, flags=re.S)
+    commands += [span for span in re.findall(r"`([^`\n]+)`", prose) if re.search(r"\bpython3? ", span)]
+    for command in commands:
+        for word in shlex.split(command):
+            if re.fullmatch(r"(\S*/)?python3?", word) and not command.startswith("python3 -m venv"):
+                assert word == ".venv/bin/python", command
+    assert re.search(r"about \d+-\d+ minutes on 2 cores", README)
+
+
+def test_docs_point_only_inside_the_repository():
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        assert "../shared" not in text and "DESIGN" not in text, path
+        for target in re.findall(r"`((?:docs|benchmarks|recipes|nnx_zoo|tests)/[\w./-]+\.(?:md|py|ipynb))`", text):
+            assert (ROOT / target).exists(), f"{path.name} names {target}, which does not exist"
 
 
 def test_readme_generic_recipe_commands_parse_and_plan(capsys):
