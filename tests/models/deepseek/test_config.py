@@ -113,3 +113,17 @@ def test_train_flops_per_token():
     tied = c.with_overrides(tie_word_embeddings=True)
     assert tied.train_flops_per_token(1024) == 6 * tied.num_parameters().active + attention
     assert c.train_flops_per_token(2048) > c.train_flops_per_token(1024)
+
+
+def test_config_json_without_an_mla_or_moe_shape_field_names_it_and_transformers_configs_load(tmp_path):
+    full = DeepSeekV3Config.preset("deepseek3-mini").to_hf_dict()
+    missing = ("kv_lora_rank", "n_routed_experts")
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k not in missing}))
+    with pytest.raises(ValueError, match="missing required field\\(s\\) kv_lora_rank, n_routed_experts:"):
+        DeepSeekV3Config.from_hf(tmp_path)
+    # A config transformers writes holds every required field.
+    assert DeepSeekV3Config.from_hf(HFConfig(**hf_fields(DeepSeekV3Config.preset("deepseek3-mini"))).to_dict())
+    with pytest.raises(TypeError, match="'kv_lora_rnk' \\(did you mean 'kv_lora_rank'"):
+        DeepSeekV3Config.preset("deepseek3-mini", kv_lora_rnk=8)
+    with pytest.raises(ValueError, match="dtype='bf16' is not a dtype; use one of float32, bfloat16"):
+        DeepSeekV3Config.preset("deepseek3-mini", dtype="bf16")
