@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qxF "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 rm -rf .whl && mkdir .whl
-PIP=${PIP:-python3 -m pip}
+# The project venv's pip when there is one (README: python3 -m venv .venv), else the system's.
+if [ -x .venv/bin/python ]; then PIP=${PIP:-.venv/bin/python -m pip}; else PIP=${PIP:-python3 -m pip}; fi
 # grain and what it needs beyond the image; tokamax (kernels) and what it needs beyond the image.
 for pkg in grain==0.2.18 array_record==0.8.6 portpicker \
            tokamax einshape jaxtyping wadler_lindig pydantic pydantic_core annotated_types typing_inspection qwix \
