@@ -151,8 +151,9 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
 
 
 # --------------------------------------------------------------------------------------------- kernels alone
-def attention_worker(shape: tuple[int, ...], impl: str, segments: bool, rounds: int) -> dict:
-    """Seconds per forward + backward of one causal attention call with ``attention_impl=impl``."""
+def attention_worker(shape: tuple[int, ...], variants: list[tuple[str, bool]], rounds: int) -> list[dict]:
+    """Seconds per forward + backward of one causal attention call for each ``(attention_impl, segments)`` variant,
+    in one process (each variant compiles its own program; one that fails records its error)."""
     import jax
     import jax.numpy as jnp
 
@@ -164,20 +165,30 @@ def attention_worker(shape: tuple[int, ...], impl: str, segments: bool, rounds: 
     q = jax.random.normal(keys[0], (batch, seq, heads, qk_dim), dtype)
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, qk_dim), dtype)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, v_dim), dtype)
-    segment_ids = (jnp.arange(seq)[None] * 4 // seq).repeat(batch, 0) if segments else None  # 4 documents a row
-    mask = causal_mask(seq, None, segment_ids)
-    chosen = choose_attention_impl(impl, q_len=seq, k_len=seq, segments=segments, qk_dim=qk_dim, v_dim=v_dim)
+    results = []
+    for impl, segments in variants:
+        segment_ids = (jnp.arange(seq)[None] * 4 // seq).repeat(batch, 0) if segments else None  # 4 documents a row
+        mask = causal_mask(seq, None, segment_ids)
+        row = {"shape": list(shape), "impl": impl, "segments": segments}
+        try:
+            row["ran"] = choose_attention_impl(impl, q_len=seq, k_len=seq, segments=segments, qk_dim=qk_dim,
+                                               v_dim=v_dim)
 
-    def loss(q, k, v):
-        return jnp.sum(attention(q, k, v, mask, qk_dim**-0.5, impl).astype(jnp.float32))
+            def loss(q, k, v, mask=mask, impl=impl):
+                return jnp.sum(attention(q, k, v, mask, qk_dim**-0.5, impl).astype(jnp.float32))
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    seconds = _time_jax(lambda: step(q, k, v), rounds)
-    return {"seconds": seconds, "ran": chosen}
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            row["seconds"] = _time_jax(lambda step=step: step(q, k, v), rounds)
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a result, not a crash
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        results.append(row)
+    return results
 
 
-def gmm_worker(shape: tuple[int, ...], impl: str, rounds: int) -> dict:
-    """Seconds per forward + backward of one grouped matmul (near-balanced random groups)."""
+def gmm_worker(shape: tuple[int, ...], impls: list[str], rounds: int) -> list[dict]:
+    """Seconds per forward + backward of one grouped matmul (near-balanced random groups) for each
+    ``grouped_matmul_impl``, in one process, in the given order (``pallas_triton`` sets a process-wide flag that
+    changes how ``ragged_dot`` lowers: keep it last)."""
     import jax
     import jax.numpy as jnp
 
@@ -190,14 +201,23 @@ def gmm_worker(shape: tuple[int, ...], impl: str, rounds: int) -> dict:
     rhs = jax.random.normal(keys[1], (groups, k, n), dtype) * k**-0.5
     choice = jax.random.randint(keys[2], (rows,), 0, groups)
     group_sizes = jnp.bincount(choice, length=groups).astype(jnp.int32)
-
-    def loss(lhs, rhs):
-        return jnp.sum(grouped_matmul(lhs, rhs, group_sizes, impl=impl).astype(jnp.float32))
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    seconds = _time_jax(lambda: step(lhs, rhs), rounds)
     flops = 3 * 2 * rows * k * n  # forward + the two backward GEMMs
-    return {"seconds": seconds, "tflops": flops / seconds / 1e12, "ran": choose_grouped_matmul_impl(impl)}
+    results = []
+    for impl in impls:
+        row = {"shape": list(shape), "impl": impl}
+        try:
+            row["ran"] = choose_grouped_matmul_impl(impl)
+
+            def loss(lhs, rhs, impl=impl):
+                return jnp.sum(grouped_matmul(lhs, rhs, group_sizes, impl=impl).astype(jnp.float32))
+
+            step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            row["seconds"] = _time_jax(lambda step=step: step(lhs, rhs), rounds)
+            row["tflops"] = flops / row["seconds"] / 1e12
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot run here is a result, not a crash
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        results.append(row)
+    return results
 
 
 # --------------------------------------------------------------------------------------------- the cases
@@ -225,22 +245,22 @@ def moe_case(s: Shapes, timeout_s: float) -> list[dict]:
 
 def attention_case(s: Shapes, timeout_s: float) -> list[dict]:
     rows = []
+    variants = [(impl, False) for impl in ATTENTION_IMPLS + ("auto",)] + [("auto", True)]
     for shape in s.attention:
-        for impl in ATTENTION_IMPLS + ("auto",):
-            rows.append({"shape": list(shape), "impl": impl, "segments": False,
-                         **_worker(["attention", json.dumps(shape), impl, 0], timeout_s)})
-        rows.append({"shape": list(shape), "impl": "auto", "segments": True,
-                     **_worker(["attention", json.dumps(shape), "auto", 1], timeout_s)})
+        result = _worker(["attention", json.dumps(shape), json.dumps(variants)], timeout_s)
+        rows += result if isinstance(result, list) else [{"shape": list(shape), "impl": "all", "segments": False,
+                                                           **result}]
     return rows
 
 
 def gmm_case(s: Shapes, timeout_s: float) -> list[dict]:
-    return [{"shape": list(s.gmm), "impl": impl, **_worker(["gmm", json.dumps(s.gmm), impl], timeout_s)}
-            for impl in ("xla",) + GMM_KERNELS]
+    impls = ["xla", "tiled", "tokamax", "auto", "pallas_triton"]
+    result = _worker(["gmm", json.dumps(s.gmm), json.dumps(impls)], timeout_s)
+    return result if isinstance(result, list) else [{"shape": list(s.gmm), "impl": "all", **result}]
 
 
 # --------------------------------------------------------------------------------------------- plumbing
-def _worker(args: list[object], timeout_s: float) -> dict:
+def _worker(args: list[object], timeout_s: float) -> dict | list[dict]:
     """This file's ``--worker`` mode in a fresh process; its last stdout line is a JSON result."""
     cmd = [sys.executable, __file__, "--worker", *map(str, args)]
     if _SMOKE[0]:
@@ -261,9 +281,10 @@ def run_worker(argv: list[str], smoke: bool) -> None:
     if kind == "torch":
         result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])))
     elif kind == "attention":
-        result = attention_worker(tuple(json.loads(rest[0])), rest[1], bool(int(rest[2])), 3 if smoke else 10)
+        variants = [(impl, bool(segments)) for impl, segments in json.loads(rest[1])]
+        result = attention_worker(tuple(json.loads(rest[0])), variants, 3 if smoke else 10)
     elif kind == "gmm":
-        result = gmm_worker(tuple(json.loads(rest[0])), rest[1], 3 if smoke else 10)
+        result = gmm_worker(tuple(json.loads(rest[0])), json.loads(rest[1]), 3 if smoke else 10)
     else:
         raise SystemExit(f"unknown worker {kind!r}")
     del s
