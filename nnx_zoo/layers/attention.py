@@ -29,9 +29,7 @@ No real token reads those rows; compare implementations on rows that see a key.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -40,13 +38,14 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from nnx_zoo.layers import blockwise_attention as blockwise
+from nnx_zoo.layers import kernels
 from nnx_zoo.layers.attention_mask import AttentionMask, causal_mask
 from nnx_zoo.layers.kv_cache import write_slots
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.layers.spec import explicit_spec, resolve_activation
-from nnx_zoo.sharding import restore_sharding, shard, sharding_of
+from nnx_zoo.sharding import axes_tuple, restore_sharding, shard, sharding_of
 from nnx_zoo.sharding.constrain import shard_to_spec
 
 _SCORE_NAMES = ("activation_batch", "activation_heads", "activation_length", "activation_kv_length")
@@ -148,23 +147,12 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array | None, dtype: jnp.dtype)
 
 # ------------------------------------------------------------------------------------------------- the chooser
 def tokamax_available() -> bool:
-    """Whether the optional ``tokamax`` package is installed (``pip install 'nnx-zoo[gpu]'``)."""
-    return importlib.util.find_spec("tokamax") is not None
-
-
-_WARNED: set[str] = set()
+    """Whether the optional ``tokamax`` package imports (``pip install 'nnx-zoo[gpu]'``)."""
+    return kernels.tokamax() is not None
 
 
 def _warn_once(message: str) -> None:
-    """One warning line per distinct message per process (a traced function may be traced many times)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, AttentionFallbackWarning, stacklevel=3)
-
-
-def _platform(platform: str | None) -> str:
-    platform = jax.default_backend() if platform is None else platform.lower()
-    return "gpu" if platform in ("cuda", "rocm") else platform
+    kernels.warn_once(message, AttentionFallbackWarning)
 
 
 def _portable(q_len: int, k_len: int, platform: str) -> str:
@@ -231,7 +219,7 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
     """
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {requested!r}; choose one of {ATTENTION_IMPLS}")
-    platform = _platform(platform)
+    platform = kernels.platform_name(platform)
     if requested in ("xla", "blockwise"):
         return requested
     portable = _portable(q_len, k_len, platform)
@@ -284,7 +272,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
     if chosen in ("cudnn", "tokamax"):
         refusal = _kernel_refusal_here(chosen, q)
         if refusal is not None:
-            fallback = _portable(q_len, k_len, _platform(None))
+            fallback = _portable(q_len, k_len, kernels.platform_name())
             if impl == chosen:  # asked for by name: say so; auto just takes the portable path
                 _warn_once(f"attention_impl={chosen!r} cannot serve {refusal}; using {fallback!r}")
             chosen = fallback
@@ -306,7 +294,7 @@ def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
     (each device's causal mask would need its own offset)."""
     if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"{q.dtype} inputs (cuDNN flash attention takes bfloat16/float16)"
-    if _ambient_mesh() is not None and _axes(_activation_spec(_QUERY_SIDE, q.shape[:2])[1]):
+    if _ambient_mesh() is not None and axes_tuple(_activation_spec(_QUERY_SIDE, q.shape[:2])[1]):
         return "queries split over the sequence (context parallelism)"
     return None
 
@@ -338,15 +326,15 @@ def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
     import tokamax  # optional; the chooser checked it is installed
 
     b, s, n, g, _ = q.shape
-    kernels = ("mosaic", "triton") if _platform(None) == "gpu" else ("mosaic",)
+    names = ("mosaic", "triton") if kernels.platform_name() == "gpu" else ("mosaic",)
     try:
         out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
-                                            implementation=kernels)
+                                            implementation=names)
     except ValueError:  # tokamax names a kernel it could not import (e.g. Mosaic GPU): its Triton one alone
-        if kernels[1:] == ():
+        if names[1:] == ():
             raise
         out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
-                                            implementation=kernels[1:])
+                                            implementation=names[1:])
     return out.reshape(b, s, n, g, v.shape[-1])
 
 
@@ -358,9 +346,6 @@ def _ambient_mesh() -> jax.sharding.AbstractMesh | None:
     return mesh
 
 
-def _axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
 
 def _activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
     """The layout ``names`` resolve to (as ``shard`` would place them), each dim kept on the longest prefix of its
@@ -370,7 +355,7 @@ def _activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> Parti
     entries = []
     for dim, entry in zip(shape, spec + (None,) * (len(shape) - len(spec))):
         kept: list[str] = []
-        for axis in _axes(entry):
+        for axis in axes_tuple(entry):
             if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
                 break
             kept.append(axis)
@@ -401,8 +386,8 @@ def _on_mesh(local: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax
     args = [q, k, v, q_offset] + [masks[i] for i in present]
     specs += [mask_specs[i] for i in present]
     args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
-    length_axes = _axes(q_spec[1])
-    every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in _axes(e)))
+    length_axes = axes_tuple(q_spec[1])
+    every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in axes_tuple(e)))
 
     def per_device(q, k, v, q_offset, *present_masks):
         start = jax.lax.axis_index(length_axes) * q.shape[1] if length_axes else 0

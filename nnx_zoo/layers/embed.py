@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.spec import ambient_mesh_or_none, explicit_spec, resolve_activation, weight_einsum
-from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard, shard_mode_of
+from nnx_zoo.sharding import axes_tuple, current_rules, logical_to_mesh_axes, shard, shard_mode_of
 from nnx_zoo.sharding.constrain import shard_to_spec
 
 _OUT_NAMES = ("activation_batch", "activation_length", "activation_embed")
@@ -76,11 +76,8 @@ def _table_axes(table: jax.Array) -> tuple[tuple[str, ...], tuple[str, ...]]:
     spec = (jax.typeof(table).sharding.spec if shard_mode_of(mesh) == "explicit"
             else logical_to_mesh_axes(("vocab", "embed"), current_rules(), mesh))
     entries = list(spec) + [None] * (2 - len(spec))
-    return tuple(_axes(e) for e in entries[:2])
+    return tuple(axes_tuple(e) for e in entries[:2])
 
-
-def _axes(entry: object) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _lookup_then_move(table: jax.Array, ids: jax.Array, embed_axes: tuple[str, ...]) -> jax.Array:
@@ -96,7 +93,7 @@ def _lookup_then_move(table: jax.Array, ids: jax.Array, embed_axes: tuple[str, .
     explicit = shard_mode_of(jax.sharding.get_abstract_mesh()) == "explicit"
     rows = shard_to_spec(table.at[ids].get(out_sharding=width_split if explicit else None, mode="clip"), width_split)
     target = resolve_activation(_leading(lead) + _OUT_NAMES, rows.shape)
-    target = [_axes(e) for e in list(target) + [None] * (rows.ndim - len(target))]
+    target = [axes_tuple(e) for e in list(target) + [None] * (rows.ndim - len(target))]
     for dim in (lead, lead + 1):
         if target[dim] != current[dim]:
             current[dim] = target[dim]

@@ -27,13 +27,12 @@ Implementations (``impl``):
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import warnings
-from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+
+from nnx_zoo.layers import kernels
 
 GROUPED_MATMUL_IMPLS = ("auto", "tiled", "xla", "tokamax", "pallas_triton")
 
@@ -42,7 +41,6 @@ GROUPED_MATMUL_IMPLS = ("auto", "tiled", "xla", "tokamax", "pallas_triton")
 _MIN_CHUNK_ELEMENTS = 1 << 22
 _PALLAS_TRITON_MODULE = "jax._src.lax.pallas_lowerings.gpu.ragged_dot"
 _PALLAS_TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
-_warned: set[str] = set()
 
 
 def grouped_matmul(
@@ -83,8 +81,7 @@ def grouped_matmul(
         return _tiled(lhs, rhs, group_sizes, tile, chunk, out_dtype)
     rhs = rhs.astype(lhs.dtype)
     if impl == "tokamax":
-        tokamax = _import_tokamax()
-        return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+        return kernels.tokamax().ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     if impl == "pallas_triton":
         # The flag is read when the enclosing jit is lowered, which happens after this function has returned
         # (a context manager here would have exited by then), so it is set for the process. It only changes how
@@ -108,26 +105,26 @@ def choose_grouped_matmul_impl(requested: str, platform: str | None = None) -> s
     """
     if requested not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"unknown grouped matmul implementation {requested!r}; choose one of {GROUPED_MATMUL_IMPLS}")
-    platform = _platform(platform)
+    platform = kernels.platform_name(platform)
     portable = "xla" if platform == "tpu" else "tiled"
     if requested == "auto":
         if platform == "cpu":
             return "tiled"
-        if _import_tokamax() is not None:
+        if kernels.tokamax() is not None:
             return "tokamax"
         if platform == "gpu" and _pallas_triton_available():
             return "pallas_triton"
         if platform == "gpu":  # (XLA:TPU's own ragged dot is a kernel; XLA:GPU's is the dense expansion)
-            _warn_once("grouped_matmul: no GPU grouped-matmul kernel (tokamax is not installed and this jax lacks "
-                       "the Pallas-Triton ragged_dot); using the 'tiled' path")
+            kernels.warn_once("grouped_matmul: no GPU grouped-matmul kernel (tokamax is not installed and this jax "
+                              "lacks the Pallas-Triton ragged_dot); using the 'tiled' path")
         return portable
-    if requested == "tokamax" and _import_tokamax() is None:
-        _warn_once(f"grouped_matmul: tokamax is not installed; using the {portable!r} path "
-                   "(pip install 'nnx-zoo[gpu]' for its kernels)")
+    if requested == "tokamax" and kernels.tokamax() is None:
+        kernels.warn_once(f"grouped_matmul: tokamax is not installed; using the {portable!r} path "
+                          "(pip install 'nnx-zoo[gpu]' for its kernels)")
         return portable
     if requested == "pallas_triton" and not (platform == "gpu" and _pallas_triton_available()):
         why = "needs an NVIDIA GPU" if platform != "gpu" else f"this jax lacks {_PALLAS_TRITON_MODULE}"
-        _warn_once(f"grouped_matmul: the Pallas-Triton ragged_dot {why}; using the {portable!r} path")
+        kernels.warn_once(f"grouped_matmul: the Pallas-Triton ragged_dot {why}; using the {portable!r} path")
         return portable
     return requested
 
@@ -259,31 +256,12 @@ _tiled_vjp.defvjp(
 
 
 # ------------------------------------------------------------------------------------------------ dispatching
-def _platform(platform: str | None) -> str:
-    platform = (platform or jax.default_backend()).lower()
-    return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def _import_tokamax() -> ModuleType | None:
-    """The ``tokamax`` module, or None when it does not import (it is an optional dependency)."""
-    try:
-        return importlib.import_module("tokamax")
-    except Exception:  # noqa: BLE001 - a broken install (missing dependency, ABI mismatch) counts as missing
-        return None
-
-
 def _pallas_triton_available() -> bool:
     """Whether this jax ships the Pallas-Triton lowering of ``ragged_dot`` (jax 0.10.2's wheel does not)."""
     try:
         return importlib.util.find_spec(_PALLAS_TRITON_MODULE) is not None
     except ModuleNotFoundError:
         return False
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 __all__ = ["GROUPED_MATMUL_IMPLS", "choose_grouped_matmul_impl", "default_tile", "grouped_matmul"]

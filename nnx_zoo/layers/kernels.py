@@ -1,13 +1,52 @@
-"""Which kernels a model config will run on this backend: what the recipe prints at start and in its summary.
+"""Which kernels a model config will run on this backend (what the recipe prints at start and in its summary), and
+the few facts every kernel chooser asks: the platform, whether tokamax imports, one warning line per fallback.
 
 The choices themselves are made where the kernels are dispatched (``choose_attention_impl`` in
 ``nnx_zoo.layers.attention``, ``default_moe_impl`` in ``nnx_zoo.layers.moe``, ``choose_grouped_matmul_impl`` in
-``nnx_zoo.layers.grouped_matmul``); this module only asks them, for any family's config.
+``nnx_zoo.layers.grouped_matmul``); ``kernel_choices`` only asks them, for any family's config.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from types import ModuleType
 from typing import Any
+
+import jax
+
+_WARNED: set[str] = set()
+
+
+def platform_name(platform: str | None = None) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: ``platform`` (``cuda``/``rocm`` count as ``gpu``), default JAX's
+    backend.
+
+    >>> platform_name("cuda")
+    'gpu'
+    """
+    platform = (platform or jax.default_backend()).lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def tokamax() -> ModuleType | None:
+    """The optional ``tokamax`` package (``pip install 'nnx-zoo[gpu]'``), or None when it does not import: a
+    broken install (a missing dependency, an ABI mismatch) counts as missing, so no chooser picks it.
+
+    >>> tokamax() is None  # without the gpu extra
+    True
+    """
+    try:
+        return importlib.import_module("tokamax")
+    except Exception:  # noqa: BLE001 - any import failure means the kernels cannot run
+        return None
+
+
+def warn_once(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """One warning line per distinct message per process (a traced function may be traced many times)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, category, stacklevel=3)
 
 
 def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platform: str | None = None

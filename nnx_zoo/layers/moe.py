@@ -50,7 +50,7 @@ from nnx_zoo.layers.spec import (
     weight_einsum_to_spec,
     without_reduced,
 )
-from nnx_zoo.sharding import current_rules, logical_to_mesh_axes, shard
+from nnx_zoo.sharding import axes_tuple, current_rules, logical_to_mesh_axes, shard
 
 MoeImpl = Literal["auto", "dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
@@ -195,7 +195,7 @@ class RoutedExperts(nnx.Module):
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
             return out, dropped
         tokens = resolve_activation(_TOKENS[:1] + (None,), x.shape)
-        token_axes = _axes(tokens[0])
+        token_axes = axes_tuple(tokens[0])
         # EP axes that split the tokens, in the tokens' layout order: gathered over them, the group's tokens come
         # in token order (first come first served under a capacity), e.g. exp -> (expert, fsdp) with tokens
         # split (fsdp, expert) gathers over (fsdp, expert).
@@ -223,7 +223,7 @@ class RoutedExperts(nnx.Module):
         sums back the same way: no all-to-all to reach a flat token layout."""
         experts = tuple(shard(w, ("exp", None, None)) for w in self._weights())
         spec = resolve_activation(_BL + (None,), x.shape)
-        batch_axes, length_axes = _axes(spec[0]), _axes(spec[1])
+        batch_axes, length_axes = axes_tuple(spec[0]), axes_tuple(spec[1])
         dims = ((1, tuple(a for a in length_axes if a in ep_axes)), (0, tuple(a for a in batch_axes if a in ep_axes)))
         split = batch_axes + length_axes
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), tuple(a for a in ep_axes if a not in split),
@@ -269,12 +269,12 @@ def _per_sequence_dispatch(shape: tuple[int, ...], ep_axes: tuple[str, ...], cap
     path's order (first come first served must drop the same pairs): the sequence's axes are all EP axes and the
     batch's EP axes are its innermost ones, so a group holds whole consecutive sequences either way."""
     spec = resolve_activation(_BL + (None,), shape)
-    batch_axes, length_axes = _axes(spec[0]), _axes(spec[1])
+    batch_axes, length_axes = axes_tuple(spec[0]), axes_tuple(spec[1])
     if not length_axes or not ep_axes:
         return False
     if capacity_factor is None:
         return True
-    flat = _axes(resolve_activation(_TOKENS[:1], (shape[0] * shape[1],))[0])
+    flat = axes_tuple(resolve_activation(_TOKENS[:1], (shape[0] * shape[1],))[0])
     batch_ep = [a for a in batch_axes if a in ep_axes]
     return (flat == batch_axes + length_axes and set(length_axes) <= set(ep_axes)
             and list(batch_axes[len(batch_axes) - len(batch_ep):]) == batch_ep)
@@ -304,7 +304,7 @@ def _expert_in_proj(x: jax.Array, w: jax.Array, out_names: tuple[str, ...] | Non
     experts, hidden, width = w.shape
     spec = None if out_names is None else explicit_spec(out_names, (num_tokens, experts, width))
     laid_out = None if out_names is None else resolve_activation(out_names, (num_tokens, experts, width))
-    if laid_out is not None and _axes((list(laid_out) + [None] * 3)[2]):
+    if laid_out is not None and axes_tuple((list(laid_out) + [None] * 3)[2]):
         return weight_einsum("th,ehi->tei", x, w, out_names, weight_names=_WI_NAMES)
     fused = jnp.transpose(without_reduced(w), (1, 0, 2)).reshape(hidden, experts * width)
     fused_spec = None if spec is None else PartitionSpec(*(list(spec) + [None] * 2)[:2])
@@ -335,17 +335,12 @@ def _grouped_swiglu(num_experts: int, impl: str = "auto"):
     return run
 
 
-def _axes(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
 
 def _ep_axes(mesh: jax.sharding.AbstractMesh | None) -> tuple[str, ...]:
     """The mesh axes the active rule set shards the expert dim (logical ``exp``) over, size-1 axes dropped."""
     if mesh is None:
         return ()
-    return _axes(logical_to_mesh_axes(("exp",), current_rules(), mesh)[0])
+    return axes_tuple(logical_to_mesh_axes(("exp",), current_rules(), mesh)[0])
 
 
 def _ep_shard(

@@ -28,11 +28,12 @@ from nnx_zoo.sharding.create import (
 )
 from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
 from nnx_zoo.sharding.report import ShardingReport, sharding_report
-from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes, named_sharding
+from nnx_zoo.sharding.resolve import ShardingError, axes_tuple, logical_to_mesh_axes, named_sharding
 from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, expand_rules, get_rules, validate_rules
 
 __all__ = [
     "activation_spec",
+    "axes_tuple",
     "current_allow_partial",
     "LOGICAL_AXES",
     "MESH_AXES",

@@ -36,7 +36,12 @@ class ShardingError(ValueError):
 _UNASSIGNED = object()
 
 
-def _axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """One entry of a ``PartitionSpec`` (a mesh axis, a tuple of them, or None) as a tuple of mesh axes.
+
+    >>> axes_tuple("fsdp"), axes_tuple(("fsdp", "expert")), axes_tuple(None)
+    (('fsdp',), ('fsdp', 'expert'), ())
+    """
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -81,12 +86,12 @@ def _linen_resolve(
         if logical not in names:
             continue
         pos = list(names).index(logical)
-        wanted = set(_axes_tuple(axes))
+        wanted = set(axes_tuple(axes))
         if result[pos] is not _UNASSIGNED or wanted & taken:
             continue
         if partial is not None:
             shape, sizes = partial
-            real = tuple(a for a in _axes_tuple(axes) if sizes.get(a, 1) > 1)
+            real = tuple(a for a in axes_tuple(axes) if sizes.get(a, 1) > 1)
             placed = _dividing_prefix(shape[pos], real, sizes)
             if placed != real:
                 if not placed:
@@ -110,7 +115,7 @@ def _dividing_prefix(size: int, axes: tuple[str, ...], sizes: dict[str, int]) ->
 
 
 def _drop_trivial_axes(axes: MeshAxes, sizes: dict[str, int]) -> MeshAxes:
-    kept = tuple(a for a in _axes_tuple(axes) if sizes.get(a, 1) > 1)
+    kept = tuple(a for a in axes_tuple(axes) if sizes.get(a, 1) > 1)
     if not kept:
         return None
     return kept[0] if len(kept) == 1 else kept
@@ -134,7 +139,7 @@ def unplaced_mesh_message(rules: Rules | str, mesh: Mesh | AbstractMesh) -> str 
     """
     sizes = _mesh_sizes(mesh)
     devices = math.prod(sizes.values())
-    named = sorted({axis for _, axes in get_rules(rules) for axis in _axes_tuple(axes)})
+    named = sorted({axis for _, axes in get_rules(rules) for axis in axes_tuple(axes)})
     if devices <= 1 or any(sizes.get(axis, 1) > 1 for axis in named):
         return None
     which = f"rule set {rules!r}" if isinstance(rules, str) else "the given rule set"
@@ -222,7 +227,7 @@ def resolve(
             f"{_where(path)}shape {tuple(shape)} has {len(shape)} dims but {len(names)} logical names "
             f"{names}; give one name per dimension"
         )
-    shards = [math.prod(sizes[a] for a in _axes_tuple(axes)) for axes in resolved]
+    shards = [math.prod(sizes[a] for a in axes_tuple(axes)) for axes in resolved]
     bad = [dim for dim, (size, parts) in enumerate(zip(shape, shards, strict=True)) if size % parts]
     if not bad:
         return Resolution(PartitionSpec(*resolved), wanted_shards=math.prod(shards))
@@ -230,16 +235,16 @@ def resolve(
         dim = bad[0]
         raise ShardingError(
             f"{_where(path)}dimension {dim} (logical {names[dim]!r}, size {shape[dim]}) cannot be split over mesh "
-            f"axes {_axes_tuple(resolved[dim])} ({shards[dim]} shards): {shape[dim]} is not divisible by "
+            f"axes {axes_tuple(resolved[dim])} ({shards[dim]} shards): {shape[dim]} is not divisible by "
             f"{shards[dim]}. Change the mesh sizes, use a rule set that maps this name to fewer devices, or pass "
             "allow_partial=True to place it on the longest prefix of those axes that divides it (the sharding "
             "report and --plan do, and list what they replicated)."
         )
     partial = [_drop_trivial_axes(a, sizes) for a in _linen_resolve(names, rules, (tuple(shape), sizes))]
     fallbacks = tuple(
-        Fallback(path=path, dim=dim, name=names[dim], size=shape[dim], wanted=_axes_tuple(resolved[dim]),
-                 placed=_axes_tuple(partial[dim]), wanted_shards=shards[dim],
-                 placed_shards=math.prod(sizes[a] for a in _axes_tuple(partial[dim])))
+        Fallback(path=path, dim=dim, name=names[dim], size=shape[dim], wanted=axes_tuple(resolved[dim]),
+                 placed=axes_tuple(partial[dim]), wanted_shards=shards[dim],
+                 placed_shards=math.prod(sizes[a] for a in axes_tuple(partial[dim])))
         for dim in bad
     )
     return Resolution(PartitionSpec(*partial), fallbacks, math.prod(shards))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from nnx_zoo.layers.spec import ambient_mesh_or_none, resolve_activation
-from nnx_zoo.sharding import restore_sharding, shard, shard_mode_of, sharding_of
+from nnx_zoo.sharding import axes_tuple, restore_sharding, shard, shard_mode_of, sharding_of
 
 # The default chunk: at most this many bytes of float32 logits per device. A batch whose logits fit is one chunk,
 # computed exactly as without chunking (no recompute); a larger one pays one more head matmul (the forward's,
@@ -203,7 +203,6 @@ def _token_shards(hidden: jax.Array) -> tuple[int, int]:
     sizes = dict(mesh.shape)
 
     def shards(entry: object) -> int:
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        return math.prod(sizes[a] for a in axes)
+        return math.prod(sizes[a] for a in axes_tuple(entry))
 
     return shards(spec[-3]), shards(spec[-2])

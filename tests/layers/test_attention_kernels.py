@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM, Llama3Config
 from nnx_zoo.layers import attention as attn_module
-from nnx_zoo.layers import blockwise_attention
+from nnx_zoo.layers import blockwise_attention, kernels
 from nnx_zoo.layers.attention import (
     ATTENTION_IMPLS,
     AttentionFallbackWarning,
@@ -258,7 +258,7 @@ def test_decode_under_mesh():
 # -------------------------------------------------------------------------------------------------- the chooser
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(attn_module, "_WARNED", set())
+    monkeypatch.setattr(kernels, "_WARNED", set())
 
 
 def _pick(requested, platform, *, tokamax: bool, monkeypatch, **kw):

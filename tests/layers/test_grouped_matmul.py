@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
-from nnx_zoo.layers import RoutedExperts
+from nnx_zoo.layers import RoutedExperts, kernels
 from nnx_zoo.layers import grouped_matmul as gm_module
 from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl, default_tile, grouped_matmul
 from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_shardings
@@ -193,7 +193,7 @@ def fake_tokamax(monkeypatch):
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(gm_module, "_warned", set())
+    monkeypatch.setattr(kernels, "_WARNED", set())
 
 
 @pytest.mark.parametrize(("platform", "tokamax", "pallas", "want"), [
@@ -259,7 +259,7 @@ def test_pallas_triton_turns_on_jax_lowering_flag_on_gpu(monkeypatch):
     is set (it is read when the enclosing jit is lowered); the computation is lax.ragged_dot's."""
     flag = gm_module._PALLAS_TRITON_FLAG
     monkeypatch.setattr(gm_module, "_pallas_triton_available", lambda: True)
-    monkeypatch.setattr(gm_module, "_platform", lambda platform: "gpu")
+    monkeypatch.setattr(kernels, "platform_name", lambda platform=None: "gpu")
     before = getattr(jax.config, flag)
     lhs, rhs = _operands(7, 2)
     sizes = jnp.array([3, 4], jnp.int32)
