@@ -1,7 +1,8 @@
 """One process of a two-process run on loopback that prints its MFU peak (for tests/train/test_peak_flops.py).
 
 python tests/train/peak_flops_process.py COORDINATOR PROCESS_ID   (4 CPU devices per process)
-Prints one JSON line {"peak": FLOP/s per device, "source": "..."}.
+Prints one JSON line {"peak": FLOP/s per device, "source": "...", "mfu": ..., "raised_peak": ...,
+"raised_source": "..."}: the peak at the start, then after a step that ran at 3x it.
 """
 
 import json
@@ -17,7 +18,9 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 
-from nnx_zoo.train.metrics import peak_flops_per_device  # noqa: E402
+from nnx_zoo.train.metrics import resolve_peak  # noqa: E402
 
-peak, source = peak_flops_per_device()
-print(json.dumps({"peak": peak, "source": source}), flush=True)
+peak = resolve_peak()
+start = {"peak": peak.value, "source": peak.source}
+mfu = peak.mfu(3 * peak.value, step=1)
+print(json.dumps({**start, "mfu": mfu, "raised_peak": peak.value, "raised_source": peak.source}), flush=True)
