@@ -19,7 +19,9 @@ Routed experts ``[E, in, out]`` get one adapter per expert, ``[E, in, r]`` / ``[
 array the size of those weights) and runs the unchanged expert computation.
 
 ``merge_lora(model)`` folds ``W += (alpha / r) A @ B`` into every adapted weight and puts the plain modules back,
-so ``model.save_pretrained(dir)`` writes ordinary Hugging Face weights.
+so ``model.save_pretrained(dir)`` writes ordinary Hugging Face weights. A pretraining run (``nnx_zoo.train.train``)
+with adapters records them in its model settings as ``{"lora": lora_settings(...)}``; ``nnx_zoo.train.export_run``
+(``recipes/export_hf.py``) then exports its checkpoints merged.
 """
 
 from __future__ import annotations
@@ -228,6 +230,26 @@ def apply_lora(
             wrapper = LoRAExperts(node, pairs, rank=rank, alpha=alpha)
         _set_child(parent, attr, wrapper)
     return chosen
+
+
+def lora_settings(*, pattern: str | None = None, rank: int = 8, alpha: float = 16.0) -> dict[str, Any]:
+    """The record of ``apply_lora(model, pattern=, rank=, alpha=)`` that a training run keeps in its model settings,
+    so that ``nnx_zoo.train.export_run`` can rebuild the adapted model and export merged weights (the adapters'
+    alpha and pattern are not in the checkpoint's weights). ``pattern=None``: the family's ``lora_targets``.
+
+    >>> adapt = dict(pattern=None, rank=8, alpha=16.0)
+    >>> def make_model():
+    ...     model = Llama3(config, rngs=nnx.Rngs(0))
+    ...     apply_lora(model, **adapt)
+    ...     return model
+    >>> train(make_model, train_config, vocab_size=config.vocab_size, flops_per_token=...,
+    ...       model_structure=structure, model_settings={**settings, "lora": lora_settings(**adapt)})
+    """
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha must be positive, got {alpha!r}")
+    return {"pattern": pattern, "rank": rank, "alpha": float(alpha)}
 
 
 def _check_rank(path: str, rank: int, fan_in: int, fan_out: int) -> None:

@@ -3,6 +3,7 @@
 
 from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError
 from nnx_zoo.train.data import DataConfig, make_dataset, make_iterator
+from nnx_zoo.train.export import ExportError, export_run
 from nnx_zoo.train.loop import NonFiniteLossError, TrainConfig, TrainState, train
 from nnx_zoo.train.loss import chunked_head_cross_entropy
 from nnx_zoo.train.metrics import MetricsWriter, peak_flops_per_device
@@ -13,12 +14,14 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataConfig",
+    "ExportError",
     "MetricsWriter",
     "NonFiniteLossError",
     "OptimizerConfig",
     "TrainConfig",
     "TrainState",
     "chunked_head_cross_entropy",
+    "export_run",
     "learning_rate_schedule",
     "make_dataset",
     "make_iterator",
