@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 EXIT_CODES = """exit codes:
   0    finished (or nothing left to do)
   2    bad settings or files, or a checkpoint could not be written; the message says what and how to fix it
-  3    a step was not finite (loss, gradient norm or update): it was not applied; the last finite state is the
-       newest checkpoint
+  3    diverged: a step was not finite (loss, gradient norm or update), or the loss rose above
+       --exploding-loss-factor times its first value; the newest checkpoint is the last healthy state (a bad
+       one is moved to <run dir>/checkpoints-set-aside): lower --lr and rerun with --override-settings
   75   stopped early by SIGTERM/SIGINT, checkpoint saved: rerun the same command to resume
   128+N  a second signal N arrived: exited at once; the last complete checkpoint is kept
 """
@@ -185,7 +186,16 @@ def _run_arguments(g: argparse._ArgumentGroup) -> None:
                    "and names each difference")
     g.add_argument("--log-every", type=int, default=1,
                    help="steps between metrics.jsonl records and progress-line updates")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: end and signals")
+    g.add_argument("--checkpoint-every", type=int, default=1000,
+                   help="steps between checkpoints (0: none by step count); checkpoints are also written at the end "
+                   "and on SIGTERM/SIGINT (default: %(default)s)")
+    g.add_argument("--checkpoint-minutes", type=float, default=30.0,
+                   help="minutes of wall time between checkpoints, whichever of this and --checkpoint-every comes "
+                   "first (0: none by time); together they bound the work a hard kill loses (default: %(default)s)")
+    g.add_argument("--exploding-loss-factor", type=float, default=10.0,
+                   help="stop as diverged (exit 3) when a step's loss exceeds this many times the run's first loss "
+                   "(and this many nats); the state it measured is never resumed from. 0: no check "
+                   "(default: %(default)s)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="how many of the newest checkpoints to keep")
     g.add_argument("--sync-checkpoints", action="store_true", help="save synchronously (default: async)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events (needs tensorboardX)")
@@ -333,7 +343,7 @@ def _pretrained_source(directory: Path, entry: Entry) -> ModelSource:
 # ------------------------------------------------------------------------------------------------ the run
 def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
     """Run the recipe; returns the exit code (``EXIT_CODES``)."""
-    from nnx_zoo.train import NonFiniteLossError
+    from nnx_zoo.train.loop import DivergenceError
     from nnx_zoo.train.run_spec import EXIT_BAD_INPUT, EXIT_DIVERGED
 
     try:
@@ -359,7 +369,9 @@ def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return run(args, source, entry)
-    except NonFiniteLossError as err:
+    except DivergenceError as err:
+        if err.summary is not None and err.summary.get("end_step", 0) > err.summary.get("start_step", 0):
+            print_summary(err.summary, args.run_dir or f"runs/{source.name}")
         print(f"\n{entry.prog}: {err}", file=sys.stderr)
         return EXIT_DIVERGED
     except (ValueError, RuntimeError, OSError) as err:
@@ -487,6 +499,8 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
         loss_chunk_tokens=args.loss_chunk_tokens,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.checkpoint_minutes,
+        exploding_loss_factor=args.exploding_loss_factor,
         keep_checkpoints=args.keep_checkpoints,
         async_checkpoints=not args.sync_checkpoints,
         seed=args.seed,
@@ -587,18 +601,20 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
               "--extend); to re-plan the schedule, add --override-settings instead; for a new run, use another "
               "--run-dir.")
         return EXIT_DONE
-    print_summary({**summary, "kernels": kernels}, settings)
+    print_summary({**summary, "kernels": kernels}, settings.run_dir)
     return EXIT_STOPPED if summary.get("stopped_by_signal") else EXIT_DONE
 
 
-def print_summary(summary: dict[str, Any], config: Any) -> None:
-    """The end-of-run lines: steps, first and last loss, last throughput, peak, where the files are."""
+def print_summary(summary: dict[str, Any], run_dir: str | Path) -> None:
+    """The end-of-run lines: steps, first and last loss, last throughput, peak, where the files are, and a
+    diverged run's flag (its message follows on stderr)."""
     losses = summary["losses"]
     last = summary["last"] or {}
     lines = [
         f"steps {summary['start_step']} -> {summary['end_step']}"
         + (" (resumed)" if summary["start_step"] else "")
-        + (" (stopped by signal; checkpoint saved; rerun to resume)" if summary.get("stopped_by_signal") else ""),
+        + (" (stopped by signal; checkpoint saved; rerun to resume)" if summary.get("stopped_by_signal") else "")
+        + (" (DIVERGED: see the message below; exit code 3)" if summary.get("diverged") else ""),
     ]
     if losses:
         lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
@@ -606,10 +622,12 @@ def print_summary(summary: dict[str, Any], config: Any) -> None:
         mfu = last.get("mfu")
         lines.append(f"last step: {last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device'] * 1e3:.3f} "
                      f"GFLOP/s per device" + (f", MFU {100 * mfu:.2f}%" if mfu is not None else ""))
-    lines.append(f"peak per device: {summary['peak_flops_per_device'] / 1e9:.1f} GFLOP/s ({summary['peak_source']})")
+    if "peak_flops_per_device" in summary:
+        lines.append(f"peak per device: {summary['peak_flops_per_device'] / 1e9:.1f} GFLOP/s "
+                     f"({summary['peak_source']})")
     if summary.get("kernels"):
         lines.append(f"kernels: {summary['kernels']}")
-    run_dir = Path(config.run_dir)
+    run_dir = Path(run_dir)
     lines.append(f"metrics: {run_dir / 'metrics.jsonl'}; checkpoints: {run_dir / 'checkpoints'}")
     print("\n".join(lines))
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 ITEMS = ("state", "data", "meta")
 
@@ -178,6 +179,24 @@ class Checkpointer:
         nnx.replace_by_pure_dict(state, restored.state)
         nnx.update(module, state)
         return step, dict(restored.data), dict(restored.meta)
+
+    def set_aside(self, step: int) -> Path:
+        """Move checkpoint ``step`` out of the way of resumes (into ``<directory>-set-aside/<step>``) and return
+        where it went: a state that proved bad (its loss exploded) must not be what a rerun resumes from, and a
+        resumed run must be free to write that step again. Nothing is deleted. Every process calls it; process 0
+        moves the files."""
+        self.wait()
+        target = self.directory.with_name(self.directory.name + "-set-aside") / str(step)
+        suffix = 1
+        while target.exists():  # set aside before, by an earlier attempt of the same run
+            target, suffix = target.with_name(f"{step}.{suffix}"), suffix + 1
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            (self.directory / str(step)).rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"nnx_zoo set aside checkpoint {step}")
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         """Block until the last async save is complete on disk (``CheckpointWriteError`` if it failed)."""

@@ -27,7 +27,7 @@ from nnx_zoo.sharding import ShardingError, create_sharded, get_rules, logical_t
 from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
-from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, peak_flops_per_device
+from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, resolve_peak
 from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from nnx_zoo.train.run_spec import reconcile, run_definition
 from nnx_zoo.train.step import train_step
@@ -57,7 +57,14 @@ class TrainConfig:
     # once per chunk there), 0 = the whole micro-batch at once. Same loss and gradients either way.
     loss_chunk_tokens: int | None = None
     log_every: int = 1
-    checkpoint_every: int = 0  # 0: only at the end and when stopped by a signal
+    # A checkpoint every `checkpoint_every` steps and every `checkpoint_minutes` of wall time, whichever comes
+    # first, besides the end and a signal's stop: a hard kill (OOM, preemption without SIGTERM) loses at most that
+    # much work. 0 turns either off.
+    checkpoint_every: int = 1000
+    checkpoint_minutes: float = 30.0
+    # A loss above this many times the run's first loss (and above this many nats) stops the run as diverged; the
+    # state it measured is never kept as a checkpoint. 0 turns the check off.
+    exploding_loss_factor: float = 10.0
     keep_checkpoints: int = 3
     async_checkpoints: bool = True
     seed: int = 0
@@ -82,6 +89,11 @@ class TrainConfig:
             problems.append(f"log_every must be >= 1, got {self.log_every}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             problems.append("checkpoint_every must be >= 0 and keep_checkpoints >= 1")
+        if not 0 <= self.checkpoint_minutes < math.inf:
+            problems.append(f"checkpoint_minutes must be >= 0 (0: no wall-time checkpoints), got "
+                            f"{self.checkpoint_minutes}")
+        if not (self.exploding_loss_factor == 0 or 1 < self.exploding_loss_factor < math.inf):
+            problems.append(f"exploding_loss_factor must be > 1 (or 0: no check), got {self.exploding_loss_factor}")
         if self.shard_mode not in ("auto", "explicit"):
             problems.append(f"shard_mode must be 'auto' or 'explicit', got {self.shard_mode!r}")
         if self.routing_bias_rate < 0:
@@ -181,17 +193,20 @@ class _StopSignal:
                          "once)\n")
         sys.stderr.flush()
 
-    def agree(self) -> int | None:
-        """After a step: the signal any process received, the same answer in every process (or None).
+    def agree(self, save_due: bool = False) -> bool:
+        """After a step: sets ``agreed_signal`` to the signal any process received (or None) and returns whether
+        any process found a checkpoint due, the same answers in every process.
 
-        The loop acts on this, never on ``received`` directly: a signal arriving between two agreements would
-        otherwise stop one process before a step that the others go on to run, and their collectives would hang.
+        The loop acts on these, never on ``received`` or its own clock directly: a signal arriving between two
+        agreements would otherwise stop one process before a step that the others go on to run (and a wall-time
+        checkpoint would be due in one process and not yet in another), and their collectives would hang.
         """
-        received = self.received
+        received, due = self.received or 0, int(save_due)
         if jax.process_count() > 1:
-            received = int(np.max(multihost_utils.process_allgather(np.int32(received or 0)))) or None
-        self.agreed_signal = received
-        return received
+            received, due = (int(v) for v in np.max(
+                multihost_utils.process_allgather(np.array([received, due], np.int32)), axis=0))
+        self.agreed_signal = received or None
+        return bool(due)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -219,9 +234,40 @@ class _Profiler:
             jax.profiler.stop_trace()
 
 
-class NonFiniteLossError(RuntimeError):
-    """A step's loss, gradient norm or updated state was not finite. That update was not applied, and the last
-    finite state is the newest checkpoint; the message names it and how to resume."""
+class DivergenceError(RuntimeError):
+    """The run diverged and stopped; the newest checkpoint is the last state known to be healthy (one whose loss
+    was measured finite and not exploding was never replaced by a worse one), and the message names it and how to
+    resume. ``summary`` is what ``train`` would have returned, up to the last step logged."""
+
+    def __init__(self, message: str, summary: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class NonFiniteLossError(DivergenceError):
+    """A step's loss, gradient norm or updated state was not finite. That update was not applied."""
+
+
+class ExplodingLossError(DivergenceError):
+    """A step's loss rose above ``TrainConfig.exploding_loss_factor`` times the run's first loss."""
+
+
+class _LossWatch:
+    """Judges each step's loss against the run's first one (kept in every checkpoint's meta, so a resumed run
+    judges by the same reference). The loss a step reports is that of the state *before* its update: the state
+    it measures is the one a checkpoint of the previous step holds."""
+
+    def __init__(self, factor: float, reference: float | None):
+        self.factor, self.reference = factor, reference
+
+    def limit(self) -> float:
+        # At least `factor` nats: a run that starts near zero loss (memorized data) may wobble by more than 10x.
+        return self.factor * max(self.reference or 0.0, 1.0) if self.factor else math.inf
+
+    def exploding(self, loss: float) -> bool:
+        if self.reference is None and math.isfinite(loss):
+            self.reference = loss
+        return math.isfinite(loss) and loss > self.limit()
 
 
 def train(
@@ -264,16 +310,17 @@ def train(
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
-    start_step = 0
+    start_step, reference_loss = 0, None
     if resume_step is not None:
-        start_step, data_state, _ = checkpoints.restore_into(state, resume_step)
+        start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
+        reference_loss = meta.get("first_loss")
     for note in notes if primary else ():
         print(f"nnx_zoo: {note}", file=sys.stderr)
 
     schedule = learning_rate_schedule(config.optimizer, schedule_steps)
     summary: dict[str, Any] = {"start_step": start_step, "end_step": start_step, "losses": [], "last": None,
-                               "stopped_by_signal": None, "schedule_steps": schedule_steps}
+                               "stopped_by_signal": None, "schedule_steps": schedule_steps, "diverged": None}
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
     writer.drop_after(start_step)  # rows a crashed run logged after its last checkpoint are trained again
     if start_step >= config.steps:
@@ -285,27 +332,36 @@ def train(
     step_fn = _pinned_step(state, rules, config.allow_partial, accum_steps=config.accum_steps,
                            mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
                            routing_bias_rate=config.routing_bias_rate, loss_chunk_tokens=config.loss_chunk_tokens)
-    peak, peak_source = peak_flops_per_device(config.peak_flops_per_device)
-    summary.update(peak_flops_per_device=peak, peak_source=peak_source)
+    peak = resolve_peak(config.peak_flops_per_device)  # a measured CPU peak a step beats is raised (MFU <= 100%)
+    summary.update(peak_flops_per_device=peak.value, peak_source=peak.source)
+    if primary:
+        print(f"nnx_zoo: checkpoints: {checkpoint_cadence(config)}, in {checkpoints.directory}", file=sys.stderr)
     progress = ProgressLine(config.steps, enabled=config.progress and primary)
     profiler = _Profiler(config.profile_steps, run_dir / "profile")
     state_is_finite = jax.jit(_all_finite)
+    watch = _LossWatch(config.exploding_loss_factor, reference_loss)
     saved = [start_step]
+    last_save_time = [time.monotonic()]
 
-    def save(step: int, data_state: dict[str, Any], *, if_finite: bool = False) -> None:
+    def save(step: int, data_state: dict[str, Any]) -> None:
         if saved[-1] == step:
             return
         if not bool(state_is_finite(nnx.state(state))):  # e.g. changed by an after_step hook
-            if if_finite:
-                return
             checkpoints.wait()
             raise NonFiniteLossError(
                 f"the state after step {step} is not finite; not saving it. The last finite checkpoint is "
-                f"{_latest(checkpoints)} in {checkpoints.directory}."
-            )
-        meta = {"step": step, "seed": config.seed, "run": definition}
+                f"{_latest(checkpoints)} in {checkpoints.directory}.", summary)
+        meta = {"step": step, "seed": config.seed, "run": definition, "first_loss": watch.reference}
         checkpoints.save(step, state, data_state=data_state, meta=meta)
         saved.append(step)
+        last_save_time[0] = time.monotonic()
+
+    def diverged(error: type[DivergenceError], step: int, loss: float, grad_norm: float) -> DivergenceError:
+        """The state of ``step`` measured a bad loss: a checkpoint of it is set aside, never resumed from."""
+        checkpoints.wait()
+        set_aside = checkpoints.set_aside(step) if step in checkpoints.all_steps() else None
+        summary["diverged"] = _diverged_message(step + 1, loss, grad_norm, checkpoints, watch, set_aside)
+        return error(summary["diverged"], summary)
 
     step, losses = start_step, summary["losses"]
     window_start, window_tokens = time.perf_counter(), 0.0
@@ -325,20 +381,25 @@ def train(
                 if first and primary:
                     print(f"compiled and ran step {step + 1} in {time.perf_counter() - compile_start:.1f} s",
                           file=sys.stderr, flush=True)
+                exploding = watch.exploding(loss)
                 if not bool(metrics["finite"]):
-                    # The step kept the previous state: checkpoint it (it is finite) and stop.
-                    if step > start_step:
-                        save(step, data_before, if_finite=True)
-                    checkpoints.wait()
-                    raise NonFiniteLossError(_diverged_message(step + 1, loss, float(metrics["grad_norm"]),
-                                                               checkpoints))
+                    # The step kept the previous state. Its loss (this step's) tells whether it is worth keeping: a
+                    # finite, sane loss with an overflowing gradient or update still resumes with a lower lr.
+                    if math.isfinite(loss) and not exploding:
+                        if step > start_step:
+                            save(step, data_before)
+                        checkpoints.wait()
+                        summary["diverged"] = _diverged_message(step + 1, loss, float(metrics["grad_norm"]),
+                                                                checkpoints, watch, None)
+                        raise NonFiniteLossError(summary["diverged"], summary)
+                    raise diverged(NonFiniteLossError, step, loss, float(metrics["grad_norm"]))
                 step += 1
                 profiler.after(step)  # float(loss) above waited for the step, so the trace holds all of it
                 losses.append(loss)
                 window_tokens += float(metrics["tokens"])
                 if after_step is not None:
                     after_step(state, metrics)
-                if step % config.log_every == 0 or step == config.steps:
+                if step % config.log_every == 0 or step == config.steps or exploding:
                     elapsed = time.perf_counter() - window_start
                     tokens_per_s = window_tokens / elapsed
                     tflops = flops_per_token * tokens_per_s / jax.device_count() / 1e12
@@ -349,7 +410,8 @@ def train(
                         "lr": float(schedule(int(metrics["step_index"]))),
                         "tokens_per_s": tokens_per_s,
                         "tflops_per_device": tflops,
-                        "mfu": tflops * 1e12 / peak if peak == peak else None,
+                        "mfu": peak.mfu(tflops * 1e12, step=step),
+                        "exploding": exploding,
                         **{k: float(v) for k, v in metrics.items() if k.startswith(("mtp", "aux", "expert"))},
                     }
                     peak_memory = device_peak_memory_gib()
@@ -359,15 +421,19 @@ def train(
                     progress.update(step, {"loss": loss, "tok/s": tokens_per_s})
                     summary["last"] = record
                     window_start, window_tokens = time.perf_counter(), 0.0
-                if config.checkpoint_every and step % config.checkpoint_every == 0:
+                if exploding:
+                    raise diverged(ExplodingLossError, step - 1, loss, float(metrics["grad_norm"]))
+                since_save = time.monotonic() - last_save_time[0]
+                due = bool(config.checkpoint_every and step % config.checkpoint_every == 0) or bool(
+                    config.checkpoint_minutes and since_save >= 60 * config.checkpoint_minutes)
+                if stop.agree(due) and step < config.steps:
                     save(step, data.get_state())
-                stop.agree()
             if step > start_step and (stop.agreed_signal is not None or step == config.steps):
                 save(step, data.get_state())
             summary["stopped_by_signal"] = stop.agreed_signal
             checkpoints.wait()  # inside the handler's scope: a second signal here exits at once
     finally:
-        summary["end_step"] = step
+        summary.update(end_step=step, peak_flops_per_device=peak.value, peak_source=peak.source)
         profiler.stop()
         progress.close()
         writer.close()
@@ -375,26 +441,51 @@ def train(
     return summary
 
 
+def checkpoint_cadence(config: TrainConfig) -> str:
+    """How often ``config`` checkpoints, in words (printed at the start of a run)."""
+    every = [f"every {config.checkpoint_every} steps"] if config.checkpoint_every else []
+    if config.checkpoint_minutes:
+        every.append(f"every {config.checkpoint_minutes:g} min")
+    when = " and ".join(every) + ", whichever comes first, and " if every else ""
+    lost = ("" if every else "; a hard kill (OOM, preemption) loses the whole run: set checkpoint_every or "
+            "checkpoint_minutes (--checkpoint-every, --checkpoint-minutes)")
+    return f"{when}at the end and on SIGTERM/SIGINT, keeping the newest {config.keep_checkpoints}{lost}"
+
+
 def _latest(checkpoints: Checkpointer) -> str:
     latest = checkpoints.latest_step()
     return "none (no checkpoint was written)" if latest is None else f"step {latest}"
 
 
-def _diverged_message(step: int, loss: float, grad_norm: float, checkpoints: Checkpointer) -> str:
-    what = ("the loss" if not math.isfinite(loss) else "the gradient norm" if not math.isfinite(grad_norm)
-            else "the updated parameters or optimizer state")
+def _fmt_loss(loss: float) -> str:
+    return f"{loss:.6g}"
+
+
+def _diverged_message(step: int, loss: float, grad_norm: float, checkpoints: Checkpointer, watch: _LossWatch,
+                      set_aside: Path | None) -> str:
+    """What went wrong at ``step`` (1-based), what was kept, and how to go on from it."""
+    if math.isfinite(loss) and loss > watch.limit():
+        what = (f"the loss {_fmt_loss(loss)} is {loss / watch.reference:.3g}x the run's first loss "
+                f"{_fmt_loss(watch.reference)} (the limit is {watch.factor:g}x, at least {watch.factor:g} nats: "
+                "exploding_loss_factor, --exploding-loss-factor); the run stopped")
+    else:
+        part = ("the loss" if not math.isfinite(loss) else "the gradient norm" if not math.isfinite(grad_norm)
+                else "the updated parameters or optimizer state")
+        what = (f"{part} is not finite (loss {_fmt_loss(loss)}, gradient norm {grad_norm:.6g}); that update was not "
+                "applied and the run stopped")
+    aside = (f" Checkpoint step {step - 1} measured that loss, so it was moved to {set_aside}, where a resume does "
+             "not look." if set_aside is not None else "")
     latest = checkpoints.latest_step()
     if latest is None:
-        kept = ("Nothing was saved: no step before it was finite or saved, so this run directory has no checkpoint "
-                "and a rerun starts afresh.")
+        kept = ("Nothing was saved: no earlier state of this run was checkpointed, so this run directory has no "
+                "checkpoint and a rerun starts afresh.")
         fix = "Lower the learning rate (or check the data and the model settings), then rerun."
     else:
-        kept = (f"The last finite state is checkpoint step {latest} in {checkpoints.directory}; it is what a rerun "
+        kept = (f"The last healthy state is checkpoint step {latest} in {checkpoints.directory}; it is what a rerun "
                 "resumes from.")
         fix = ("Lower the learning rate (or check the data), then rerun with --override-settings "
                "(override_settings=True) to resume from it with the new settings.")
-    return (f"step {step}: {what} is not finite (loss {loss:.6g}, gradient norm {grad_norm:.6g}); that update was "
-            f"not applied and the run stopped. {kept} {fix}")
+    return f"step {step}: {what}.{aside} {kept} {fix}"
 
 
 def _run_definition(

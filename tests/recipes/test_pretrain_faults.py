@@ -83,17 +83,32 @@ def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_l
     assert all(np.isfinite(r["loss"]) for r in rows(tmp_path / "run"))
 
 
-def test_a_learning_rate_that_blows_up_mid_run_stops_at_the_last_finite_checkpoint(tmp_path, capsys):
+def test_an_exploding_loss_stops_the_run_and_the_advice_resumes_from_a_healthy_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    # No periodic checkpoints: the state the diverging step did not touch is what gets saved.
-    code, _, err = main(capsys, "--steps", "15", "--lr", "3000", "--run-dir", str(run_dir))
+    # lr 30 takes the loss from 6 to 1e4 in two finite steps: before, the run ended with exit 0 (or, once
+    # it overflowed, checkpointed the blown-up weights, so that the advice to resume with a lower lr failed again).
+    code, out, err = main(capsys, "--steps", "15", "--lr", "30", "--checkpoint-every", "1", "--run-dir",
+                          str(run_dir))
     assert code == EXIT_DIVERGED, err
     bad = int(err.split("deepseek_pretrain.py: step ")[1].split(":")[0])
-    assert bad > 2 and f"checkpoint step {bad - 1} in" in err
-    assert checkpoint_steps(run_dir) == [bad - 1] and state_is_finite(run_dir, bad - 1)
+    assert bad >= 3 and "x the run's first loss" in err and "--override-settings" in err
+    assert "(DIVERGED: see the message below; exit code 3)" in out
     logged = rows(run_dir)
-    assert [r["step"] for r in logged] == list(range(1, bad))  # the step that was not applied is not logged
-    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in logged)
+    assert [r["step"] for r in logged] == list(range(1, bad + 1))
+    assert logged[-1]["exploding"] and logged[-1]["loss"] > 10 * logged[0]["loss"]
+    assert not any(r["exploding"] for r in logged[:-1])
+    # The state that measured the exploding loss (step bad-1's) is set aside, not deleted; the rest stay.
+    assert checkpoint_steps(run_dir)[-1] == bad - 2 and f"checkpoint step {bad - 2} in" in err
+    assert (tmp_path / "run" / "checkpoints-set-aside" / str(bad - 1)).is_dir()
+
+    # The advice, followed: it resumes from the healthy checkpoint and goes on to the end.
+    code, out, err = main(capsys, "--steps", "15", "--lr", "3e-3", "--override-settings", "--checkpoint-every", "1",
+                          "--run-dir", str(run_dir))
+    assert code == 0, err
+    assert f"steps {bad - 2} -> 15 (resumed)" in out
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, 16))
+    assert not any(r["exploding"] for r in logged) and logged[-1]["loss"] < logged[0]["loss"]
 
 
 # --------------------------------------------------------------------------------------- changed settings
@@ -219,22 +234,38 @@ def test_sigterm_to_one_of_two_processes_stops_both_with_a_checkpoint(tmp_path):
 
 
 # -------------------------------------------------------------------------------- crash after logging
-def test_metrics_hold_one_row_per_step_after_a_crash_and_resume(tmp_path):
+def test_a_hard_kill_under_the_default_cadence_loses_little_and_resumes_bit_exactly(tmp_path):
+    """The default cadence (every 1000 steps or 30 minutes) with its wall-time interval made small: a SIGKILL mid-
+    run (frozen first, so that the kill may land inside an async save) leaves a recent checkpoint, and the resumed
+    run logs the uninterrupted run's losses and ends with its weights, bit for bit."""
+    steps = ("--steps", "40")
+    whole = launch(tmp_path / "whole", *steps)
+    assert whole.communicate(timeout=300)[0] and whole.returncode == 0
+
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "--steps", "500", "--checkpoint-every", "2", "--sync-checkpoints")
-    wait_for_rows(proc, run_dir, 5)
-    proc.kill()  # SIGKILL: no chance to save; rows after the last checkpoint are trained again on resume
-    proc.communicate()
+    proc = launch(run_dir, *steps, "--checkpoint-minutes", "0.002")
+    wait_for_rows(proc, run_dir, 12)
+    proc.send_signal(signal.SIGSTOP)
+    proc.kill()
+    _, err = proc.communicate()
+    assert "checkpoints: every 1000 steps and every 0.002 min, whichever comes first" in err
     before = rows(run_dir)
     resumed_from = checkpoint_steps(run_dir)[-1]
-    assert before[-1]["step"] > resumed_from
-    proc = launch(run_dir, "--steps", "500", "--checkpoint-every", "2", "--sync-checkpoints")
-    wait_for_rows(proc, run_dir, len(before) + 2)
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=300)
+    # Checkpoints came by wall time alone (the step cadence is 1000): more than the first one, which the compile's
+    # seconds made due.
+    assert 2 <= resumed_from <= before[-1]["step"] < 40
+    proc = launch(run_dir, *steps, "--checkpoint-minutes", "0.002")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"steps {resumed_from} -> 40 (resumed)" in out
     after = rows(run_dir)
-    assert [r["step"] for r in after] == list(range(1, after[-1]["step"] + 1))
+    assert [r["step"] for r in after] == list(range(1, 41))
     assert after[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are the first run's
+    assert [r["loss"] for r in after] == [r["loss"] for r in rows(tmp_path / "whole")]
+    final = [ocp.StandardCheckpointer().restore(d / "checkpoints" / "40" / "state") for d in (run_dir,
+                                                                                              tmp_path / "whole")]
+    for resumed, uninterrupted in zip(jax.tree.leaves(final[0]), jax.tree.leaves(final[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(resumed), np.asarray(uninterrupted))
 
 
 # ------------------------------------------------------------------------------------------- disk full

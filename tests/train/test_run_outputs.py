@@ -54,3 +54,19 @@ def test_tensorboard_scalars_equal_the_jsonl_metrics_and_profile_steps_write_a_t
 def test_bad_profile_steps_are_rejected():
     with pytest.raises(ValueError, match="profile_steps must be"):
         TrainConfig(profile_steps=(3, 2))
+
+
+def test_checkpoint_cadence_and_divergence_settings_are_checked_and_described():
+    from nnx_zoo.train.loop import checkpoint_cadence
+
+    for bad, match in [({"checkpoint_minutes": -1}, "checkpoint_minutes must be >= 0"),
+                       ({"checkpoint_minutes": float("inf")}, "checkpoint_minutes must be >= 0"),
+                       ({"exploding_loss_factor": 0.5}, "exploding_loss_factor must be > 1"),
+                       ({"checkpoint_every": -1}, "checkpoint_every must be >= 0")]:
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)
+    assert checkpoint_cadence(TrainConfig()) == (
+        "every 1000 steps and every 30 min, whichever comes first, and at the end and on SIGTERM/SIGINT, keeping the "
+        "newest 3")
+    assert "a hard kill (OOM, preemption) loses the whole run" in checkpoint_cadence(
+        TrainConfig(checkpoint_every=0, checkpoint_minutes=0))
