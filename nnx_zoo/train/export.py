@@ -236,6 +236,13 @@ def _restored_model(ckpt: Checkpointer, step: int, config: Any, lora: dict[str, 
     if lora is not None and not adapters_stored:
         raise ExportError(f"{where}: the run's model settings name LoRA adapters ({lora}) but the checkpoint holds "
                           "none")
+    # A partial restore reads what the target names and skips the rest: check that the model's parts match the
+    # stored ones exactly, or a head the rebuilt config lacks (e.g. MTP) would be dropped without a word.
+    missing, unexpected = _tree_difference(target, stored)
+    if missing or unexpected:
+        raise ExportError(f"{where}: the model rebuilt from the run's definition does not match the stored weights"
+                          + (f"; not stored: {', '.join(missing[:5])}" if missing else "")
+                          + (f"; stored but not in the model: {', '.join(unexpected[:5])}" if unexpected else ""))
     try:
         restored = ckpt.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
@@ -254,6 +261,17 @@ def _restored_model(ckpt: Checkpointer, step: int, config: Any, lora: dict[str, 
         if any(isinstance(v, LoRAParam) for v in jax.tree.leaves(nnx.state(model), is_leaf=_is_variable)):
             raise ExportError(f"{where}: LoRA adapters remain after merging")
     return model, merged
+
+
+def _tree_difference(target: Any, stored: Any) -> tuple[list[str], list[str]]:
+    """('/'-joined leaf paths of ``target`` not in ``stored``, those of ``stored`` not in ``target``)."""
+    def paths(tree: Any, prefix: str = "") -> set[str]:
+        if isinstance(tree, Mapping):
+            return {p for k, v in tree.items() for p in paths(v, f"{prefix}{k}/")}
+        return {prefix.rstrip("/")}
+
+    ours, theirs = paths(target), paths(stored)
+    return sorted(ours - theirs), sorted(theirs - ours)
 
 
 def _is_variable(x: Any) -> bool:

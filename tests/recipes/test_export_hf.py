@@ -260,8 +260,14 @@ def test_an_earlier_export_is_replaced_and_a_step_directory_is_accepted(deepseek
         export_run(deepseek_run, out)
 
 
-def test_help_runs_from_a_clone():
-    result = subprocess.run([sys.executable, str(ROOT / "recipes" / "export_hf.py"), "--help"], capture_output=True,
-                            text=True, cwd="/", timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "RUN_DIR OUT_DIR" in result.stdout and "Examples:" in result.stdout and "--step" in result.stdout
+def test_the_script_runs_from_anywhere_with_help_and_exit_codes(tmp_path):
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "recipes" / "export_hf.py"), *args], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=300)
+
+    helped = script("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "RUN_DIR OUT_DIR" in helped.stdout and "Examples:" in helped.stdout and "--step" in helped.stdout
+    refused = script("no-run", "out")
+    assert refused.returncode == 2 and refused.stderr.startswith("export_hf.py: no-run: no such run directory")
+    assert refused.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
