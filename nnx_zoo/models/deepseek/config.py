@@ -2,13 +2,16 @@
 
 The class defaults are DeepSeek-V3 (671B total, 37B active). Fields after ``initializer_range`` are nnx_zoo's
 own (compute/parameter dtype, MoE compute path, layer scanning, rematerialization) and are not written to HF.
+DeepSeek-V2 (and V2-Lite) is the same model with another router: ``topk_method`` (``ROUTERS``) picks it, and
+decides which transformers architecture (``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``) the config is
+read from and written as.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
@@ -17,6 +20,34 @@ from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
+
+
+class Router(NamedTuple):
+    """How an MoE block picks its experts; one row of ``ROUTERS``, chosen by the config's ``topk_method``."""
+
+    scoring: str  # 'sigmoid' | 'softmax' of the float32 router logits
+    group_top: int  # a group's score is the sum of its best ``group_top`` scores; 0: no group limit
+    selection_bias: bool  # select on scores + e_score_correction_bias (a RouterBias Variable); weights unbiased
+    hf_model_type: str  # the transformers architecture that routes this way (config.json is written as it)
+
+
+# topk_method (HF's name for it) -> Router. V3: sigmoid, group score = sum of the top 2 biased scores. V2
+# (transformers' DeepseekV2TopkRouter): softmax, no bias; group_limited_greedy scores a group by its best expert.
+ROUTERS: dict[str, Router] = {
+    "noaux_tc": Router("sigmoid", 2, True, "deepseek_v3"),
+    "greedy": Router("softmax", 0, False, "deepseek_v2"),
+    "group_limited_greedy": Router("softmax", 1, False, "deepseek_v2"),
+}
+# Per transformers architecture: its class name; its defaults for keys a config.json may leave out, where they
+# differ from ours; and what it cannot express (fields that must hold these values, not written to config.json).
+_HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed={}),
+    "deepseek_v2": dict(name="DeepseekV2ForCausalLM", defaults=dict(
+        topk_method="greedy", first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
+        norm_topk_prob=False, n_group=None, topk_group=None, max_position_embeddings=2048),
+        # V2 rotates consecutive pairs (complex multiplication) and has no multi-token-prediction layers.
+        fixed=dict(rope_interleave=True, num_nextn_predict_layers=0)),
+}
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                        mscale=1.0, mscale_all_dim=1.0)
@@ -54,10 +85,11 @@ class DeepSeekV3Config(FamilyConfig):
     n_routed_experts: int = 256
     n_shared_experts: int = 1
     num_experts_per_tok: int = 8
-    n_group: int = 8
-    topk_group: int = 4
+    n_group: int | None = 8  # None (as transformers writes it) only when the router has no group limit
+    topk_group: int | None = 4
     routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"  # the router (ROUTERS): 'noaux_tc' (V3), 'greedy' / 'group_limited_greedy' (V2)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: YarnScaling | None = _V3_YARN  # a dict is accepted and converted
@@ -147,30 +179,44 @@ class DeepSeekV3Config(FamilyConfig):
         return p
 
     def _moe_problems(self) -> list[str]:
+        if self.topk_method not in ROUTERS:
+            return [f"topk_method must be one of {tuple(ROUTERS)}, got {self.topk_method!r}"]
         p: list[str] = []
-        for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
+        top = self.router.group_top  # 0: no group limit, n_group / topk_group unused
+        names = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
+        for name in names + (("n_group", "topk_group") if top else ()):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 p.append(f"{name} must be a positive integer (the model has MoE layers), got {getattr(self, name)!r}")
+        if self.router.scoring == "softmax" and self.norm_topk_prob:
+            # transformers' DeepseekV2 ignores it; DeepSeek's own V2 code renormalises and then skips the scaling.
+            p.append(f"norm_topk_prob=True is not supported with topk_method={self.topk_method!r}: the references "
+                     "disagree on it (transformers never renormalises V2's weights); set it False")
+        if not _is_number(self.routed_scaling_factor) or not self.routed_scaling_factor > 0:
+            p.append(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor!r}")
         if p:
             return p
+        if self.num_experts_per_tok > self.n_routed_experts:
+            return [f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts="
+                    f"{self.n_routed_experts}"]
+        if not top:
+            return p
+        per_group = self.n_routed_experts // self.n_group
         if self.n_routed_experts % self.n_group:
             p.append(f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}")
-        elif self.n_routed_experts // self.n_group < 2:
-            p.append(f"each expert group needs at least 2 experts (a group's score is the sum of its top 2); "
+        elif per_group < top:
+            p.append(f"each expert group needs at least {top} experts (a group's score is the sum of its top {top}); "
                      f"n_routed_experts={self.n_routed_experts}, n_group={self.n_group}")
         if self.topk_group > self.n_group:
             p.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            p.append(f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts="
-                     f"{self.n_routed_experts}")
-        elif self.n_routed_experts % self.n_group == 0 and self.topk_group <= self.n_group:
-            available = self.topk_group * (self.n_routed_experts // self.n_group)
-            if self.num_experts_per_tok > available:
-                p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {available} experts in the "
-                         f"topk_group={self.topk_group} selected groups of {self.n_routed_experts // self.n_group}")
-        if not _is_number(self.routed_scaling_factor) or not self.routed_scaling_factor > 0:
-            p.append(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor!r}")
+        elif not p and self.num_experts_per_tok > self.topk_group * per_group:
+            p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * per_group} "
+                     f"experts in the topk_group={self.topk_group} selected groups of {per_group}")
         return p
+
+    @property
+    def router(self) -> Router:
+        """The router ``topk_method`` names (``ROUTERS``)."""
+        return ROUTERS[self.topk_method]
 
     # ---- derived sizes ----
     @property
@@ -198,14 +244,26 @@ class DeepSeekV3Config(FamilyConfig):
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
+        model_type = d.get("model_type", "deepseek_v3")
+        if model_type not in _HF_ARCHITECTURES:
+            raise ValueError(f"unsupported config: model_type {model_type!r} is not a DeepSeek V2/V3 model")
+        arch = _HF_ARCHITECTURES[model_type]
+        d = {**arch["defaults"], **d, **arch["fixed"]}
         problems = []
-        if d.get("model_type", "deepseek_v3") not in ("deepseek_v3", "deepseek_v2"):
-            problems.append(f"model_type {d.get('model_type')!r} is not a DeepSeek V2/V3 model")
         if d.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("scoring_func", "sigmoid") != "sigmoid":
-            problems.append(f"scoring_func {d['scoring_func']!r} is not supported: this model routes with sigmoid "
-                            "scores and a selection bias (DeepSeek-V3); V2's softmax routing is not implemented")
+        if d.get("mlp_bias"):
+            problems.append("mlp_bias=true is not supported (DeepSeek's MLPs have no biases)")
+        if d.get("moe_layer_freq", 1) != 1:  # transformers ignores it (every layer past the dense ones is MoE)
+            problems.append(f"moe_layer_freq={d['moe_layer_freq']!r} is not supported (only 1: every layer from "
+                            "first_k_dense_replace on is an MoE layer)")
+        router = ROUTERS.get(d["topk_method"])
+        if router is None or router.hf_model_type != model_type:
+            methods = [name for name, r in ROUTERS.items() if r.hf_model_type == model_type]
+            problems.append(f"topk_method {d['topk_method']!r} is not a {model_type} router (one of {methods})")
+        elif d.get("scoring_func", router.scoring) != router.scoring:
+            problems.append(f"scoring_func {d['scoring_func']!r} does not match topk_method {d['topk_method']!r}, "
+                            f"which scores with {router.scoring!r}")
         if problems:
             raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
         names = {f.name for f in dataclasses.fields(cls)}
@@ -230,17 +288,26 @@ class DeepSeekV3Config(FamilyConfig):
             raise ValueError(f"a config value has the wrong type: {err}") from err
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The HF ``config.json`` dict (hub layout: legacy ``rope_scaling`` and top-level ``rope_theta``)."""
-        d: dict[str, Any] = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+        """The HF ``config.json`` dict (hub layout: legacy ``rope_scaling`` and top-level ``rope_theta``), of the
+        transformers architecture that routes as ``topk_method`` does (``DeepseekV3ForCausalLM`` for
+        ``noaux_tc``, ``DeepseekV2ForCausalLM`` for V2's softmax routers)."""
+        router = self.router
+        arch = _HF_ARCHITECTURES[router.hf_model_type]
+        unwritable = {k: getattr(self, k) for k, v in arch["fixed"].items() if getattr(self, k) != v}
+        if unwritable:
+            raise ValueError(f"{arch['name']} (topk_method={self.topk_method!r}) cannot hold {unwritable}: it "
+                             f"needs {arch['fixed']}")
+        d: dict[str, Any] = {"architectures": [arch["name"]], "model_type": router.hf_model_type}
         for f in dataclasses.fields(self):
             if f.name == "initializer_range":
                 d[f.name] = self.initializer_range
                 break
-            d[f.name] = getattr(self, f.name)
+            if f.name not in arch["fixed"]:
+                d[f.name] = getattr(self, f.name)
         d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
-        d.update(hidden_act="silu", num_key_value_heads=self.num_attention_heads, scoring_func="sigmoid",
-                 topk_method="noaux_tc", rms_norm_eps=self.rms_norm_eps, torch_dtype=self.param_dtype,
-                 bos_token_id=0, eos_token_id=1, use_cache=True)
+        d.update(hidden_act="silu", num_key_value_heads=self.num_attention_heads, scoring_func=router.scoring,
+                 rms_norm_eps=self.rms_norm_eps, torch_dtype=self.param_dtype, bos_token_id=0, eos_token_id=1,
+                 use_cache=True)
         return d
 
     # ---- sizes and cost ----
@@ -324,23 +391,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=1, **_SMALL_DEFAULTS,
     ),
-    # DeepSeek-V2-Lite shapes (16B total, 2.4B active). V2 routes with softmax scores (greedy, no bias); this
-    # model routes with V3's sigmoid + bias, so this preset gives V2-Lite's shapes and cost, not its numbers.
+    # DeepSeek-V2-Lite (16B total, 2.4B active): softmax routing, greedy top-6 of 64 (its config.json's n_group =
+    # topk_group = 1 are unused by greedy), no query compression.
     "deepseek2-lite": dict(
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
         num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
         num_experts_per_tok=6, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-        rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
+        topk_method="greedy", rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
     ),
-    # DeepSeek-V2 shapes (236B total, 21B active); softmax group-limited routing in the original, sigmoid here
-    # (shapes and cost only, as for deepseek2-lite).
+    # DeepSeek-V2 (236B total, 21B active): softmax routing, top-6 of 160 within the 3 best of 8 groups.
     "deepseek2-236b": dict(
         vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
         num_hidden_layers=60, first_k_dense_replace=1, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=160, n_shared_experts=2,
         num_experts_per_tok=6, n_group=8, topk_group=3, routed_scaling_factor=16.0, norm_topk_prob=False,
-        rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
+        topk_method="group_limited_greedy", rope_scaling=_V2_YARN, rope_interleave=True, num_nextn_predict_layers=0,
+    ),
+    # ~10M parameters: a 4-layer V2-Lite (no query compression, 2 shared experts, greedy softmax top-2 of 8).
+    "deepseek2-tiny": dict(
+        vocab_size=32000, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+        n_group=None, topk_group=None, routed_scaling_factor=1.0, norm_topk_prob=False, topk_method="greedy",
+        num_nextn_predict_layers=0, **_SMALL_DEFAULTS,
     ),
 }
 DeepSeekV3Config.PRESETS = PRESETS  # preset(name) reads them; deepseek3-671b, deepseek3-mini, ...

@@ -153,7 +153,8 @@ class _LayerRecord(NamedTuple):
 
 
 class DeepSeekV3(CausalLMBase):
-    """DeepSeek-V3 causal language model (exact against HF ``DeepseekV3ForCausalLM``).
+    """DeepSeek-V3 causal language model (exact against HF ``DeepseekV3ForCausalLM``), and DeepSeek-V2 /
+    V2-Lite when ``config.topk_method`` names a V2 router (exact against HF ``DeepseekV2ForCausalLM``).
 
     >>> config = DeepSeekV3Config.preset("deepseek3-mini")
     >>> model = DeepSeekV3(config, rngs=nnx.Rngs(0))                       # or DeepSeekV3.create(config, mesh=mesh)
@@ -161,6 +162,7 @@ class DeepSeekV3(CausalLMBase):
     >>> out = model.forward(jnp.zeros((2, 16), jnp.int32), with_mtp=True)  # CausalLMOutput: out.mtp_logits, ...
     >>> model = DeepSeekV3.from_pretrained("/path/to/hf_checkpoint", mesh=mesh)
     >>> model.save_pretrained("/tmp/out")                                  # loadable by transformers
+    >>> v2_lite = DeepSeekV3(DeepSeekV3Config.preset("deepseek2-tiny"), rngs=nnx.Rngs(0))  # V2 softmax routing
 
     ``rules`` (a rule-set name or tuple) is stored on the model and used by every ``shard`` inside ``forward``.
     """
@@ -317,8 +319,9 @@ class DeepSeekV3(CausalLMBase):
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves
         by ``rate`` toward balance, ``bias += rate * sign(mean load - load)`` (``expert_load [layers, experts]``
-        from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen."""
-        if self.moe_layers is None:
+        from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen.
+        A router without a selection bias (DeepSeek-V2's softmax routers) has nothing to move: a no-op."""
+        if self.moe_layers is None or not self.config.router.selection_bias:
             return
         bias = self.moe_layers.mlp.e_score_correction_bias
         load = expert_load.astype(jnp.float32)

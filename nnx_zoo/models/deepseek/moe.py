@@ -1,10 +1,13 @@
-"""DeepSeek-V3's MoE block: a float32 sigmoid router with group-limited top-k, routed experts, shared experts.
+"""DeepSeek's MoE block: a float32 router (V3's or V2's, by ``topk_method``), routed experts, shared experts.
 
-Routing (HF ``DeepseekV3TopkRouter`` semantics): ``s = sigmoid(x W)`` in float32; experts are *selected* on
-``s + e_score_correction_bias`` within the ``topk_group`` best groups (a group's score is the sum of its two best
-biased scores); the chosen experts are *weighted* by the unbiased ``s``, normalized to sum 1 when
-``norm_topk_prob``, and always multiplied by ``routed_scaling_factor``. The shared experts (one SwiGLU of width
-``moe_intermediate_size * n_shared_experts``) are added unscaled.
+V3 routing (``topk_method='noaux_tc'``, HF ``DeepseekV3TopkRouter``): ``s = sigmoid(x W)`` in float32; experts
+are *selected* on ``s + e_score_correction_bias`` within the ``topk_group`` best groups (a group's score is the
+sum of its two best biased scores); the chosen experts are *weighted* by the unbiased ``s``, normalized to sum 1
+when ``norm_topk_prob``, and always multiplied by ``routed_scaling_factor``.
+V2 routing (``'greedy'`` / ``'group_limited_greedy'``, HF ``DeepseekV2TopkRouter``): ``s = softmax(x W)`` in
+float32, no bias; the top-k of ``s`` (group-limited: within the ``topk_group`` groups holding the best single
+scores), weighted by ``s`` times ``routed_scaling_factor``, never renormalized.
+The shared experts (one SwiGLU of width ``moe_intermediate_size * n_shared_experts``) are added unscaled.
 """
 
 from __future__ import annotations
@@ -32,21 +35,29 @@ class RouterBias(nnx.Variable):
     optimizers built with ``wrt=nnx.Param`` leave it alone; the aux-loss-free balancing rule updates it."""
 
 
+def router_scores(logits: jax.Array, config: DeepSeekV3Config) -> jax.Array:
+    """The router's scores for ``logits [..., E]``: sigmoid (V3) or softmax over the experts (V2), in float32."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.sigmoid(logits) if config.router.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+
+
 def route(
-    logits: jax.Array, bias: jax.Array, config: DeepSeekV3Config
+    logits: jax.Array, bias: jax.Array | None, config: DeepSeekV3Config
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k experts and their weights for router ``logits [..., E]`` (float32, e.g. ``[T, E]`` or ``[B, S, E]``):
-    ``(idx [..., k], weights [..., k])``."""
-    c = config
+    ``(idx [..., k], weights [..., k])``. ``bias``: the selection bias when ``config.router`` has one, else None."""
+    c, router = config, config.router
     *lead, num_experts = logits.shape
-    scores = jax.nn.sigmoid(logits)
-    biased = scores + bias
-    per_group = num_experts // c.n_group
-    group_scores = jax.lax.top_k(biased.reshape(*lead, c.n_group, per_group), 2)[0].sum(-1)
-    _, best_groups = jax.lax.top_k(group_scores, c.topk_group)
-    group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
-    expert_kept = jnp.repeat(group_kept, per_group, axis=-1)
-    _, idx = jax.lax.top_k(jnp.where(expert_kept, biased, -jnp.inf), c.num_experts_per_tok)
+    scores = router_scores(logits, c)
+    chooser = scores if bias is None else scores + bias
+    if router.group_top:  # keep the topk_group groups whose best group_top scores sum highest
+        per_group = num_experts // c.n_group
+        grouped = chooser.reshape(*lead, c.n_group, per_group)
+        group_scores = jax.lax.top_k(grouped, router.group_top)[0].sum(-1)
+        _, best_groups = jax.lax.top_k(group_scores, c.topk_group)
+        group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
+        chooser = jnp.where(jnp.repeat(group_kept, per_group, axis=-1), chooser, -jnp.inf)
+    _, idx = jax.lax.top_k(chooser, c.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, idx, axis=-1)  # from the unbiased scores
     if c.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -60,11 +71,12 @@ def sequence_balance_loss(
 
     For router ``logits [B*S, E]`` and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens
     (or ``[B, S, E]`` and ``[B, S, k]``):
-    ``f_i = E / (k T) * #{t : t chose i}``, ``P_i = 1/T * sum_t s'_{i,t}`` with ``s' = s / sum_j s_j`` the sigmoid
-    scores normalized over all experts, and ``L = alpha * sum_i f_i P_i`` -> ``[B]`` float32. ``T`` counts the
-    sequence's real tokens: ``token_mask [B or 1, S]`` (False = padding) leaves the others out; a sequence with
-    none gets 0. ``f`` counts the experts actually chosen (selection includes the routing bias) and carries no
-    gradient; the gradient flows through ``P`` into the router.
+    ``f_i = E / (k T) * #{t : t chose i}``, ``P_i = 1/T * sum_t s'_{i,t}`` with ``s' = s / sum_j s_j`` the router's
+    scores (``router_scores``: sigmoid, or V2's softmax) normalized over all experts, and
+    ``L = alpha * sum_i f_i P_i`` -> ``[B]`` float32. ``T`` counts the sequence's real tokens: ``token_mask
+    [B or 1, S]`` (False = padding) leaves the others out; a sequence with none gets 0. ``f`` counts the experts
+    actually chosen (selection includes any routing bias) and carries no gradient; the gradient flows through
+    ``P`` into the router.
     """
     num_experts, k = logits.shape[-1], idx.shape[-1]
     seq = token_mask.shape[-1]
@@ -79,7 +91,7 @@ def sequence_balance_loss(
 
     valid = jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.float32)[..., None]  # [B, S, 1]
     valid = shard(valid, _BL_EXPERTS)
-    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    scores = router_scores(logits, config)
     normalized = split_sequences(scores / jnp.sum(scores, axis=-1, keepdims=True)) * valid
     chosen = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B*S, E]: 1 where chosen
     chosen = jax.lax.stop_gradient(split_sequences(chosen) * valid)
@@ -121,9 +133,12 @@ class DeepSeekMoE(nnx.Module):
             out_sharding=("embed", "exp_router"),
             eager_sharding=False,
         )
-        self.e_score_correction_bias = RouterBias(
-            jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
-        )
+        if c.router.selection_bias:  # V2's routers have none: no Variable, no HF key
+            self.e_score_correction_bias = RouterBias(
+                jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
+            )
+        else:
+            self.e_score_correction_bias = None
         self.experts = RoutedExperts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
                                      grouped_matmul_impl=c.grouped_matmul_impl, **kw)
         if c.n_shared_experts:
@@ -148,7 +163,8 @@ class DeepSeekMoE(nnx.Module):
             tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
             tokens = shard(tokens, _TE)
             logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
-        idx, weights = route(logits, self.e_score_correction_bias[...], c)
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        idx, weights = route(logits, bias, c)
 
         out, dropped = self.experts(tokens, idx, weights, impl=c.moe_impl, capacity_factor=c.moe_capacity_factor,
                                     return_dropped=True)

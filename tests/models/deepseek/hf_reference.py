@@ -1,4 +1,5 @@
-"""Hugging Face reference models for the DeepSeek-V3 tests: tiny random configs, checkpoints, outputs.
+"""Hugging Face reference models for the DeepSeek tests (V3, and V2 with ``arch="v2"``): tiny random configs,
+checkpoints, outputs.
 
 Weights are redrawn larger than HF's 0.02 init (and norms away from 1, router biases non-zero) so every
 component moves the logits visibly and a wrong transform cannot hide.
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 BASE: dict[str, Any] = dict(
     vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -21,16 +22,23 @@ BASE: dict[str, Any] = dict(
     num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
     max_position_embeddings=64, rope_theta=1000.0, rope_interleave=True, rms_norm_eps=1e-6,
 )
+# DeepseekV2Config takes BASE less V3's routing keys (its rope always rotates consecutive pairs); V2 routes with
+# softmax, greedy by default, and never renormalises.
+V2_BASE: dict[str, Any] = {k: v for k, v in BASE.items() if k not in ("rope_interleave", "n_group", "topk_group",
+                                                                     "norm_topk_prob")}
+ARCHS = {"v3": (DeepseekV3Config, DeepseekV3ForCausalLM, BASE),
+         "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_BASE)}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
-def make_hf_model(seed: int = 0, **overrides: Any) -> DeepseekV3ForCausalLM:
-    """A random ``DeepseekV3ForCausalLM`` (eager attention, float32) from ``BASE`` updated with ``overrides``."""
-    kwargs = {**BASE, **overrides}
-    config = DeepseekV3Config(**kwargs, attn_implementation="eager")
+def make_hf_model(seed: int = 0, arch: str = "v3", **overrides: Any) -> DeepseekV3ForCausalLM:
+    """A random ``DeepseekV3ForCausalLM`` (``arch="v2"``: ``DeepseekV2ForCausalLM``; eager attention, float32) from
+    ``BASE`` (``V2_BASE``) updated with ``overrides``."""
+    config_cls, model_cls, base = ARCHS[arch]
+    config = config_cls(**{**base, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))

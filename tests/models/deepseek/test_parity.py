@@ -1,4 +1,5 @@
-"""DeepSeekV3 against Hugging Face transformers' DeepseekV3ForCausalLM (CPU, float32).
+"""DeepSeekV3 against Hugging Face transformers' DeepseekV3ForCausalLM, and with V2 routers against
+DeepseekV2ForCausalLM (CPU, float32).
 
 Each case builds a random tiny HF model, saves it with ``save_pretrained``, loads it with our
 ``from_pretrained`` and compares logits (relative L2 < 1e-5), every hidden state HF exposes, and every MoE
@@ -18,6 +19,8 @@ from tests.models.deepseek.hf_reference import YARN, hf_outputs, make_hf_model, 
 
 YARN_NO_MSCALE = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16,
                   "beta_slow": 2}
+V2_YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+           "mscale": 0.707, "mscale_all_dim": 0.707}  # V2's own mscales (softmax scale * mscale ** 2)
 
 CASES = {
     # q_lora set, YaRN in the hub's legacy config layout, interleaved rope, group-limited routing with a random
@@ -36,6 +39,21 @@ CASES = {
     # no group limit (n_group = topk_group = 1), top-2, rotate-half rope, no shared-expert scaling quirks.
     "ungrouped-top2": dict(hf=dict(n_group=1, topk_group=1, num_experts_per_tok=2, rope_interleave=False,
                                    routed_scaling_factor=1.0, q_lora_rank=12)),
+    # DeepSeek-V2 (transformers' DeepseekV2ForCausalLM; checkpoints as its save_pretrained writes them): softmax
+    # routing, no selection bias, weights never renormalised.
+    # V2-Lite-like: greedy top-1 of 8, a single q_proj, V2's YaRN in the hub's legacy layout, one dense layer.
+    "v2-greedy-noqlora-top1-e8": dict(hf=dict(arch="v2", topk_method="greedy", q_lora_rank=None,
+                                              num_experts_per_tok=1, rope_scaling=V2_YARN), legacy_rope=True),
+    # V2-like: group-limited (group score = its best expert) top-2 of 16 in 2 of 4 groups, q_lora, V2's scaling
+    # factor 16, two shared experts, attention biases, no dense layer; a left-padded batch.
+    "v2-grouped-qlora-top2-e16-padded": dict(hf=dict(
+        arch="v2", topk_method="group_limited_greedy", n_routed_experts=16, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=16.0,
+        attention_bias=True), padded=True),
+    # group-limited top-4 of 16 in 3 of 8 groups (of 2), two dense layers of four.
+    "v2-grouped-top4-e16-dense2": dict(hf=dict(
+        arch="v2", topk_method="group_limited_greedy", n_routed_experts=16, n_group=8, topk_group=3,
+        num_experts_per_tok=4, num_hidden_layers=4, first_k_dense_replace=2, q_lora_rank=12)),
 }
 
 BATCH, SEQ = 2, 9
@@ -100,8 +118,9 @@ def test_matches_hf(built, name):
     assert_matches_hf(out, ref, mask)
 
 
-def test_gmm_equals_dense_and_hf(built):
-    path, ref, ids, mask = built("qlora-yarn-legacy-interleaved")
+@pytest.mark.parametrize("name", ["qlora-yarn-legacy-interleaved", "v2-grouped-top4-e16-dense2"])
+def test_gmm_equals_dense_and_hf(built, name):
+    path, ref, ids, mask = built(name)
     dense = forward(DeepSeekV3.from_pretrained(path, moe_impl="dense"), jnp.asarray(ids), None)
     gmm = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm"), jnp.asarray(ids), None)
     np.testing.assert_array_equal(np.asarray(gmm.expert_indices), np.asarray(dense.expert_indices))
