@@ -10,10 +10,11 @@ the median over the remaining steps of the recipe's own per-step figures:
                         ``DeepSeekV3Config.train_flops_per_token(seq_len, include_mtp=...)``: 6 x active matmul
                         parameters (embedding lookup excluded, MTP heads included when trained) + causal attention
     MFU                 TFLOP/s per device / peak per device. On CPU the peak is MEASURED once per machine
-                        (``nnx_zoo.train.metrics.peak_flops_per_device``): the best of 30 float32 1024^3 matmuls
-                        after 3 warm-ups, divided by the number of local devices, cached in
-                        ~/.cache/nnx_zoo/peak_flops.json and reused by later runs; on GPU/TPU it is the data-sheet
-                        dense bf16 peak. The peak printed here is the one the recipe divided by.
+                        (``nnx_zoo.train.metrics.resolve_peak``): float32 1024^3 matmuls, the best of 5 rounds
+                        spaced 0.2 s apart, divided by the number of local devices, cached in
+                        ~/.cache/nnx_zoo/peak_flops.json and raised when a step runs faster (MFU <= 100%); on
+                        GPU/TPU it is the data-sheet dense bf16 peak. The peak printed here is the one the recipe
+                        divided by.
 
     python benchmarks/recipe_throughput.py                # deepseek3-tiny and deepseek3-mini, 1 CPU device
     python benchmarks/recipe_throughput.py --quick        # fewer steps (smoke run)

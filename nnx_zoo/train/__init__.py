@@ -4,9 +4,16 @@
 from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError
 from nnx_zoo.train.data import DataConfig, make_dataset, make_iterator
 from nnx_zoo.train.export import ExportError, export_run
-from nnx_zoo.train.loop import NonFiniteLossError, TrainConfig, TrainState, train
+from nnx_zoo.train.loop import (
+    DivergenceError,
+    ExplodingLossError,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainState,
+    train,
+)
 from nnx_zoo.train.loss import chunked_head_cross_entropy
-from nnx_zoo.train.metrics import MetricsWriter, peak_flops_per_device
+from nnx_zoo.train.metrics import MetricsWriter, Peak, peak_flops_per_device, resolve_peak
 from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, make_tx
 from nnx_zoo.train.step import token_cross_entropy, train_step
 
@@ -14,10 +21,13 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataConfig",
+    "DivergenceError",
+    "ExplodingLossError",
     "ExportError",
     "MetricsWriter",
     "NonFiniteLossError",
     "OptimizerConfig",
+    "Peak",
     "TrainConfig",
     "TrainState",
     "chunked_head_cross_entropy",
@@ -28,6 +38,7 @@ __all__ = [
     "make_optimizer",
     "make_tx",
     "peak_flops_per_device",
+    "resolve_peak",
     "token_cross_entropy",
     "train",
     "train_step",
