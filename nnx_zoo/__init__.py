@@ -5,7 +5,9 @@ from nnx_zoo.generate import GenerateOutput, generate
 from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
 from nnx_zoo.models.registry import AutoConfig, AutoModelForCausalLM
 
 __all__ = [
@@ -17,8 +19,12 @@ __all__ = [
     "Llama3",
     "Llama3Config",
     "LoRAParam",
+    "Mixtral",
+    "MixtralConfig",
     "Qwen3",
     "Qwen3Config",
+    "Qwen3MoE",
+    "Qwen3MoEConfig",
     "apply_lora",
     "generate",
     "merge_lora",

@@ -71,7 +71,11 @@ class DecoderLayer(nnx.Module):
                               norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl, kernel_init=init, rngs=rngs,
                               **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.mlp = self._make_mlp(c, init, rngs)
+
+    def _make_mlp(self, c: DecoderConfig, init: nnx.initializers.Initializer, rngs: nnx.Rngs) -> nnx.Module:
+        """The feed-forward block: a SwiGLU here (``MoEDecoderLayer`` makes a sparse MoE block)."""
+        return SwiGLU(c.hidden_size, c.intermediate_size, kernel_init=init, rngs=rngs, **_dtypes(c))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None) -> jax.Array:
         """``x [batch, seq, embed]`` -> same shape; ``mask``: ``causal_mask``'s."""
@@ -304,12 +308,22 @@ class CausalLM(CausalLMBase):
         self.allow_partial = allow_partial
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
-        self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), c.num_hidden_layers, rngs, STACK_AXIS)
+        self._init_layers(c, rngs)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
         inv_freq, self.rope_attention_factor = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
+
+    def _init_layers(self, c: DecoderConfig, rngs: nnx.Rngs) -> None:
+        """The decoder stack(s): here one scanned stack ``layers`` (``MoECausalLM`` adds its own kinds)."""
+        self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), c.num_hidden_layers, rngs, STACK_AXIS)
+
+    def layer_runs(self) -> list[tuple[nnx.Module, jax.Array]]:
+        """The decoder layers in order, as ``(stack, layer indices)`` runs of consecutive layers that one scan
+        applies (each stack a module of stacked layers; the indices number the layers in the whole model, the
+        cache's layer axis). A dense model is one run."""
+        return [(self.layers, jnp.arange(self.config.num_hidden_layers))]
 
     # ---- checkpoints ----
     @classmethod
@@ -396,8 +410,9 @@ class CausalLM(CausalLMBase):
             return (h, k, v), None
 
         carry = (self.embed(input_ids), cache.k, cache.v)
-        (h, k, v), _ = run_stack(self.layers, layer_body, carry, jnp.arange(self.config.num_hidden_layers),
-                                 scan=self.config.scan_layers)
+        for stack, layer_index in self.layer_runs():
+            carry, _ = run_stack(stack, layer_body, carry, layer_index, scan=self.config.scan_layers)
+        h, k, v = carry
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(k=k, v=v)
 

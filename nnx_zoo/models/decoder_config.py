@@ -177,8 +177,10 @@ class DecoderConfig(FamilyConfig):
                 setattr(cls, attr, dict(value) if isinstance(value, Mapping) else value)
         # The flagship's values become field defaults: the dataclass decorator, which runs after this hook,
         # reads a field's default from an annotated class attribute.
-        types = typing.get_type_hints(DecoderConfig)  # the evaluated types, not this module's annotation strings
-        fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+        # The nearest dataclass base (DecoderConfig, or e.g. MoEDecoderConfig) names the fields defaults may set.
+        base = next(b for b in cls.__mro__[1:] if dataclasses.is_dataclass(b))
+        types = typing.get_type_hints(base)  # the evaluated types, not the modules' annotation strings
+        fields = {f.name for f in dataclasses.fields(base)}
         for name, value in (defaults or {}).items():
             if name not in fields:
                 raise TypeError(f"{cls.__name__}: default for unknown field {name!r}; fields are {sorted(fields)}")
@@ -314,13 +316,14 @@ class DecoderConfig(FamilyConfig):
     def train_flops_per_token(self, seq_len: int, *, include_mtp: bool = False) -> float:
         """Training FLOPs per token: ``6 * (matmul parameters) + attention``.
 
-        Matmul parameters are all but the input embedding (a lookup; a tied table still counts once, as the
+        Matmul parameters are the active ones (all of a dense model; an MoE token uses k routed experts) but the
+        input embedding (a lookup; a tied table still counts once, as the
         output head). Attention adds ``3 * seq_len * heads * 2 * head_dim`` per layer: forward
         ``2 * seq_len * heads * (head_dim + head_dim)`` for scores and mixing, halved for causality, times 3 for
         forward + backward.
         """
         counts = self.num_parameters(include_mtp=include_mtp)
-        matmul = counts.total - (0 if self.tie_word_embeddings else counts.embedding)
+        matmul = counts.active - (0 if self.tie_word_embeddings else counts.embedding)  # active = total if dense
         attention = 3 * seq_len * self.num_attention_heads * 2 * self.head_dim * self.num_hidden_layers
         return float(6 * matmul + attention)
 

@@ -16,7 +16,9 @@ from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
 from nnx_zoo.sharding.rules import Rules
 
 # HF model_type -> (config class, model class).
@@ -25,6 +27,8 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "deepseek_v2": (DeepSeekV3Config, DeepSeekV3),
     "llama": (Llama3Config, Llama3),
     "qwen3": (Qwen3Config, Qwen3),
+    "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),
+    "mixtral": (MixtralConfig, Mixtral),
 }
 
 

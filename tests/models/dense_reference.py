@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face Llama / Qwen3 checkpoints (PyTorch, CPU, float32) for the dense families' tests.
+"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral: ``MOE_FAMILIES``) checkpoints (PyTorch,
+CPU, float32) for the families' tests on the dense core.
 
 ``make_hf(family, **config)`` builds transformers' own model with every weight drawn at random (norm scales
 around 1, so a transposed or misplaced scale shows); ``save_hf`` writes it with transformers' ``save_pretrained``,
@@ -13,14 +14,32 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
-from nnx_zoo import Llama3, Qwen3
+from nnx_zoo import Llama3, Mixtral, Qwen3, Qwen3MoE
 
 # family -> (our class, HF config class, HF model class)
 FAMILIES = {
     "llama": (Llama3, LlamaConfig, LlamaForCausalLM),
     "qwen3": (Qwen3, Qwen3Config, Qwen3ForCausalLM),
+}
+# The MoE families on the dense core, and the expert settings ``make_hf`` gives them unless overridden.
+MOE_FAMILIES = {
+    "qwen3_moe": (Qwen3MoE, Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (Mixtral, MixtralConfig, MixtralForCausalLM),
+}
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
 }
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -29,9 +48,9 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
 
 def make_hf(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """transformers' model of ``family`` on the ``TINY`` config with ``overrides``, random weights, eval mode."""
-    _, config_cls, model_cls = FAMILIES[family]
+    _, config_cls, model_cls = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **overrides})).eval()
+    model = model_cls(config_cls(**{**TINY, **MOE_DEFAULTS.get(family, {}), **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):

@@ -21,8 +21,10 @@ from nnx_zoo import (
     DeepSeekV3Config,
     Llama3,
     Llama3Config,
+    MixtralConfig,
     Qwen3,
     Qwen3Config,
+    Qwen3MoEConfig,
 )
 from nnx_zoo.hf import CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling
@@ -77,8 +79,9 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 
 def test_presets_of_every_family():
     names = preset_names()
-    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3"}
-    for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("Llama3", Llama3Config), ("Qwen3", Qwen3Config)):
+    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral"}
+    for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("Llama3", Llama3Config), ("Qwen3", Qwen3Config),
+                        ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2

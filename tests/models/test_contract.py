@@ -21,7 +21,8 @@ from nnx_zoo.sharding import logical_names
 from nnx_zoo.sharding.axes import STACK_AXES
 
 # One small preset per family, shrunk further (2 layers, 256 tokens) so the whole file runs in seconds.
-PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "Llama3": "llama3-tiny", "Qwen3": "qwen3-tiny"}
+PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "Llama3": "llama3-tiny", "Qwen3": "qwen3-tiny",
+             "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -32,6 +33,9 @@ LORA_DEFAULT = {
     "DeepSeekV3": {f"{stack}/attn/{p}" for stack in ("dense_layers", "moe_layers", "mtp_layers/layer") for p in _MLA},
     "Llama3": {f"layers/{p}" for p in _GQA_SWIGLU},
     "Qwen3": {f"layers/{p}" for p in _GQA_SWIGLU},
+    # Every layer MoE: attention only (the routed experts are opt-in, as DeepSeek's).
+    "Qwen3MoE": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
+    "Mixtral": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
 }
 
 

@@ -1,0 +1,104 @@
+"""A sparse mixture-of-experts feed-forward block: router projection, softmax top-k routing, routed SwiGLU experts
+(``RoutedExperts``: every ``moe_impl`` path and grouped-matmul kernel), optional shared experts.
+
+``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = softmax_top_k(x W_router)``. The router
+weight ``[embed, exp_router]`` is applied in float32 (logits ``[tokens, E]`` whole along the experts: top-k needs
+the whole row). The block returns ``SparseMoEOutput`` (always the same fields, a fixed shape), restored to the
+sharding its input arrived with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_zoo.layers.linear import DEFAULT_INIT
+from nnx_zoo.layers.mlp import SwiGLU
+from nnx_zoo.layers.moe import MoeImpl, RoutedExperts
+from nnx_zoo.layers.routers import BalanceSums, balance_sums, softmax_top_k
+from nnx_zoo.layers.spec import explicit_spec, weight_einsum
+from nnx_zoo.sharding import restore_sharding, shard, sharding_of
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+_TE = ("activation_tokens", "activation_embed")
+_T_EXPERTS = ("activation_tokens", None)  # every token sees all router logits: top-k needs the whole row
+_BL_EXPERTS = ("activation_batch", "activation_length", None)
+
+
+class SparseMoEOutput(NamedTuple):
+    """What ``SparseMoE`` returns, always these four: ``output [batch, seq, embed]``; ``expert_indices [batch,
+    seq, k]`` int32; ``dropped_tokens`` int32 scalar, (token, expert) pairs over capacity (``moe_impl='ep'``
+    with a ``capacity_factor``; else 0); ``balance`` (``BalanceSums``, the layer's share of the Switch
+    load-balancing loss over real tokens; None unless asked for)."""
+
+    output: jax.Array
+    expert_indices: jax.Array
+    dropped_tokens: jax.Array
+    balance: BalanceSums | None
+
+
+class SparseMoE(nnx.Module):
+    """Softmax top-k routed SwiGLU experts (``num_experts`` of width ``expert_hidden``), plus an optional shared
+    SwiGLU of width ``shared_hidden`` added unweighted.
+
+    ``renormalize``: divide the ``k`` chosen probabilities by their sum. ``moe_impl``: ``RoutedExperts``' path
+    (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
+
+    >>> moe = SparseMoE(64, num_experts=8, experts_per_token=2, expert_hidden=32, renormalize=True,
+    ...                 rngs=nnx.Rngs(0))
+    >>> out = moe(jnp.ones((2, 8, 64)), with_balance=True)
+    >>> out.output.shape, out.expert_indices.shape, out.balance.counts.shape
+    ((2, 8, 64), (2, 8, 2), (8,))
+    """
+
+    def __init__(self, features: int, *, num_experts: int, experts_per_token: int, expert_hidden: int,
+                 renormalize: bool, shared_hidden: int = 0, moe_impl: MoeImpl = "auto",
+                 grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
+                 dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
+        self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
+        self.moe_impl, self.capacity_factor = moe_impl, capacity_factor
+        self.router = nnx.Param(kernel_init(rngs.params(), (features, num_experts), param_dtype),
+                                out_sharding=("embed", "exp_router"), eager_sharding=False)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        self.experts = RoutedExperts(num_experts, features, expert_hidden, grouped_matmul_impl=grouped_matmul_impl,
+                                     **kw)
+        self.shared_experts = SwiGLU(features, shared_hidden, **kw) if shared_hidden else None
+
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None,
+                 with_balance: bool = False) -> SparseMoEOutput:
+        """``SparseMoEOutput`` for ``x [batch, seq, embed]``. ``token_mask [batch or 1, seq]`` (True = real token;
+        default all real): which tokens the balance sums count (``with_balance``)."""
+        in_sharding = sharding_of(x)
+        batch, seq, hidden = x.shape
+        router = self.router[...].astype(jnp.float32)
+        if self.moe_impl == "ep":
+            # Routed per sequence: with the sequence split (ep-as-cp) a flat token layout costs an all-to-all; the
+            # ep path gathers [batch, seq] blocks itself.
+            tokens = shard(x, _BLE)
+            logits = shard(weight_einsum("bsh,he->bse", tokens.astype(jnp.float32), router, _BL_EXPERTS),
+                           _BL_EXPERTS)
+        else:
+            tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
+            tokens = shard(tokens, _TE)
+            logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
+        routing = softmax_top_k(logits, self.experts_per_token, renormalize=self.renormalize)
+        out, dropped = self.experts(tokens, routing.expert_indices, routing.weights, impl=self.moe_impl,
+                                    capacity_factor=self.capacity_factor, return_dropped=True)
+        out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        out = restore_sharding(shard(out.astype(x.dtype), _BLE), in_sharding)
+        balance = None
+        if with_balance:
+            mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
+            mask = shard(jnp.broadcast_to(mask, (batch, seq)), _BLE[:2])
+            if logits.ndim == 2:
+                mask = shard(jnp.reshape(mask, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,))),
+                             _TE[:1])
+            balance = balance_sums(routing, mask)
+        idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
+        return SparseMoEOutput(out, idx, dropped, balance)

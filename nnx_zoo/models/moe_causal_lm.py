@@ -1,0 +1,229 @@
+"""The dense core with sparse mixture-of-experts MLPs: ``MoECausalLM``, shared by Qwen3-MoE and Mixtral.
+
+A layer is dense (``DecoderLayer``: SwiGLU) or sparse (``MoEDecoderLayer``: ``nnx_zoo.layers.sparse_moe``) as
+``config.is_moe_layer(i)`` says. Parameters: the MoE layers stacked in ``layers`` (so an all-MoE model such as
+Mixtral has the dense families' paths), the dense layers of a mixed model in ``dense_layers``. The forward pass
+applies the layers in order as runs of consecutive layers of one kind, each run one scan over a slice of its
+stack (``layer_runs``): one run when every layer is MoE, two for dense-first-then-MoE (Qwen3-MoE's
+``mlp_only_layers=[0]``), one per layer when the kinds alternate (``decoder_sparse_step=2``: then each scan has
+one step, as unrolled). The KV cache's layer axis runs over all layers in model order.
+
+With ``config.output_router_logits`` the forward's ``aux_loss`` is ``router_aux_loss_coef`` times the Switch
+load-balancing loss pooled over the MoE layers and the real tokens (``nnx_zoo.layers.routers``), which is
+transformers' ``outputs.aux_loss`` (unweighted there) times the coefficient: what its loss adds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row, Stack
+from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
+from nnx_zoo.layers.routers import BalanceSums, switch_balance_loss
+from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
+from nnx_zoo.models.causal_lm import (
+    STACK_AXIS,
+    CausalLM,
+    CausalLMOutput,
+    DecoderLayer,
+    _dtypes,
+    check_forward_inputs,
+    stack_hidden_states,
+)
+from nnx_zoo.models.llama import hf as llama_hf
+from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
+from nnx_zoo.sharding import shard, use_rules
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """``DecoderLayer`` with a ``SparseMoE`` MLP: ``h = x + attn(norm(x))``, then ``h + moe(norm(h))``; returns
+    ``(hidden, SparseMoEOutput)``.
+
+    >>> layer = MoEDecoderLayer(Qwen3MoEConfig.preset("qwen3-moe-tiny"), rngs=nnx.Rngs(0))
+    >>> cos, sin = rope_cos_sin(jnp.arange(8)[None], rope_frequencies(layer.attn.head_dim, 1e6)[0])
+    >>> h, moe = layer(jnp.ones((2, 8, 128)), cos, sin, causal_mask(8))
+    >>> h.shape, moe.expert_indices.shape
+    ((2, 8, 128), (2, 8, 2))
+    """
+
+    def _make_mlp(self, c: MoEDecoderConfig, init: nnx.initializers.Initializer, rngs: nnx.Rngs) -> nnx.Module:
+        return SparseMoE(c.hidden_size, num_experts=c.num_routed_experts, experts_per_token=c.num_experts_per_tok,
+                         expert_hidden=c.expert_intermediate_size, renormalize=c.renormalize_topk,
+                         moe_impl=c.moe_impl, grouped_matmul_impl=c.grouped_matmul_impl,
+                         capacity_factor=c.moe_capacity_factor, kernel_init=init, rngs=rngs, **_dtypes(c))
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, *,  # type: ignore[override]
+                 token_mask: jax.Array | None = None, with_balance: bool = False
+                 ) -> tuple[jax.Array, SparseMoEOutput]:
+        h = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
+        moe = self.mlp(self.post_attn_norm(h), token_mask=token_mask, with_balance=with_balance)
+        return shard(h + moe.output, _BLE), moe
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
+        attn, k_cache, v_cache = self.attn.decode(self.input_norm(x), cos, sin, k_cache, v_cache, start, mask)
+        h = shard(x + attn, _BLE)
+        return shard(h + self.mlp(self.post_attn_norm(h)).output, _BLE), k_cache, v_cache
+
+
+class _Record(NamedTuple):
+    """What a layer scan keeps per layer (None where not asked for, or for dense layers)."""
+
+    hidden: jax.Array | None = None
+    expert_indices: jax.Array | None = None
+    expert_load: jax.Array | None = None
+    dropped_tokens: jax.Array | None = None
+    balance: BalanceSums | None = None
+
+
+def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
+    """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Per-layer records of several runs joined along the layer dim (None stays None)."""
+    parts = [p for p in parts if p is not None]
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts) if parts else None
+
+
+class MoECausalLM(CausalLM):
+    """The dense decoder with sparse MoE MLPs by config; families subclass it (``Qwen3MoE``, ``Mixtral``).
+
+    >>> model = Qwen3MoE.create(Qwen3MoEConfig.preset("qwen3-moe-tiny", output_router_logits=True))
+    >>> out = model.forward(jnp.zeros((2, 16), jnp.int32), with_expert_load=True)
+    >>> out.logits.shape, out.expert_load.shape, out.aux_loss.shape
+    ((2, 16, 32000), (4, 8), ())
+    """
+
+    config_class: ClassVar[type[MoEDecoderConfig]] = MoEDecoderConfig
+
+    def _init_layers(self, c: MoEDecoderConfig, rngs: nnx.Rngs) -> None:
+        moe = c.num_moe_layers
+        dense = c.num_hidden_layers - moe
+        if moe:
+            self.layers = create_stack(lambda r: MoEDecoderLayer(c, rngs=r), moe, rngs, STACK_AXIS)
+        else:
+            self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), dense, rngs, STACK_AXIS)
+        self.dense_layers = (create_stack(lambda r: DecoderLayer(c, rngs=r), dense, rngs, STACK_AXIS)
+                             if moe and dense else None)
+
+    def _runs(self) -> list[tuple[nnx.Module, jax.Array, bool]]:
+        """``(stack, layer indices, is_moe)`` per run of consecutive layers of one kind, in model order."""
+        c = self.config
+        has_moe = c.num_moe_layers > 0
+        totals = {True: c.num_moe_layers, False: c.num_hidden_layers - c.num_moe_layers}
+        taken = {True: 0, False: 0}
+        runs = []
+        for is_moe, group in itertools.groupby(range(c.num_hidden_layers), key=c.is_moe_layer):
+            indices = list(group)
+            stack = self.layers if is_moe or not has_moe else self.dense_layers
+            start = taken[is_moe]
+            taken[is_moe] += len(indices)
+            if len(indices) != totals[is_moe]:
+                stack = _slice_stack(stack, start, start + len(indices))
+            runs.append((stack, jnp.asarray(indices), is_moe))
+        return runs
+
+    def layer_runs(self) -> list[tuple[nnx.Module, jax.Array]]:
+        return [(stack, indices) for stack, indices, _ in self._runs()]
+
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+        """``CausalLM.forward`` plus the MoE outputs: ``expert_indices [moe_layers, batch, seq, k]``
+        (``with_routing``), ``expert_load [moe_layers, experts]`` and ``dropped_tokens [moe_layers]``
+        (``with_expert_load``; padding counted, as routed), and ``aux_loss`` whenever
+        ``config.output_router_logits`` (and ``router_aux_loss_coef``) is set: see the module docstring."""
+        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
+        if with_mtp:
+            raise ValueError(f"with_mtp=True but {type(self).__name__} has no MTP heads (multi-token prediction)")
+        c = self.config
+        with_balance = bool(c.output_router_logits and c.router_aux_loss_coef)
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            seq_len = input_ids.shape[1]
+            positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
+            cos, sin = self._rope(positions)
+            mask = causal_mask(seq_len, attention_mask, segment_ids)
+            token_mask = token_mask_of(mask, seq_len)  # a real token may attend to itself
+
+            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _Record]:
+                if not isinstance(layer, MoEDecoderLayer):
+                    h = layer(h, cos, sin, mask)
+                    return h, _Record(hidden=h if with_hidden_states else None)
+                h, moe = layer(h, cos, sin, mask, token_mask=token_mask, with_balance=with_balance)
+                load = None
+                if with_expert_load:
+                    load = jnp.sum(jax.nn.one_hot(moe.expert_indices, c.num_routed_experts, dtype=jnp.float32),
+                                   axis=(0, 1, 2))
+                return h, _Record(h if with_hidden_states else None, moe.expert_indices if with_routing else None,
+                                  load, moe.dropped_tokens if with_expert_load else None, moe.balance)
+
+            embeddings = self.embed(input_ids)
+            h, records, moe_records = embeddings, [], []
+            for stack, _, is_moe in self._runs():
+                h, record = run_stack(stack, layer_body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
+                records.append(record)
+                if is_moe:
+                    moe_records.append(record)
+            final_hidden = self.norm(h)
+            moe = _Record(*(_cat([getattr(r, f) for r in moe_records]) for f in _Record._fields))
+            hidden_states = None
+            if with_hidden_states:
+                layers = jnp.concatenate([r.hidden for r in records], axis=0)
+                hidden_states = stack_hidden_states(embeddings, layers, final_hidden)
+            aux_loss = None
+            if moe.balance is not None:
+                pooled = BalanceSums(*(jnp.sum(a, axis=0) for a in moe.balance))  # over the MoE layers
+                aux_loss = c.router_aux_loss_coef * switch_balance_loss(pooled)
+            return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
+                                  hidden_states=hidden_states, expert_indices=moe.expert_indices,
+                                  expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
+                                  aux_loss=aux_loss, final_hidden=final_hidden)
+
+
+def moe_key_table(config: MoEDecoderConfig, *, attention_rows: tuple[Row, ...], moe_rows: tuple[Row, ...],
+                  fused: dict[str, tuple[tuple[str, Any], ...]], source: str) -> KeyTable:
+    """The HF key table of an ``MoECausalLM``: each layer's ``attention_rows`` (norms and attention) plus, in
+    ``layers``, the MoE layers' ``moe_rows`` (router and per-expert ``{e}`` keys) with the ``fused`` alternates
+    (transformers-5 fused expert keys, each filling a whole layer), and in ``dense_layers`` the SwiGLU rows."""
+    c = config
+    prefix = "model.layers.{i}."
+    moe = tuple(i for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+    dense = tuple(i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i))
+    dense_rows = attention_rows + tuple(r for r in llama_hf.LAYER_TABLE if r.hf.startswith("mlp."))
+    stacks = [Stack("layers", prefix, moe, attention_rows + moe_rows, fused)] if moe else []  # type: ignore[arg-type]
+    if dense:
+        stacks.append(Stack("dense_layers" if moe else "layers", prefix, dense, dense_rows))  # type: ignore[arg-type]
+    return KeyTable(top=llama_hf.TOP_TABLE, stacks=tuple(stacks),
+                    ignored=(r"^lm_head\.weight$",) if c.tie_word_embeddings else (), source=source)
+
+
+def expert_rows(module: str, gate: str, up: str, down: str, router: str = "gate") -> tuple[Row, ...]:
+    """Rows of a sparse MLP stored as HF module ``module`` (``mlp``, ``block_sparse_moe``): its router
+    ``{module}.{router}.weight [E, embed]`` and per-expert ``nn.Linear`` weights named ``gate`` / ``up`` /
+    ``down`` (``{module}.experts.{e}.{name}.weight``)."""
+    experts = f"{module}.experts.{{e}}."
+    return (Row(f"{module}.{router}.weight", "mlp.router", DENSE),
+            Row(f"{experts}{gate}.weight", "mlp.experts.wi_gate", DENSE),
+            Row(f"{experts}{up}.weight", "mlp.experts.wi_up", DENSE),
+            Row(f"{experts}{down}.weight", "mlp.experts.wo", DENSE))
+
+
+# transformers-5's fused in-memory expert layout (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``)
+# with the router as ``mlp.gate.weight``: each key fills a whole layer.
+FUSED_EXPERTS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "mlp.gate.weight": (("mlp.router", DENSE),),
+    "mlp.experts.gate_up_proj": (("mlp.experts.wi_gate", FusedGateUp(0)), ("mlp.experts.wi_up", FusedGateUp(1))),
+    "mlp.experts.down_proj": (("mlp.experts.wo", FusedDown()),),
+}

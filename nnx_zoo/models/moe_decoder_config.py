@@ -1,0 +1,109 @@
+"""``MoEDecoderConfig``: the dense decoder's config plus a sparse mixture-of-experts MLP in some or all layers
+(softmax top-k routing, ``nnx_zoo.layers.sparse_moe``), shared by the MoE families on the dense core (Qwen3-MoE,
+Mixtral).
+
+A family names its own HF fields for the experts (Qwen3-MoE's ``num_experts`` / ``moe_intermediate_size``,
+Mixtral's ``num_local_experts`` with ``intermediate_size`` as the expert width) and answers four questions:
+``num_routed_experts``, ``expert_intermediate_size``, ``renormalize_topk`` and ``is_moe_layer(i)``. Everything
+else (validation, HF writing of the family's own fields, parameter counts, FLOPs) is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from nnx_zoo.models.decoder_config import DecoderConfig, ParameterCount
+
+MOE_IMPLS = ("auto", "dense", "gmm", "ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDecoderConfig(DecoderConfig):
+    """A decoder whose layers are dense SwiGLU or sparse MoE by config. Use a family's subclass:
+
+    >>> cfg = Qwen3MoEConfig.preset("qwen3-moe-tiny")
+    >>> [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)]
+    [True, True, True, True]
+    >>> cfg.num_parameters().active < cfg.num_parameters().total
+    True
+
+    ``output_router_logits`` (HF's name) turns on the Switch load-balancing loss: the model's ``aux_loss`` is
+    then ``router_aux_loss_coef`` times transformers' ``aux_loss``.
+    """
+
+    # nnx_zoo's own fields (not written to config.json).
+    NNX_ONLY: ClassVar[frozenset[str]] = frozenset({"moe_impl", "grouped_matmul_impl", "moe_capacity_factor"})
+
+    num_experts_per_tok: int = 2
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    # ---- nnx_zoo only ----
+    moe_impl: str = "auto"  # 'auto' | 'dense' | 'gmm' | 'ep' (nnx_zoo.layers.moe)
+    grouped_matmul_impl: str = "auto"  # the gmm path's kernel (nnx_zoo.layers.grouped_matmul)
+    moe_capacity_factor: float | None = None  # ep only: tokens per expert capped at factor * T * k / E
+
+    # ---- what a family answers ----
+    @property
+    def num_routed_experts(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def renormalize_topk(self) -> bool:
+        raise NotImplementedError
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (from 0) has the sparse MoE MLP (else the dense SwiGLU)."""
+        raise NotImplementedError
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def _problems(self) -> list[str]:
+        p = super()._problems()
+        if p:  # the shape is broken already: the MoE questions below may not be answerable
+            return p
+        experts, k = self.num_routed_experts, self.num_experts_per_tok
+        if not (isinstance(experts, int) and experts >= 0):
+            p.append(f"the number of routed experts must be a non-negative integer, got {experts!r}")
+        elif not (isinstance(k, int) and 0 < k <= max(experts, 1)):
+            p.append(f"num_experts_per_tok must be in 1..{experts} (the routed experts), got {k!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            p.append(f"moe_capacity_factor must be None or positive, got {self.moe_capacity_factor!r}")
+        if not (isinstance(self.expert_intermediate_size, int) and self.expert_intermediate_size > 0):
+            p.append(f"the expert width must be a positive integer, got {self.expert_intermediate_size!r}")
+        return p
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """``DecoderConfig.to_hf_dict`` plus the MoE fields (every field the family adds, but nnx_zoo's own)."""
+        d = super().to_hf_dict()
+        dense = {f.name for f in dataclasses.fields(DecoderConfig)}
+        for f in dataclasses.fields(self):
+            if f.name not in dense and f.name not in self.NNX_ONLY:
+                value = getattr(self, f.name)
+                d[f.name] = list(value) if isinstance(value, tuple) else value
+        return d
+
+    def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:
+        """Parameter counts: ``active`` counts the router and ``k`` routed experts of each MoE layer."""
+        del include_mtp
+        h, v = self.hidden_size, self.vocab_size
+        top = v * h + (0 if self.tie_word_embeddings else v * h) + h
+        attention = self._layer_params() - 3 * h * self.intermediate_size  # a dense layer without its MLP
+        experts, k, width = self.num_routed_experts, self.num_experts_per_tok, self.expert_intermediate_size
+        total = active = top
+        for i in range(self.num_hidden_layers):
+            if self.is_moe_layer(i):
+                total += attention + h * experts + 3 * experts * h * width
+                active += attention + h * experts + 3 * k * h * width
+            else:
+                total += attention + 3 * h * self.intermediate_size
+                active += attention + 3 * h * self.intermediate_size
+        return ParameterCount(total=total, active=active, embedding=v * h)

@@ -1,0 +1,110 @@
+"""Qwen3-MoE and Mixtral against transformers (PyTorch, CPU, float32): logits within relative 1e-5 on tiny random
+checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts, dense layers mixed
+in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``), on a left-padded masked batch and an unpadded
+one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef`` x
+transformers' ``outputs.aux_loss``, padded and not) and goes both ways: transformers' ``save_pretrained``
+(per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
+transformers-5's fused expert layout loads too, and every ``moe_impl`` path gives the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nnx_zoo import AutoModelForCausalLM
+from tests.models.dense_reference import MOE_FAMILIES, left_padded_batch, make_hf, rel_err, save_hf
+
+CASES = {
+    "qwen3_moe": {
+        # 8 experts, top-2 renormalised, layer 0 dense (mlp_only_layers): a dense stack then an MoE stack.
+        "e8-top2-norm-dense0": dict(num_hidden_layers=3, mlp_only_layers=[0]),
+        # 16 experts, top-4 raw probabilities, every second layer sparse: dense, MoE, dense (three runs).
+        "e16-top4-raw-step2": dict(num_hidden_layers=3, num_experts=16, num_experts_per_tok=4, norm_topk_prob=False,
+                                   decoder_sparse_step=2),
+        # top-1, raw (the weight is the winning probability), tied embeddings.
+        "e8-top1-raw-tied": dict(num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True),
+    },
+    "mixtral": {
+        "e8-top2": dict(),
+        "e16-top4": dict(num_local_experts=16, num_experts_per_tok=4),
+        "e8-top1-mqa": dict(num_experts_per_tok=1, num_key_value_heads=1),
+    },
+}
+TOL = 1e-5
+
+
+def _hf_outputs(hf, ids: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, float]:
+    """transformers' logits and weighted aux loss (``router_aux_loss_coef * outputs.aux_loss``)."""
+    with torch.no_grad():
+        out = hf(torch.as_tensor(ids, dtype=torch.long), output_router_logits=True,
+                 attention_mask=None if mask is None else torch.as_tensor(mask, dtype=torch.long))
+    return out.logits.numpy(), hf.config.router_aux_loss_coef * float(out.aux_loss)
+
+
+@pytest.mark.parametrize(("family", "case"), [(f, c) for f, cases in CASES.items() for c in cases])
+def test_logits_aux_loss_and_round_trips(tmp_path, family, case):
+    seed = list(CASES[family]).index(case)
+    hf = make_hf(family, seed=seed, **CASES[family][case])
+    model = AutoModelForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), output_router_logits=True)
+    assert type(model) is MOE_FAMILIES[family][0]
+    ids, mask = left_padded_batch(hf.config.vocab_size, seed=seed)
+
+    out = model.forward(jnp.asarray(ids), jnp.asarray(mask))
+    want_logits, want_aux = _hf_outputs(hf, ids, mask)
+    padded = rel_err(np.asarray(out.logits), want_logits, keep=mask)  # padding positions are not compared
+    plain_out = model.forward(jnp.asarray(ids[1:]))
+    plain_logits, plain_aux = _hf_outputs(hf, ids[1:], None)
+    plain = rel_err(np.asarray(plain_out.logits), plain_logits)
+    assert padded < TOL and plain < TOL, (padded, plain)
+    np.testing.assert_allclose([float(out.aux_loss), float(plain_out.aux_loss)], [want_aux, plain_aux], rtol=1e-5)
+
+    model.save_pretrained(tmp_path / "ours")
+    again = MOE_FAMILIES[family][2].from_pretrained(tmp_path / "ours").eval()
+    back = rel_err(_hf_outputs(again, ids, mask)[0], np.asarray(out.logits), keep=mask)
+    assert back < TOL, back
+    for name in ("num_experts_per_tok", "num_local_experts", "norm_topk_prob", "mlp_only_layers",
+                 "decoder_sparse_step", "tie_word_embeddings"):
+        assert getattr(again.config, name, None) == getattr(hf.config, name, None), name
+    print(f"{family}/{case}: max relative error masked {padded:.2e}, unmasked {plain:.2e}, exported {back:.2e}")
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_fused_expert_layout_loads_and_every_moe_impl_agrees(tmp_path, family):
+    """transformers-5's in-memory (fused) state dict written as a checkpoint loads to the same logits as the
+    per-expert one; ``moe_impl`` ``dense``, ``gmm`` and ``ep`` (no mesh: its local path) agree with transformers."""
+    hf = make_hf(family, seed=5, num_experts_per_tok=2)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # the fused layout, in memory
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    (fused / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    ids, mask = left_padded_batch(hf.config.vocab_size, seed=2)
+    want = _hf_outputs(hf, ids, mask)[0]
+    for impl in ("dense", "gmm", "ep"):
+        model = AutoModelForCausalLM.from_pretrained(fused, moe_impl=impl)
+        err = rel_err(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), want, keep=mask)
+        assert err < TOL, (impl, err)
+
+
+def test_refused_settings_are_named(tmp_path):
+    from nnx_zoo import MixtralConfig, Qwen3MoEConfig
+    from nnx_zoo.hf import CheckpointFormatError
+
+    base = MixtralConfig.preset("mixtral-tiny").to_hf_dict()
+    for key, value, words in (("sliding_window", 4096, "sliding_window=4096 is not supported"),
+                              ("router_jitter_noise", 0.01, "router_jitter_noise=0.01 is not supported")):
+        with pytest.raises(ValueError, match=words):
+            MixtralConfig.from_hf({**base, key: value})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**Qwen3MoEConfig.preset("qwen3-moe-tiny").to_hf_dict(), "use_sliding_window": True}))
+    with pytest.raises(CheckpointFormatError, match="sliding-window attention"):
+        Qwen3MoEConfig.from_hf(path)
+    with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..8"):
+        Qwen3MoEConfig.preset("qwen3-moe-tiny", num_experts_per_tok=9)
