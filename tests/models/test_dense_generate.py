@@ -1,7 +1,7 @@
-"""Cached greedy decoding of Llama 3 and Qwen3: ``nnx_zoo.generate`` equals the no-cache argmax continuation
-(teacher-forced full forwards at the cache's rope positions) and transformers' greedy ``generate`` on the same
-checkpoint, on a batch whose row 0 is left-padded; the cache holds ``2 * kv_heads * head_dim`` values per token
-per layer."""
+"""Cached greedy decoding of Llama 3, Qwen3 and the MoE families on the same core (Qwen3-MoE, Mixtral):
+``nnx_zoo.generate`` equals the no-cache argmax continuation (teacher-forced full forwards at the cache's rope
+positions) and transformers' greedy ``generate`` on the same checkpoint, on a batch whose row 0 is left-padded;
+the cache holds ``2 * kv_heads * head_dim`` values per token per layer."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import torch
 from flax import nnx
 
 from nnx_zoo import AutoModelForCausalLM, generate
-from tests.models.dense_reference import FAMILIES, left_padded_batch, make_hf, save_hf
+from tests.models.dense_reference import FAMILIES, MOE_FAMILIES, left_padded_batch, make_hf, save_hf
 
 NEW = 6
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES) + list(MOE_FAMILIES))
 def test_greedy_generation_matches_no_cache_and_transformers(tmp_path, family):
-    hf = make_hf(family, seed=3, num_key_value_heads=1, head_dim=16)
+    mixed = {"mlp_only_layers": [0]} if family == "qwen3_moe" else {}  # a dense layer, then an MoE one
+    hf = make_hf(family, seed=3, num_key_value_heads=1, head_dim=16, **mixed)
     model = AutoModelForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"))
     ids, mask = left_padded_batch(hf.config.vocab_size, batch=4, seq=7, pad=3, seed=1)
 
