@@ -174,16 +174,17 @@ def _with_optimizer(model: DeepSeekV3) -> tuple[DeepSeekV3, nnx.Optimizer]:
 
 
 @functools.cache
-def _graphdef(rules: str, batch_split: int, moe_impl: str):
-    config = tiny_config(batch_split_factor=batch_split, moe_impl=moe_impl)
+def _graphdef(rules: str, batch_split: int, moe_impl: str, config_overrides: tuple = ()):
+    config = tiny_config(batch_split_factor=batch_split, moe_impl=moe_impl, **dict(config_overrides))
     return nnx.graphdef(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules))))
 
 
 @functools.cache
-def _initial_state() -> nnx.State:
+def _initial_state(config_overrides: tuple = ()) -> nnx.State:
     """Model and optimizer state, drawn with numpy (the model's own initializers would compile one program per
     parameter shape): weights N(0, 0.02), norm scales 1, the router bias and the optimizer's moments 0."""
-    abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(tiny_config(), rngs=nnx.Rngs(0)))))
+    config = tiny_config(**dict(config_overrides))
+    abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
@@ -236,6 +237,7 @@ class Setup:
     sizes: tuple[tuple[str, int], ...] = ()  # () = one device
     mode: str = "explicit"
     devices: int = 8
+    config: tuple[tuple[str, object], ...] = ()  # tiny_config overrides (e.g. another router)
 
     @classmethod
     def of(cls, case: Case) -> Setup:
@@ -254,7 +256,8 @@ def _place(tree, mesh, rules):
 @functools.cache
 def _inputs(setup: Setup):
     """(graphdef, state, batch), placed on the setup's mesh."""
-    graphdef, state, batch = _graphdef(setup.rules, setup.batch_split, setup.moe_impl), _initial_state(), _batch()
+    graphdef = _graphdef(setup.rules, setup.batch_split, setup.moe_impl, setup.config)
+    state, batch = _initial_state(setup.config), _batch()
     if not setup.sizes:
         return graphdef, state, batch
     mesh = setup.mesh()
