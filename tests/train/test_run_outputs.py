@@ -41,7 +41,7 @@ def test_tensorboard_scalars_equal_the_jsonl_metrics_and_profile_steps_write_a_t
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scalars = read_scalars(tmp_path / "tensorboard")
     expected = {(key, r["step"]): value for r in records for key, value in r.items()
-                if key != "step" and isinstance(value, float) and np.isfinite(value)}
+                if key != "step" and isinstance(value, (int, float)) and np.isfinite(value)}  # flags: 0/1
     assert {"loss", "grad_norm", "lr", "tokens_per_s"} <= {tag for tag, _ in expected}
     assert set(scalars) == set(expected)
     for key, value in expected.items():  # TensorBoard stores float32
