@@ -1,7 +1,9 @@
 """Llama 3 and Qwen3 under meshes: on FSDP 8 and FSDP 4 x TP 2 (default rules), Auto and Explicit axes, two AdamW
 steps of the trainer (``train_step`` + ``make_optimizer``) give the losses and gradient norms of one device
 (float32, relative 1e-5); parameters and Adam moments stay on their resolved shardings, and under Explicit axes
-the logits come back laid out by their logical names.
+the logits come back laid out by their logical names. The MoE families on the same core (Qwen3-MoE with a dense
+then an MoE layer, Mixtral), with ``moe_impl='ep'`` and the Switch aux loss on, do the same (aux loss included) on
+FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets.
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs each family on both meshes, once per mode;
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo import Llama3, Llama3Config, Qwen3, Qwen3Config
+from nnx_zoo import Llama3, Llama3Config, Mixtral, MixtralConfig, Qwen3, Qwen3Config, Qwen3MoE, Qwen3MoEConfig
 from nnx_zoo.sharding import get_rules, iter_variables, logical_to_mesh_axes, make_mesh, state_shardings
 from nnx_zoo.train import OptimizerConfig, make_optimizer, train_step
 
@@ -30,13 +32,23 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 FAMILIES = {"llama": (Llama3, Llama3Config.preset("llama3-tiny", **TINY)),
             "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False))}
-MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}}
+MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
+MOE_FAMILIES = {
+    "qwen3_moe": (Qwen3MoE, Qwen3MoEConfig.preset("qwen3-moe-tiny", **TINY, **MOE, mlp_only_layers=(0,),
+                                                 moe_intermediate_size=32, tie_word_embeddings=False)),
+    "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE))}
+FAMILIES.update(MOE_FAMILIES)
+MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}, "fsdp4-ep2": {"fsdp": 4, "expert": 2}}
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
-RULES = get_rules("default")
-CASES = [(f, m, mode) for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")]
+CASES = [(f, m, mode, "default") for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")
+         if (m == "fsdp4-ep2") == (f in MOE_FAMILIES) or m == "fsdp8"]
+CASES += [(f, "fsdp4-ep2", mode, r) for f in MOE_FAMILIES for mode in ("auto", "explicit")
+          for r in ("ep-as-cp", "shard-exp-on-fsdp")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
-    CASES = [("llama", "fsdp8", "auto"), ("llama", "fsdp4-tp2", "explicit"), ("qwen3", "fsdp8", "explicit"),
-             ("qwen3", "fsdp4-tp2", "auto")]
+    CASES = [("llama", "fsdp8", "auto", "default"), ("llama", "fsdp4-tp2", "explicit", "default"),
+             ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
+             ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
+             ("mixtral", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("mixtral", "fsdp4-ep2", "explicit", "default")]
 
 
 @functools.cache
@@ -50,10 +62,10 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def _model_parts(family: str) -> tuple[nnx.GraphDef, nnx.State]:
+def _model_parts(family: str, rules: str = "default") -> tuple[nnx.GraphDef, nnx.State]:
     """The family's tiny model: norm scales 1 + noise, every other weight N(0, 0.1), drawn with numpy."""
     cls, config = FAMILIES[family]
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules)))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
@@ -69,11 +81,13 @@ def _step(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array])
     return nnx.state((model, optimizer)), metrics
 
 
-def _train(family: str, mesh: jax.sharding.Mesh | None) -> tuple[list[tuple[float, float]], nnx.Module, Any]:
-    """Two AdamW steps (one compiled step, called twice): [(loss, grad norm)], the model, the optimizer."""
-    graphdef, state = _model_parts(family)
+def _train(family: str, mesh: jax.sharding.Mesh | None, rules: str = "default"
+           ) -> tuple[list[tuple[float, ...]], nnx.Module, Any]:
+    """Two AdamW steps (one compiled step, called twice): [(loss, grad norm[, aux loss])], the model, the
+    optimizer."""
+    graphdef, state = _model_parts(family, rules)
     if mesh is not None:
-        leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, RULES))
+        leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules(rules)))
         state = jax.tree.unflatten(jax.tree.structure(state), list(leaves))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
@@ -85,7 +99,8 @@ def _train(family: str, mesh: jax.sharding.Mesh | None) -> tuple[list[tuple[floa
         history = []
         for _ in range(2):
             both, metrics = compiled(both, batch)
-            history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+            aux = (float(metrics["aux_loss"]),) if "aux_loss" in metrics else ()
+            history.append((float(metrics["loss"]), float(metrics["grad_norm"]), *aux))
     model, optimizer = nnx.merge(both_graph, both)
     return history, model, optimizer
 
@@ -95,17 +110,18 @@ def _one_device(family: str) -> list[tuple[float, float]]:
     return _train(family, None)[0]
 
 
-@pytest.mark.parametrize(("family", "mesh_name", "mode"), CASES)
-def test_two_adamw_steps_match_one_device(family, mesh_name, mode):
+@pytest.mark.parametrize(("family", "mesh_name", "mode", "rules"), CASES)
+def test_two_adamw_steps_match_one_device(family, mesh_name, mode, rules):
     mesh = make_mesh(MESHES[mesh_name], shard_mode=mode)
-    history, model, optimizer = _train(family, mesh)
+    history, model, optimizer = _train(family, mesh, rules)
     np.testing.assert_allclose(history, _one_device(family), rtol=1e-5)
+    rule_set = get_rules(rules)
     assert history[1][0] < history[0][0]  # it learns
     for state in (nnx.state(model), nnx.state(optimizer, nnx.optimizer.OptState)):  # parameters, Adam moments
-        for (path, var), want in zip(iter_variables(state), state_shardings(state, mesh, RULES)):
+        for (path, var), want in zip(iter_variables(state), state_shardings(state, mesh, rule_set)):
             assert var[...].sharding.is_equivalent_to(want, var.ndim), path
     if mode == "explicit":
         with jax.set_mesh(mesh):
             logits = nnx.eval_shape(lambda m, ids: m(ids), model, jnp.asarray(_batch()["input_ids"]))
         names = ("activation_batch", "activation_length", "activation_vocab")
-        assert logits.sharding.spec == logical_to_mesh_axes(names, RULES, mesh, shape=logits.shape)
+        assert logits.sharding.spec == logical_to_mesh_axes(names, rule_set, mesh, shape=logits.shape)
