@@ -63,6 +63,22 @@ def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
     assert code == 2 and "model_type" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset):
+    """Qwen3-MoE and Mixtral train with the recipe; ``--model.output_router_logits true`` adds the Switch
+    load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
+    run_dir = tmp_path / "run"
+    args = ["--model", preset, *TINY, *SHORT, "--steps", "2", "--moe-impl", "gmm", "--model.output_router_logits",
+            "true", "--run-dir", str(run_dir)]
+    assert recipe.main(args) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    # About coef * k for a near-uniform router (a fresh model's): 0.001 * 2 for Qwen3-MoE, 0.02 * 2 for Mixtral.
+    coef = 0.001 if preset.startswith("qwen3") else 0.02
+    assert all(0.9 * 2 * coef < r["aux_loss"] < 1.5 * 2 * coef for r in rows), rows
+    assert f"{preset} (" in capsys.readouterr().err
+
+
 def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):
     from nnx_zoo import Qwen3, Qwen3Config
 
