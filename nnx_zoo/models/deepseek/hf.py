@@ -1,6 +1,6 @@
 """Hugging Face checkpoints <-> DeepSeekV3: the DeepSeek key table, on the shared loader of ``nnx_zoo.hf``.
 
-What is DeepSeek's own: the key table (MLA projections, the router and its correction bias, shared and
+What is DeepSeek's own: the key table (MLA projections, the router and V3's correction bias, shared and
 per-expert routed experts, the transformers-5 fused expert layout), the multi-token-prediction (MTP) layers stored
 after the main ones (``model.layers.{num_hidden_layers + d}.``, which repeat the embedding and head: written on
 export, skipped on import), and building only as many MTP heads as the files hold.
