@@ -15,6 +15,9 @@ Cases (each in its own subprocess, so one case's memory or an out-of-memory erro
   AdamW, clip 1.0), eager and under ``torch.compile``.
 - ``moe``: the ``deepseek2-lite`` preset cut to 4 layers, batch 4 x 2048, the recipe with ``moe_impl`` ``gmm``
   (each grouped-matmul kernel: ``auto``, ``tokamax``, ``pallas_triton``, ``tiled``) and ``dense``.
+- ``qwen3moe``: the ``qwen3-moe-30b-a3b`` preset (128 experts, top-8, GQA 32/4, q/k norm) cut to 2 layers, batch
+  4 x 2048: the recipe as a user runs it (``moe_impl`` ``auto``: ``gmm`` with the best grouped-matmul kernel)
+  against transformers' ``Qwen3MoeForCausalLM`` on the same cut config, eager and under ``torch.compile``.
 - ``attention``: forward + backward of one attention call (GQA 32/8 heads, head dim 64, causal; and MLA 16 heads,
   192/128) for each ``attention_impl`` against ``cudnn`` at b4 s2048 and b1 s8192; the packed-document case
   (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
@@ -50,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CASES = ("llama", "moe", "attention", "gmm")
+CASES = ("llama", "moe", "qwen3moe", "attention", "gmm")
 GMM_KERNELS = ("auto", "tokamax", "pallas_triton", "tiled")
 ATTENTION_IMPLS = ("cudnn", "tokamax", "blockwise", "xla")
 
@@ -63,6 +66,8 @@ class Shapes:
         self.llama = ("llama3-tiny", 2, 64) if smoke else ("llama3.2-1b", 4, 2048)  # preset, batch, seq
         self.moe = ("deepseek3-tiny", 2, 64) if smoke else ("deepseek2-lite", 4, 2048)
         self.moe_layers = 2 if smoke else 4
+        self.qwen3moe = ("qwen3-moe-tiny", 2, 64) if smoke else ("qwen3-moe-30b-a3b", 4, 2048)
+        self.qwen3moe_layers = 2  # 2 of 48: ~1.8B parameters, ~29 GB of f32 weights, gradients and AdamW state
         # (batch, seq, heads, kv_heads, qk_dim, v_dim)
         self.attention = ([(1, 128, 4, 2, 32, 32), (1, 256, 4, 2, 48, 32)] if smoke else
                           [(4, 2048, 32, 8, 64, 64), (1, 8192, 32, 8, 64, 64), (4, 2048, 16, 16, 192, 128),
@@ -77,7 +82,7 @@ def run_recipe(name: str, argv: list[str], steps: int, skip: int, timeout_s: flo
     checkpoint of a multi-GB optimizer state). Returns the medians of its own per-step metrics."""
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *argv, "--steps", "100000", "--run-dir",
-               run_dir, "--no-progress", "--checkpoint-every", "0"]
+               run_dir, "--no-progress", "--checkpoint-every", "0", "--checkpoint-minutes", "0"]
         log_path = Path(run_dir) / "log.txt"
         start = time.perf_counter()
         with open(log_path, "w") as log:
@@ -111,14 +116,16 @@ def recipe_args(preset: str, batch: int, seq: int, *more: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- transformers
-def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool) -> dict:
-    """transformers' model from the nnx_zoo preset's own HF config, one training step per iteration."""
+def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool,
+                 overrides: str = "{}") -> dict:
+    """transformers' model from the nnx_zoo preset's own HF config (with ``overrides``, a JSON object of config
+    fields), one training step per iteration."""
     import torch
     import transformers
 
     from nnx_zoo import AutoConfig
 
-    config = AutoConfig.preset(preset)
+    config = AutoConfig.preset(preset, **json.loads(overrides))
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -243,6 +250,18 @@ def moe_case(s: Shapes, timeout_s: float) -> list[dict]:
     return rows
 
 
+def qwen3moe_case(s: Shapes, timeout_s: float) -> list[dict]:
+    preset, batch, seq = s.qwen3moe
+    cut = {"num_hidden_layers": s.qwen3moe_layers}
+    rows = [run_recipe("nnx_zoo recipe", recipe_args(preset, batch, seq, "--model.num_hidden_layers",
+                                                     str(s.qwen3moe_layers)), s.steps, s.skip, timeout_s)]
+    for compiled in (False, True):
+        name = "transformers + torch.compile" if compiled else "transformers eager"
+        rows.append({"name": name, **_worker(["torch", preset, batch, seq, s.steps, s.skip, int(compiled),
+                                              json.dumps(cut)], timeout_s)})
+    return rows
+
+
 def attention_case(s: Shapes, timeout_s: float) -> list[dict]:
     rows = []
     variants = [(impl, False) for impl in ATTENTION_IMPLS + ("auto",)] + [("auto", True)]
@@ -279,7 +298,8 @@ def run_worker(argv: list[str], smoke: bool) -> None:
     s = Shapes(smoke)
     kind, rest = argv[0], argv[1:]
     if kind == "torch":
-        result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])))
+        result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])),
+                              *rest[6:])
     elif kind == "attention":
         variants = [(impl, bool(segments)) for impl, segments in json.loads(rest[1])]
         result = attention_worker(tuple(json.loads(rest[0])), variants, 3 if smoke else 10)
@@ -330,9 +350,9 @@ def markdown(results: dict) -> str:
     from _harness import markdown_table
 
     out = [f"# GPU train step ({results['device']})", ""]
-    if "llama" in results or "moe" in results:
+    if any(case in results for case in ("llama", "moe", "qwen3moe")):
         rows = []
-        for case in ("llama", "moe"):
+        for case in ("llama", "moe", "qwen3moe"):
             for r in results.get(case, []):
                 rows.append([case, r["name"], _fmt(r.get("tokens_per_s"), "{:,.0f}"), _fmt(r.get("mfu"), "{:.1%}"),
                              _fmt(r.get("peak_memory_gib"), "{:.1f}"), r.get("kernels", ""), r.get("error", "")])
@@ -373,7 +393,8 @@ def main() -> None:
     shapes = Shapes(args.smoke)
     results: dict = {"device": str(jax.devices()[0].device_kind), "environment": environment(),
                      "steps": shapes.steps, "skip": shapes.skip}
-    runners = {"llama": llama_case, "moe": moe_case, "attention": attention_case, "gmm": gmm_case}
+    runners = {"llama": llama_case, "moe": moe_case, "qwen3moe": qwen3moe_case, "attention": attention_case,
+               "gmm": gmm_case}
     for case in args.cases:
         print(f"== {case}", flush=True)
         results[case] = runners[case](shapes, args.timeout)
