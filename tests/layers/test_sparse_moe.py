@@ -36,8 +36,7 @@ def _moe(impl: str) -> SparseMoE:
 
 
 # ep under the rule sets that move the expert or sequence dims; gmm and dense (no expert split) once each.
-CASES = [("ep", "ep-as-cp"), ("ep", "shard-exp-on-fsdp"), ("ep", "ep-as-dp"), ("ep", "cp-as-ep"),
-         ("gmm", "default"), ("dense", "pure-fsdp")]
+CASES = [("ep", "ep-as-cp"), ("ep", "shard-exp-on-fsdp"), ("gmm", "default"), ("dense", "pure-fsdp")]
 
 
 @pytest.mark.parametrize(("impl", "rules"), CASES)

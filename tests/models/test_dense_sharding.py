@@ -48,7 +48,7 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
     CASES = [("llama", "fsdp8", "auto", "default"), ("llama", "fsdp4-tp2", "explicit", "default"),
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
-             ("mixtral", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("mixtral", "fsdp4-ep2", "explicit", "default")]
+             ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp")]
 
 
 @functools.cache

@@ -68,7 +68,7 @@ def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset)
     """Qwen3-MoE and Mixtral train with the recipe; ``--model.output_router_logits true`` adds the Switch
     load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
     run_dir = tmp_path / "run"
-    args = ["--model", preset, *TINY, *SHORT, "--steps", "2", "--moe-impl", "gmm", "--model.output_router_logits",
+    args = ["--model", preset, *TINY, *SHORT, "--steps", "2", "--moe-impl", "dense", "--model.output_router_logits",
             "true", "--run-dir", str(run_dir)]
     assert recipe.main(args) == 0
     rows = records(run_dir)
