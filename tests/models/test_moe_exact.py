@@ -4,7 +4,8 @@ in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``), on a left-padd
 one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef`` x
 transformers' ``outputs.aux_loss``, padded and not) and goes both ways: transformers' ``save_pretrained``
 (per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
-transformers-5's fused expert layout loads too, and every ``moe_impl`` path gives the same logits.
+transformers-5's fused expert layout loads too, every ``moe_impl`` path gives the same logits, and LoRA on the
+routed experts merges into the weights it adapted.
 """
 
 from __future__ import annotations
@@ -91,6 +92,28 @@ def test_fused_expert_layout_loads_and_every_moe_impl_agrees(tmp_path, family):
         model = AutoModelForCausalLM.from_pretrained(fused, moe_impl=impl)
         err = rel_err(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), want, keep=mask)
         assert err < TOL, (impl, err)
+    _lora_on_experts_merges(model, jnp.asarray(ids))
+
+
+def _lora_on_experts_merges(model, ids) -> None:
+    """LoRA with the routed experts (``EXPERTS_PATTERN``): adapters with non-zero ``B`` change the logits, and
+    ``merge_lora`` folds them in with the same logits."""
+    import jax
+    from flax import nnx
+
+    from nnx_zoo import apply_lora, merge_lora
+    from nnx_zoo.layers.lora import EXPERTS_PATTERN, LoRAParam
+
+    base = np.asarray(model(ids))
+    paths = apply_lora(model, pattern=model.lora_targets + "|" + EXPERTS_PATTERN, rank=4)
+    assert "layers/mlp/experts" in paths and "layers/attn/q_proj" in paths
+    adapters = nnx.state(model, LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    nnx.update(model, jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), adapters))
+    adapted = np.asarray(model(ids))
+    assert rel_err(adapted, base) > 1e-3
+    assert merge_lora(model) == len(paths)
+    assert rel_err(np.asarray(model(ids)), adapted) < TOL
 
 
 def test_refused_settings_are_named(tmp_path):
@@ -108,3 +131,4 @@ def test_refused_settings_are_named(tmp_path):
         Qwen3MoEConfig.from_hf(path)
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..8"):
         Qwen3MoEConfig.preset("qwen3-moe-tiny", num_experts_per_tok=9)
+
