@@ -10,7 +10,11 @@ one step, as unrolled). The KV cache's layer axis runs over all layers in model 
 
 With ``config.output_router_logits`` the forward's ``aux_loss`` is ``router_aux_loss_coef`` times the Switch
 load-balancing loss pooled over the MoE layers and the real tokens (``nnx_zoo.layers.routers``), which is
-transformers' ``outputs.aux_loss`` (unweighted there) times the coefficient: what its loss adds.
+transformers' ``outputs.aux_loss`` (unweighted there) times the coefficient: what its loss adds. The trainer
+(``nnx_zoo.train.step``) adds ``aux_loss`` as a mean over the step's real sequences: with one micro-batch that is
+exactly transformers' ``loss``; with gradient accumulation each micro-batch's Switch loss (a product of means
+over its own tokens, which does not split into per-token terms) counts by its share of the sequences, as a
+PyTorch loop accumulating transformers' per-forward loss would weigh it.
 """
 
 from __future__ import annotations
