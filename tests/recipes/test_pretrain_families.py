@@ -63,13 +63,16 @@ def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
     assert code == 2 and "model_type" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny"])
-def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset):
+@pytest.mark.parametrize(("preset", "layers"), [
+    ("qwen3-moe-tiny", ["--model.num_hidden_layers", "2", "--model.mlp_only_layers", "[0]"]),  # dense, then MoE
+    ("mixtral-tiny", []),
+])
+def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset, layers):
     """Qwen3-MoE and Mixtral train with the recipe; ``--model.output_router_logits true`` adds the Switch
     load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
     run_dir = tmp_path / "run"
-    args = ["--model", preset, *TINY, *SHORT, "--steps", "2", "--moe-impl", "dense", "--model.output_router_logits",
-            "true", "--run-dir", str(run_dir)]
+    args = ["--model", preset, *TINY, *layers, *SHORT, "--steps", "2", "--moe-impl", "dense",
+            "--model.output_router_logits", "true", "--run-dir", str(run_dir)]
     assert recipe.main(args) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [1, 2]

@@ -50,7 +50,7 @@ class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwe
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
+    mlp_only_layers: tuple[int, ...] | None = ()  # None (as transformers allows): no layer
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))  # JSON gives a list
