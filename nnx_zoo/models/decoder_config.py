@@ -158,6 +158,9 @@ class DecoderConfig(FamilyConfig):
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
     HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
+    # What transformers' config class makes of a config.json without num_key_value_heads: its class default (an
+    # int), or None for LlamaConfig's rule, num_attention_heads (multi-head attention).
+    HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = None
 
     def __init_subclass__(cls, *, model_type: str | None = None, architecture: str | None = None,
                           qk_norm: bool | None = None, presets: Mapping[str, dict[str, Any]] | None = None,
@@ -266,6 +269,8 @@ class DecoderConfig(FamilyConfig):
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if problems:
             raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
+        if d.get("num_key_value_heads") is None and "num_attention_heads" in d:  # not our class default: theirs
+            d = {**d, "num_key_value_heads": cls.HF_KV_HEADS_IF_ABSENT or d["num_attention_heads"]}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_theta", "rope_scaling", "dtype")}
         if kwargs.get("head_dim") is None:

@@ -196,3 +196,16 @@ def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
         assert getattr(cls.from_hf(tmp_path, **{missing: full[missing]}), missing) == full[missing]
         with pytest.raises(ValueError, match=f"missing required field\\(s\\) {missing}"):
             cls.from_hf({k: v for k, v in full.items() if k != missing})
+
+
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny"])
+def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
+    # Each transformers config class fills an absent num_key_value_heads its own way (LlamaConfig: the attention
+    # heads; the others: a class default), so a file that leaves it out must not take our preset's value.
+    import transformers
+
+    full = AutoConfig.preset(preset, num_attention_heads=64, num_key_value_heads=2, head_dim=8).to_hf_dict()
+    without = {k: v for k, v in full.items() if k != "num_key_value_heads"}
+    theirs = transformers.AutoConfig.for_model(**without).num_key_value_heads
+    ours = AutoConfig.from_hf(without)
+    assert ours.num_key_value_heads == theirs != 2

@@ -10,7 +10,7 @@ attention (``sliding_window`` not null) and router jitter (``router_jitter_noise
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import cpu_presets
 from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
@@ -42,6 +42,8 @@ class MixtralConfig(MoEDecoderConfig, model_type="mixtral", architecture="Mixtra
     >>> round(cfg.num_parameters().total / 1e9, 1), round(cfg.num_parameters().active / 1e9, 1)
     (46.7, 12.9)
     """
+
+    HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' MixtralConfig default
 
     num_local_experts: int = 8
 

@@ -9,7 +9,7 @@ rope (``qk_norm``), and ``head_dim`` (128) is free of ``hidden_size / num_attent
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import DecoderConfig, cpu_presets
 
@@ -45,6 +45,8 @@ class Qwen3Config(DecoderConfig, model_type="qwen3", architecture="Qwen3ForCausa
     >>> cfg.head_dim, cfg.num_key_value_heads
     (128, 8)
     """
+
+    HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 32  # transformers' Qwen3Config default
 
     @classmethod
     def _hf_problems(cls, d: dict[str, Any]) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import cpu_presets
 from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
@@ -45,6 +45,8 @@ class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwe
     >>> cfg.num_experts, cfg.num_experts_per_tok, round(cfg.num_parameters().active / 1e9, 1)
     (128, 8, 3.3)
     """
+
+    HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 4  # transformers' Qwen3MoeConfig default
 
     num_experts: int = 128
     moe_intermediate_size: int = 768
