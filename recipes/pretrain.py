@@ -444,7 +444,8 @@ def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> E
     """What the model says it has (config fields, model methods), switched on as far as the flags allow. The
     sequence-wise balance loss needs nothing here: a model whose config asks for it returns it."""
     has_mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
-    can_balance = getattr(config, "num_moe_layers", 0) > 0 and hasattr(model_cls, "update_routing_bias")
+    can_balance = (getattr(config, "num_moe_layers", 0) > 0 and hasattr(model_cls, "update_routing_bias")
+                   and getattr(config, "has_routing_bias", True))  # a softmax top-k router has no bias to move
     return Extras(mtp_weight=args.mtp_weight if has_mtp else 0.0,
                   routing_bias_rate=args.routing_bias_rate if can_balance else 0.0)
 

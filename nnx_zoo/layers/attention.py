@@ -473,7 +473,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  mask: AttentionMask | jax.Array | None) -> jax.Array:
-        """``x [b, s, embed]``, rope ``cos/sin [b or 1, s, head_dim / 2]``, ``mask`` (``causal_mask``; a dense
+        """``x [b, s, embed]``, rope ``cos/sin [b or 1, s, rot / 2]`` (``rot = head_dim`` unless partial rotary: then
+        only each head's first ``rot`` dims rotate), ``mask`` (``causal_mask``; a dense
         boolean ``[b or 1, 1, s, s]`` or None runs the einsum path) -> ``[b, s, embed]``."""
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)

@@ -259,11 +259,16 @@ def rope_cos_sin(
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool) -> jax.Array:
-    """Rotate ``x [batch, seq, heads, dim]`` by ``cos``/``sin [batch, seq, dim // 2]``.
+    """Rotate ``x [batch, seq, heads, dim]`` by ``cos``/``sin [batch, seq, rot // 2]``.
 
-    ``interleaved=False`` pairs dim ``i`` with ``i + dim/2`` (rotate-half). ``interleaved=True`` pairs
-    ``(2i, 2i+1)`` and writes the rotated pairs evens-then-odds.
+    ``interleaved=False`` pairs dim ``i`` with ``i + rot/2`` (rotate-half). ``interleaved=True`` pairs
+    ``(2i, 2i+1)`` and writes the rotated pairs evens-then-odds. Partial rotary (``rot < dim``, HF
+    ``partial_rotary_factor``): only the first ``rot`` dims rotate, the rest pass through unchanged, after them.
     """
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        rotated = apply_rope(x[..., :rot], cos, sin, interleaved=interleaved)
+        return jnp.concatenate([rotated, x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]

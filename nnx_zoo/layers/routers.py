@@ -1,10 +1,18 @@
 """Routers: router logits -> each token's experts and their weights, plus the Switch load-balancing loss.
 
-A router is a family's choice (DeepSeek-V3's sigmoid + bias lives with DeepSeek); this module holds the
-family-agnostic softmax top-k router and the Switch-Transformer auxiliary loss over any number of MoE layers.
+A router is a family's choice; this module holds the family-agnostic ones (``ROUTERS``, picked by name in
+``route``), the selection bias Variable and its aux-loss-free balancing step, and the Switch-Transformer
+auxiliary loss over any number of MoE layers.
 
 ``softmax_top_k``, in HF's order: ``p = softmax(logits)`` in float32 over all experts, ``top_k(p)``, then, with
 ``renormalize``, the ``k`` chosen weights divided by their sum (without: the raw probabilities).
+
+``sigmoid_bias_top_k`` (HF ``topk_method='noaux_tc'``): ``s = sigmoid(logits)`` in float32; experts
+are *selected* on ``s + bias`` within the ``topk_group`` best of ``n_group`` contiguous expert groups (a group's
+score is the sum of its two best biased scores); the chosen experts are *weighted* by the unbiased ``s``, divided
+by their sum (+1e-20) when ``renormalize``, and always multiplied by ``scale``. ``group_limited_top_k`` is that
+selection on any scores (softmax routers use it too). The bias (``RouterBias``) is not trained by gradients:
+``balance_routing_bias`` moves it after each optimizer step, ``bias += rate * sign(mean load - load)``.
 
 The Switch loss (Switch Transformer eq. 4-6, as transformers' ``load_balancing_loss_func`` computes it over the
 MoE layers' router logits concatenated): with ``f_e`` = (token, expert) pairs routed to expert ``e`` and
@@ -25,6 +33,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+
+class RouterBias(nnx.Variable):
+    """A router's selection bias (HF ``e_score_correction_bias``). Not an ``nnx.Param``: gradient-based
+    optimizers built with ``wrt=nnx.Param`` leave it alone; ``balance_routing_bias`` updates it."""
 
 
 class Routing(NamedTuple):
@@ -45,6 +59,65 @@ def softmax_top_k(logits: jax.Array, k: int, *, renormalize: bool) -> Routing:
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(idx.astype(jnp.int32), weights, probs)
+
+
+def group_limited_top_k(scores: jax.Array, k: int, *, bias: jax.Array | None = None, n_group: int = 1,
+                        topk_group: int = 1, group_top: int = 0, renormalize: bool = False,
+                        scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """``(idx [..., k], weights [..., k])`` for router ``scores [..., E]`` (float32): the top-``k`` of
+    ``scores + bias`` (``bias`` None: of ``scores``), only among the ``topk_group`` of ``n_group`` contiguous
+    groups whose best ``group_top`` chooser scores sum highest (``group_top=0``: no group limit); weighted by the
+    unbiased ``scores``, divided by their sum when ``renormalize``, times ``scale``."""
+    *lead, num_experts = scores.shape
+    chooser = scores if bias is None else scores + bias
+    if group_top:
+        per_group = num_experts // n_group
+        grouped = chooser.reshape(*lead, n_group, per_group)  # [..., groups, experts of the group]
+        group_scores = jax.lax.top_k(grouped, group_top)[0].sum(-1)
+        _, best_groups = jax.lax.top_k(group_scores, topk_group)
+        group_kept = jax.nn.one_hot(best_groups, n_group, dtype=jnp.int32).sum(-2) > 0
+        chooser = jnp.where(jnp.repeat(group_kept, per_group, axis=-1), chooser, -jnp.inf)
+    _, idx = jax.lax.top_k(chooser, k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)  # from the unbiased scores
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return idx, weights * scale
+
+
+def sigmoid_bias_top_k(logits: jax.Array, k: int, *, bias: jax.Array, renormalize: bool, n_group: int = 1,
+                       topk_group: int = 1, scale: float = 1.0) -> Routing:
+    """Sigmoid scores (float32) of ``logits [..., E]``, experts selected on ``scores + bias`` within the
+    ``topk_group`` best groups (group score: the sum of its top two), weighted by the unbiased scores (see the
+    module docstring). ``probs`` are the sigmoid scores."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    idx, weights = group_limited_top_k(scores, k, bias=bias, n_group=n_group, topk_group=topk_group, group_top=2,
+                                       renormalize=renormalize, scale=scale)
+    return Routing(idx.astype(jnp.int32), weights, scores)
+
+
+# The routers a model picks by name (a config value): does the router carry a selection bias (RouterBias)?
+ROUTERS: dict[str, bool] = {"softmax": False, "sigmoid_bias": True}
+
+
+def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: jax.Array | None = None,
+          n_group: int = 1, topk_group: int = 1, scale: float = 1.0) -> Routing:
+    """The ``Routing`` of ``logits [..., E]`` by the router named ``router`` (``ROUTERS``): ``"softmax"``
+    (``softmax_top_k``; no bias, groups or scale) or ``"sigmoid_bias"`` (``sigmoid_bias_top_k``)."""
+    if router == "softmax":
+        return softmax_top_k(logits, k, renormalize=renormalize)
+    if router == "sigmoid_bias":
+        return sigmoid_bias_top_k(logits, k, bias=bias, renormalize=renormalize, n_group=n_group,
+                                  topk_group=topk_group, scale=scale)
+    raise ValueError(f"unknown router {router!r}; choose one of {tuple(ROUTERS)}")
+
+
+def balance_routing_bias(bias: RouterBias, expert_load: jax.Array, rate: float) -> None:
+    """Auxiliary-loss-free load balancing, after an optimizer step: ``bias [..., E]`` (e.g. ``[layers, E]``)
+    moves by ``rate`` toward balance, ``bias += rate * sign(mean load - load)``, with ``expert_load`` the
+    (token, expert) pairs each expert received, shaped like the bias."""
+    load = expert_load.astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    bias[...] = bias[...] + step.astype(bias[...].dtype)
 
 
 class BalanceSums(NamedTuple):

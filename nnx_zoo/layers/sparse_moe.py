@@ -1,7 +1,8 @@
-"""A sparse mixture-of-experts feed-forward block: router projection, softmax top-k routing, routed SwiGLU experts
-(``RoutedExperts``: every ``moe_impl`` path and grouped-matmul kernel), optional shared experts.
+"""A sparse mixture-of-experts feed-forward block: router projection, routing (``nnx_zoo.layers.routers``: softmax
+top-k, or sigmoid scores with a selection bias and group limit), routed SwiGLU experts (``RoutedExperts``: every
+``moe_impl`` path and grouped-matmul kernel), optional shared experts.
 
-``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = softmax_top_k(x W_router)``. The router
+``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = route(router, x W_router)``. The router
 weight ``[embed, exp_router]`` is applied in float32 (logits ``[tokens, E]`` whole along the experts: top-k needs
 the whole row). The block returns ``SparseMoEOutput`` (always the same fields, a fixed shape), restored to the
 sharding its input arrived with.
@@ -18,7 +19,7 @@ from flax import nnx
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import MoeImpl, RoutedExperts
-from nnx_zoo.layers.routers import BalanceSums, balance_sums, softmax_top_k
+from nnx_zoo.layers.routers import ROUTERS, BalanceSums, RouterBias, balance_routing_bias, balance_sums, route
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
@@ -41,11 +42,14 @@ class SparseMoEOutput(NamedTuple):
 
 
 class SparseMoE(nnx.Module):
-    """Softmax top-k routed SwiGLU experts (``num_experts`` of width ``expert_hidden``), plus an optional shared
-    SwiGLU of width ``shared_hidden`` added unweighted.
+    """Routed SwiGLU experts (``num_experts`` of width ``expert_hidden``), plus an optional shared SwiGLU of width
+    ``shared_hidden`` added unweighted.
 
-    ``renormalize``: divide the ``k`` chosen probabilities by their sum. ``moe_impl``: ``RoutedExperts``' path
-    (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
+    ``router`` names the routing (``nnx_zoo.layers.routers.ROUTERS``): ``"softmax"`` (top-k of the softmax) or
+    ``"sigmoid_bias"`` (selection on sigmoid scores + ``e_score_correction_bias``, a ``RouterBias`` Variable moved
+    by ``balance_bias``, within the ``topk_group`` best of ``n_group`` groups; weights times
+    ``routed_scaling_factor``). ``renormalize``: divide the ``k`` chosen weights by their sum. ``moe_impl``:
+    ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
 
     >>> moe = SparseMoE(64, num_experts=8, experts_per_token=2, expert_hidden=32, renormalize=True,
     ...                 rngs=nnx.Rngs(0))
@@ -55,14 +59,23 @@ class SparseMoE(nnx.Module):
     """
 
     def __init__(self, features: int, *, num_experts: int, experts_per_token: int, expert_hidden: int,
-                 renormalize: bool, shared_hidden: int = 0, moe_impl: MoeImpl = "auto",
+                 renormalize: bool, shared_hidden: int = 0, router: str = "softmax", n_group: int = 1,
+                 topk_group: int = 1, routed_scaling_factor: float = 1.0, moe_impl: MoeImpl = "auto",
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r}; choose one of {tuple(ROUTERS)}")
         self.moe_impl, self.capacity_factor = moe_impl, capacity_factor
+        self.router_kind, self.n_group, self.topk_group = router, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         self.router = nnx.Param(kernel_init(rngs.params(), (features, num_experts), param_dtype),
                                 out_sharding=("embed", "exp_router"), eager_sharding=False)
+        # float32 whatever param_dtype: a bf16 bias could not take the balancing rule's small steps.
+        self.e_score_correction_bias = RouterBias(
+            jnp.zeros((num_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
+        ) if ROUTERS[router] else None
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.experts = RoutedExperts(num_experts, features, expert_hidden, grouped_matmul_impl=grouped_matmul_impl,
                                      **kw)
@@ -85,7 +98,9 @@ class SparseMoE(nnx.Module):
             tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
             tokens = shard(tokens, _TE)
             logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
-        routing = softmax_top_k(logits, self.experts_per_token, renormalize=self.renormalize)
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        routing = route(self.router_kind, logits, self.experts_per_token, renormalize=self.renormalize, bias=bias,
+                        n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor)
         out, dropped = self.experts(tokens, routing.expert_indices, routing.weights, impl=self.moe_impl,
                                     capacity_factor=self.capacity_factor, return_dropped=True)
         out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
@@ -102,3 +117,10 @@ class SparseMoE(nnx.Module):
             balance = balance_sums(routing, mask)
         idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
         return SparseMoEOutput(out, idx, dropped, balance)
+
+    def balance_bias(self, expert_load: jax.Array, rate: float) -> None:
+        """Move the selection bias toward balance after an optimizer step (``balance_routing_bias``);
+        ``expert_load`` is shaped like the bias (``[E]``, or ``[layers, E]`` for a stacked block). A router
+        without a bias has nothing to move: a no-op."""
+        if self.e_score_correction_bias is not None:
+            balance_routing_bias(self.e_score_correction_bias, expert_load, rate)

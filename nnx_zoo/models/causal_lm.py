@@ -67,9 +67,9 @@ class DecoderLayer(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, use_bias=c.attention_bias, qk_norm=c.QK_NORM,
-                              norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl, kernel_init=init, rngs=rngs,
-                              **_dtypes(c))
+                              head_dim=c.head_dim, use_bias=c.attention_bias, o_bias=c.attention_output_bias,
+                              qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl,
+                              kernel_init=init, rngs=rngs, **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 
@@ -312,7 +312,7 @@ class CausalLM(CausalLMBase):
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
-        inv_freq, self.rope_attention_factor = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        inv_freq, self.rope_attention_factor = rope_frequencies(c.rotary_dim, c.rope_theta, c.rope_scaling)
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
 
     def _init_layers(self, c: DecoderConfig, rngs: nnx.Rngs) -> None:

@@ -150,6 +150,9 @@ class DecoderConfig(FamilyConfig):
 
     ``head_dim=None`` means ``hidden_size // num_attention_heads``; ``rope_scaling`` is None (the default
     schedule), a ``LinearScaling`` / ``Llama3Scaling`` / ``YarnScaling``, or an HF rope dict (converted).
+    ``partial_rotary_factor < 1`` ropes only each head's first ``rotary_dim`` dims (HF's partial rotary: the
+    rotated part first, rotate-half inside it; the rest unrotated); ``attention_bias`` adds q/k/v biases (and an
+    ``o_proj`` one unless the family's ``O_BIAS`` is False).
     """
 
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ("vocab_size", "hidden_size", "intermediate_size",
@@ -157,13 +160,16 @@ class DecoderConfig(FamilyConfig):
     MODEL_TYPE: ClassVar[str] = ""  # HF model_type this config reads and writes
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
+    # Whether o_proj has a bias when attention_bias is set (None: it does, as Llama's; False: only q/k/v do).
+    O_BIAS: ClassVar[bool | None] = None
     HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
     # What transformers' config class makes of a config.json without num_key_value_heads: its class default (an
     # int), or None for LlamaConfig's rule, num_attention_heads (multi-head attention).
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = None
 
     def __init_subclass__(cls, *, model_type: str | None = None, architecture: str | None = None,
-                          qk_norm: bool | None = None, presets: Mapping[str, dict[str, Any]] | None = None,
+                          qk_norm: bool | None = None, o_bias: bool | None = None,
+                          presets: Mapping[str, dict[str, Any]] | None = None,
                           defaults: Mapping[str, Any] | None = None, hf_extras: Mapping[str, Any] | None = None,
                           **kwargs: Any) -> None:
         """A family's class keywords (those not given are inherited):
@@ -175,7 +181,7 @@ class DecoderConfig(FamilyConfig):
         """
         super().__init_subclass__(**kwargs)
         for attr, value in (("MODEL_TYPE", model_type), ("ARCHITECTURE", architecture), ("QK_NORM", qk_norm),
-                            ("PRESETS", presets), ("HF_EXTRAS", hf_extras)):
+                            ("O_BIAS", o_bias), ("PRESETS", presets), ("HF_EXTRAS", hf_extras)):
             if value is not None:
                 setattr(cls, attr, dict(value) if isinstance(value, Mapping) else value)
         # The flagship's values become field defaults: the dataclass decorator, which runs after this hook,
@@ -203,6 +209,7 @@ class DecoderConfig(FamilyConfig):
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    partial_rotary_factor: float = 1.0  # rope on each head's first int(head_dim * factor) dims (rotate-half)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     initializer_range: float = 0.02
@@ -239,6 +246,12 @@ class DecoderConfig(FamilyConfig):
                      f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
         if _positive_int(self.head_dim) and self.head_dim % 2:
             p.append(f"head_dim must be even (rope rotates pairs), got {self.head_dim}")
+        factor = self.partial_rotary_factor
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1):
+            p.append(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+        elif _positive_int(self.head_dim) and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            p.append(f"partial_rotary_factor={factor} leaves int(head_dim * factor) = {self.rotary_dim} rotary dims; "
+                     "rope rotates pairs, so it must be a positive even number")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
@@ -251,6 +264,23 @@ class DecoderConfig(FamilyConfig):
         if self.attention_impl not in ATTENTION_IMPLS:
             p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         return p
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each query/key head's dims rope rotates (the first ones): ``int(head_dim *
+        partial_rotary_factor)``, as transformers computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention RMS-normalizes each query and key head (the family's ``QK_NORM``; a family whose
+        config.json switches it overrides this)."""
+        return self.QK_NORM
+
+    @property
+    def attention_output_bias(self) -> bool:
+        """Whether ``o_proj`` has a bias: ``attention_bias`` unless the family's ``O_BIAS`` says otherwise."""
+        return self.attention_bias if self.O_BIAS is None else self.O_BIAS and self.attention_bias
 
     @property
     def attention_head_dims(self) -> tuple[int, int]:
@@ -271,8 +301,14 @@ class DecoderConfig(FamilyConfig):
             raise ValueError("unsupported config:\n  - " + "\n  - ".join(problems))
         if d.get("num_key_value_heads") is None and "num_attention_heads" in d:  # not our class default: theirs
             d = {**d, "num_key_value_heads": cls.HF_KV_HEADS_IF_ABSENT or d["num_attention_heads"]}
+        # partial_rotary_factor: in the rope dict (transformers 5) or top level (hub files); else the class's.
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", cls.partial_rotary_factor))
+        d = {**d, **{key: {k: v for k, v in d[key].items() if k != "partial_rotary_factor"}
+                     for key in ("rope_scaling", "rope_parameters") if isinstance(d.get(key), Mapping)}}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_theta", "rope_scaling", "dtype")}
+        kwargs["partial_rotary_factor"] = factor
         if kwargs.get("head_dim") is None:
             kwargs.pop("head_dim", None)
         try:
@@ -291,8 +327,9 @@ class DecoderConfig(FamilyConfig):
         transformers 4 and 5 both read)."""
         d: dict[str, Any] = {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE}
         for f in dataclasses.fields(self):
-            if f.name in ("rope_theta", "rope_scaling"):
-                continue
+            if f.name in ("rope_theta", "rope_scaling") or (f.name == "partial_rotary_factor"
+                                                              and self.partial_rotary_factor == 1.0):
+                continue  # full rotary: the key is left out, as the dense families' files do
             d[f.name] = getattr(self, f.name)
             if f.name == "initializer_range":
                 break
@@ -305,8 +342,8 @@ class DecoderConfig(FamilyConfig):
         h, heads, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         attention = 2 * h * heads * hd + 2 * h * kv * hd
         if self.attention_bias:
-            attention += heads * hd + 2 * kv * hd + h
-        if self.QK_NORM:
+            attention += heads * hd + 2 * kv * hd + (h if self.attention_output_bias else 0)
+        if self.qk_norm:
             attention += 2 * hd
         return attention + 3 * h * self.intermediate_size + 2 * h  # + input and post-attention norms
 

@@ -1,4 +1,4 @@
-"""The dense core with sparse mixture-of-experts MLPs: ``MoECausalLM``, shared by Qwen3-MoE and Mixtral.
+"""The dense core with sparse mixture-of-experts MLPs: ``MoECausalLM``, shared by Qwen3-MoE, Mixtral and GLM-4.5.
 
 A layer is dense (``DecoderLayer``: SwiGLU) or sparse (``MoEDecoderLayer``: ``nnx_zoo.layers.sparse_moe``) as
 ``config.is_moe_layer(i)`` says. Parameters: the MoE layers stacked in ``layers`` (so an all-MoE model such as
@@ -61,6 +61,7 @@ class MoEDecoderLayer(DecoderLayer):
     def _make_mlp(self, c: MoEDecoderConfig, init: nnx.initializers.Initializer, rngs: nnx.Rngs) -> nnx.Module:
         return SparseMoE(c.hidden_size, num_experts=c.num_routed_experts, experts_per_token=c.num_experts_per_tok,
                          expert_hidden=c.expert_intermediate_size, renormalize=c.renormalize_topk,
+                         shared_hidden=c.shared_expert_intermediate_size, router=c.router_kind, **c.router_options,
                          moe_impl=c.moe_impl, grouped_matmul_impl=c.grouped_matmul_impl,
                          capacity_factor=c.moe_capacity_factor, kernel_init=init, rngs=rngs, **_dtypes(c))
 
@@ -140,6 +141,13 @@ class MoECausalLM(CausalLM):
 
     def layer_runs(self) -> list[tuple[nnx.Module, jax.Array]]:
         return [(stack, indices) for stack, indices, _ in self._runs()]
+
+    def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
+        """Aux-loss-free balancing after an optimizer step: each MoE layer's selection bias moves by ``rate``
+        toward balance (``nnx_zoo.layers.routers.balance_routing_bias``), ``expert_load [moe_layers, experts]``
+        from ``forward(..., with_expert_load=True)``. A router without a bias (softmax top-k): a no-op."""
+        if self.config.num_moe_layers:
+            self.layers.mlp.balance_bias(expert_load, rate)
 
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,

@@ -1,11 +1,12 @@
 """``MoEDecoderConfig``: the dense decoder's config plus a sparse mixture-of-experts MLP in some or all layers
-(softmax top-k routing, ``nnx_zoo.layers.sparse_moe``), shared by the MoE families on the dense core (Qwen3-MoE,
-Mixtral).
+(``nnx_zoo.layers.sparse_moe``), shared by the MoE families on the dense core (Qwen3-MoE, Mixtral, GLM-4.5).
 
 A family names its own HF fields for the experts (Qwen3-MoE's ``num_experts`` / ``moe_intermediate_size``,
 Mixtral's ``num_local_experts`` with ``intermediate_size`` as the expert width) and answers four questions:
-``num_routed_experts``, ``expert_intermediate_size``, ``renormalize_topk`` and ``is_moe_layer(i)``. Everything
-else (validation, HF writing of the family's own fields, parameter counts, FLOPs) is here.
+``num_routed_experts``, ``expert_intermediate_size``, ``renormalize_topk`` and ``is_moe_layer(i)``; it may also
+name another router than softmax top-k (``router_kind``, ``router_options``) and shared experts
+(``shared_expert_intermediate_size``). Everything else (validation, HF writing of the family's own fields,
+parameter counts, FLOPs) is here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.routers import ROUTERS
 from nnx_zoo.models.decoder_config import DecoderConfig, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
@@ -61,6 +63,27 @@ class MoEDecoderConfig(DecoderConfig):
         raise NotImplementedError
 
     @property
+    def router_kind(self) -> str:
+        """The routing of every MoE layer, a name in ``nnx_zoo.layers.routers.ROUTERS`` (softmax top-k here)."""
+        return "softmax"
+
+    @property
+    def router_options(self) -> dict[str, Any]:
+        """The router's settings beyond top-k and renormalisation (``SparseMoE``'s ``n_group``, ``topk_group``,
+        ``routed_scaling_factor``); none for softmax top-k."""
+        return {}
+
+    @property
+    def has_routing_bias(self) -> bool:
+        """Whether the router selects on a bias that aux-loss-free balancing moves (``update_routing_bias``)."""
+        return ROUTERS[self.router_kind]
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """Width of the shared-experts SwiGLU added to every MoE layer's output (0: none)."""
+        return 0
+
+    @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
@@ -92,17 +115,19 @@ class MoEDecoderConfig(DecoderConfig):
         return d
 
     def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:
-        """Parameter counts: ``active`` counts the router and ``k`` routed experts of each MoE layer."""
+        """Parameter counts: ``active`` counts the router, ``k`` routed experts and the shared experts of each MoE
+        layer (a router's selection bias is a buffer, not a parameter, as in HF)."""
         del include_mtp
         h, v = self.hidden_size, self.vocab_size
         top = v * h + (0 if self.tie_word_embeddings else v * h) + h
         attention = self._layer_params() - 3 * h * self.intermediate_size  # a dense layer without its MLP
         experts, k, width = self.num_routed_experts, self.num_experts_per_tok, self.expert_intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size
         total = active = top
         for i in range(self.num_hidden_layers):
             if self.is_moe_layer(i):
-                total += attention + h * experts + 3 * experts * h * width
-                active += attention + h * experts + 3 * k * h * width
+                total += attention + h * experts + 3 * experts * h * width + shared
+                active += attention + h * experts + 3 * k * h * width + shared
             else:
                 total += attention + 3 * h * self.intermediate_size
                 active += attention + 3 * h * self.intermediate_size

@@ -7,7 +7,9 @@ when ``norm_topk_prob``, and always multiplied by ``routed_scaling_factor``.
 V2 routing (``'greedy'`` / ``'group_limited_greedy'``, HF ``DeepseekV2TopkRouter``): ``s = softmax(x W)`` in
 float32, no bias; the top-k of ``s`` (group-limited: within the ``topk_group`` groups holding the best single
 scores), weighted by ``s`` times ``routed_scaling_factor``, never renormalized.
-The shared experts (one SwiGLU of width ``moe_intermediate_size * n_shared_experts``) are added unscaled.
+The selection (``group_limited_top_k``) and the bias Variable (``RouterBias``) are the shared ones of
+``nnx_zoo.layers.routers``. The shared experts (one SwiGLU of width ``moe_intermediate_size *
+n_shared_experts``) are added unscaled.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from flax import nnx
 
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import RoutedExperts
+from nnx_zoo.layers.routers import RouterBias, group_limited_top_k
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
@@ -28,11 +31,6 @@ _BLE = ("activation_batch", "activation_length", "activation_embed")
 _TE = ("activation_tokens", "activation_embed")
 _T_EXPERTS = ("activation_tokens", None)  # every token sees all router scores: top-k needs the whole row
 _BL_EXPERTS = ("activation_batch", "activation_length", None)
-
-
-class RouterBias(nnx.Variable):
-    """The router's selection bias (``e_score_correction_bias``). Not an ``nnx.Param``: gradient-based
-    optimizers built with ``wrt=nnx.Param`` leave it alone; the aux-loss-free balancing rule updates it."""
 
 
 def router_scores(logits: jax.Array, config: DeepSeekV3Config) -> jax.Array:
@@ -46,22 +44,10 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k experts and their weights for router ``logits [..., E]`` (float32, e.g. ``[T, E]`` or ``[B, S, E]``):
     ``(idx [..., k], weights [..., k])``. ``bias``: the selection bias when ``config.router`` has one, else None."""
-    c, router = config, config.router
-    *lead, num_experts = logits.shape
-    scores = router_scores(logits, c)
-    chooser = scores if bias is None else scores + bias
-    if router.group_top:  # keep the topk_group groups whose best group_top scores sum highest
-        per_group = num_experts // c.n_group
-        grouped = chooser.reshape(*lead, c.n_group, per_group)
-        group_scores = jax.lax.top_k(grouped, router.group_top)[0].sum(-1)
-        _, best_groups = jax.lax.top_k(group_scores, c.topk_group)
-        group_kept = jax.nn.one_hot(best_groups, c.n_group, dtype=jnp.int32).sum(-2) > 0
-        chooser = jnp.where(jnp.repeat(group_kept, per_group, axis=-1), chooser, -jnp.inf)
-    _, idx = jax.lax.top_k(chooser, c.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, idx, axis=-1)  # from the unbiased scores
-    if c.norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return idx, weights * c.routed_scaling_factor
+    c = config
+    return group_limited_top_k(router_scores(logits, c), c.num_experts_per_tok, bias=bias, n_group=c.n_group,
+                               topk_group=c.topk_group, group_top=c.router.group_top, renormalize=c.norm_topk_prob,
+                               scale=c.routed_scaling_factor)
 
 
 def sequence_balance_loss(
