@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
@@ -29,6 +30,7 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),
     "mixtral": (MixtralConfig, Mixtral),
+    "glm4_moe": (Glm4MoEConfig, Glm4MoE),
 }
 
 

@@ -1,20 +1,23 @@
-"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral: ``MOE_FAMILIES``) checkpoints (PyTorch,
-CPU, float32) for the families' tests on the dense core.
+"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral / GLM-4.5: ``MOE_FAMILIES``) checkpoints
+(PyTorch, CPU, float32) for the families' tests on the dense core.
 
 ``make_hf(family, **config)`` builds transformers' own model with every weight drawn at random (norm scales
-around 1, so a transposed or misplaced scale shows); ``save_hf`` writes it with transformers' ``save_pretrained``,
-optionally rewriting ``config.json``'s rope into the hub's legacy form (``rope_scaling`` + top-level
-``rope_theta``), so both forms are read.
+around 1, so a transposed or misplaced scale shows; a router's selection bias, a buffer, random too); ``save_hf``
+writes it with transformers' ``save_pretrained``, optionally rewriting ``config.json``'s rope into the hub's legacy
+form (``rope_scaling`` + top-level ``rope_theta``), so both forms are read.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -25,7 +28,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from nnx_zoo import Llama3, Mixtral, Qwen3, Qwen3MoE
+from nnx_zoo import Glm4MoE, Llama3, Mixtral, Qwen3, Qwen3MoE
 
 # family -> (our class, HF config class, HF model class)
 FAMILIES = {
@@ -36,10 +39,14 @@ FAMILIES = {
 MOE_FAMILIES = {
     "qwen3_moe": (Qwen3MoE, Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "mixtral": (Mixtral, MixtralConfig, MixtralForCausalLM),
+    "glm4_moe": (Glm4MoE, Glm4MoeConfig, Glm4MoeForCausalLM),
 }
 MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    # Layer 0 dense, then 8 experts top-2 + 1 shared; biased q/k/v, rope on half of each head.
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     attention_bias=True),
 }
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,
@@ -50,13 +57,18 @@ def make_hf(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """transformers' model of ``family`` on the ``TINY`` config with ``overrides``, random weights, eval mode."""
     _, config_cls, model_cls = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **MOE_DEFAULTS.get(family, {}), **overrides})).eval()
+    # A deep copy: transformers' configs write into the rope dict they are given (GLM-4.5's its partial rotary).
+    config = copy.deepcopy({**TINY, **MOE_DEFAULTS.get(family, {}), **overrides})
+    model = model_cls(config_cls(**config)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 

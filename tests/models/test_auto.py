@@ -19,6 +19,7 @@ from nnx_zoo import (
     AutoModelForCausalLM,
     DeepSeekV3,
     DeepSeekV3Config,
+    Glm4MoEConfig,
     Llama3,
     Llama3Config,
     MixtralConfig,
@@ -79,9 +80,9 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 
 def test_presets_of_every_family():
     names = preset_names()
-    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral"}
+    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("Llama3", Llama3Config), ("Qwen3", Qwen3Config),
-                        ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig)):
+                        ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -198,7 +199,7 @@ def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
             cls.from_hf({k: v for k, v in full.items() if k != missing})
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny"])
 def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
     # Each transformers config class fills an absent num_key_value_heads its own way (LlamaConfig: the attention
     # heads; the others: a class default), so a file that leaves it out must not take our preset's value.

@@ -3,7 +3,10 @@ steps of the trainer (``train_step`` + ``make_optimizer``) give the losses and g
 (float32, relative 1e-5); parameters and Adam moments stay on their resolved shardings, and under Explicit axes
 the logits come back laid out by their logical names. The MoE families on the same core (Qwen3-MoE with a dense
 then an MoE layer, Mixtral), with ``moe_impl='ep'`` and the Switch aux loss on, do the same (aux loss included) on
-FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets.
+FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets; so does
+GLM-4.5 (a dense then an MoE layer, group-limited sigmoid + bias routing, shared experts, partial rotary, biases;
+no aux loss) with aux-loss-free balancing on (the routing bias moves after each step, so step 2 routes by the
+bias step 1 left), in CI on FSDP 4 x EP 2, Explicit.
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs each family on both meshes, once per mode;
@@ -23,7 +26,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from nnx_zoo import Llama3, Llama3Config, Mixtral, MixtralConfig, Qwen3, Qwen3Config, Qwen3MoE, Qwen3MoEConfig
+from nnx_zoo import (
+    Glm4MoE,
+    Glm4MoEConfig,
+    Llama3,
+    Llama3Config,
+    Mixtral,
+    MixtralConfig,
+    Qwen3,
+    Qwen3Config,
+    Qwen3MoE,
+    Qwen3MoEConfig,
+)
 from nnx_zoo.sharding import get_rules, iter_variables, logical_to_mesh_axes, make_mesh, state_shardings
 from nnx_zoo.train import OptimizerConfig, make_optimizer, train_step
 
@@ -36,8 +50,13 @@ MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
 MOE_FAMILIES = {
     "qwen3_moe": (Qwen3MoE, Qwen3MoEConfig.preset("qwen3-moe-tiny", **TINY, **MOE, mlp_only_layers=(0,),
                                                  moe_intermediate_size=32, tie_word_embeddings=False)),
-    "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE))}
+    "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
+    "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
+                                               n_group=2, topk_group=1, tie_word_embeddings=False))}
 FAMILIES.update(MOE_FAMILIES)
+# train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
+BIAS_RATE = 0.01
+STEP_KWARGS = {"glm4_moe": dict(model_kwargs=(("with_expert_load", True),), routing_bias_rate=BIAS_RATE)}
 MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}, "fsdp4-ep2": {"fsdp": 4, "expert": 2}}
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 CASES = [(f, m, mode, "default") for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")
@@ -48,7 +67,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
     CASES = [("llama", "fsdp8", "auto", "default"), ("llama", "fsdp4-tp2", "explicit", "default"),
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
-             ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp")]
+             ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
+             ("glm4_moe", "fsdp4-ep2", "explicit", "default")]
 
 
 @functools.cache
@@ -75,9 +95,10 @@ def _model_parts(family: str, rules: str = "default") -> tuple[nnx.GraphDef, nnx
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
 
 
-def _step(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict]:
+def _step(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array], **kwargs: Any
+          ) -> tuple[nnx.State, dict]:
     model, optimizer = nnx.merge(graphdef, state)
-    metrics = train_step(model, optimizer, batch)
+    metrics = train_step(model, optimizer, batch, **kwargs)
     return nnx.state((model, optimizer)), metrics
 
 
@@ -94,7 +115,8 @@ def _train(family: str, mesh: jax.sharding.Mesh | None, rules: str = "default"
         optimizer = make_optimizer(OPTIMIZER, model, total_steps=2)
         both_graph, both = nnx.split((model, optimizer))
         batch = {k: jnp.asarray(v) for k, v in _batch().items()}  # on the ambient mesh, replicated
-        compiled = jax.jit(_step, static_argnums=0).lower(both_graph, both, batch).compile(
+        step = functools.partial(_step, **STEP_KWARGS.get(family, {}))
+        compiled = jax.jit(step, static_argnums=0).lower(both_graph, both, batch).compile(
             compiler_options={"xla_backend_optimization_level": 0})
         history = []
         for _ in range(2):
@@ -117,6 +139,10 @@ def test_two_adamw_steps_match_one_device(family, mesh_name, mode, rules):
     np.testing.assert_allclose(history, _one_device(family), rtol=1e-5)
     rule_set = get_rules(rules)
     assert history[1][0] < history[0][0]  # it learns
+    if family in STEP_KWARGS:  # two balancing steps: each bias entry moved by -2, -1, 0, 1 or 2 rates, not all 0
+        start = _model_parts(family, rules)[1]["layers"]["mlp"]["e_score_correction_bias"][...]
+        steps = (np.asarray(model.layers.mlp.e_score_correction_bias[...]) - np.asarray(start)) / BIAS_RATE
+        assert np.any(steps != 0) and np.allclose(steps, np.round(steps), atol=1e-4), steps
     for state in (nnx.state(model), nnx.state(optimizer, nnx.optimizer.OptState)):  # parameters, Adam moments
         for (path, var), want in zip(iter_variables(state), state_shardings(state, mesh, rule_set)):
             assert var[...].sharding.is_equivalent_to(want, var.ndim), path

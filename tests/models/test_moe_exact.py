@@ -1,8 +1,11 @@
-"""Qwen3-MoE and Mixtral against transformers (PyTorch, CPU, float32): logits within relative 1e-5 on tiny random
-checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts, dense layers mixed
-in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``), on a left-padded masked batch and an unpadded
-one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef`` x
-transformers' ``outputs.aux_loss``, padded and not) and goes both ways: transformers' ``save_pretrained``
+"""Qwen3-MoE, Mixtral and GLM-4.5 against transformers (PyTorch, CPU, float32): logits within relative 1e-5 on tiny
+random checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts, dense layers
+mixed in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``, GLM-4.5's ``first_k_dense_replace``), and
+for GLM-4.5 partial rotary (0.5 and 0.25), q/k/v biases on and off, q/k norm on and off, one or two shared
+experts and group-limited sigmoid + bias routing with ``routed_scaling_factor``, on a left-padded masked batch
+and an unpadded one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef``
+x transformers' ``outputs.aux_loss``, padded and not; GLM-4.5 has none in transformers, nor here) and goes both
+ways: transformers' ``save_pretrained``
 (per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
 transformers-5's fused expert layout loads too, every ``moe_impl`` path gives the same logits, and LoRA on the
 routed experts merges into the weights it adapted.
@@ -36,15 +39,36 @@ CASES = {
         "e16-top4": dict(num_local_experts=16, num_experts_per_tok=4),
         "e8-top1-mqa": dict(num_experts_per_tok=1, num_key_value_heads=1),
     },
+    "glm4_moe": {
+        # Dense layer 0, then 8 experts in 2 groups (1 kept), top-2 renormalised x 2.5, q/k norm, biases, rope 0.5.
+        "e8-top2-groups-qknorm": dict(num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                      use_qk_norm=True),
+        # 16 experts in 4 groups (2 kept), top-4 raw, 2 shared, no dense layer, no biases, rope on a quarter.
+        "e16-top4-raw-shared2": dict(n_routed_experts=16, num_experts_per_tok=4, norm_topk_prob=False, n_group=4,
+                                     topk_group=2, n_shared_experts=2, first_k_dense_replace=0, attention_bias=False,
+                                     head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "partial_rotary_factor": 0.25}),
+        # top-1, tied embeddings.
+        "e8-top1-tied": dict(num_experts_per_tok=1, tie_word_embeddings=True),  # fused layout: FUSED_CASES
+    },
 }
+GLM_FIELDS = ("first_k_dense_replace", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+              "use_qk_norm", "attention_bias", "rope_parameters")
+NO_AUX_LOSS = {"glm4_moe"}  # transformers computes no router aux loss for these
 TOL = 1e-5
+# Cases whose checkpoint is transformers-5's fused in-memory layout (the state dict written as is) rather than
+# what its save_pretrained writes: GLM-4.5's fused read is checked here instead of in the fused-layout test below,
+# which runs every moe_impl path (one expert engine for all routers) and LoRA for the other families.
+FUSED_CASES = {("glm4_moe", "e8-top1-tied")}
 
 
 def _hf_outputs(hf, ids: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, float]:
-    """transformers' logits and weighted aux loss (``router_aux_loss_coef * outputs.aux_loss``)."""
+    """transformers' logits and weighted aux loss (``router_aux_loss_coef * outputs.aux_loss``; None without one)."""
     with torch.no_grad():
         out = hf(torch.as_tensor(ids, dtype=torch.long), output_router_logits=True,
                  attention_mask=None if mask is None else torch.as_tensor(mask, dtype=torch.long))
+    if getattr(out, "aux_loss", None) is None:
+        return out.logits.numpy(), None
     return out.logits.numpy(), hf.config.router_aux_loss_coef * float(out.aux_loss)
 
 
@@ -52,7 +76,9 @@ def _hf_outputs(hf, ids: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarra
 def test_logits_aux_loss_and_round_trips(tmp_path, family, case):
     seed = list(CASES[family]).index(case)
     hf = make_hf(family, seed=seed, **CASES[family][case])
-    model = AutoModelForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), output_router_logits=True)
+    aux = {} if family in NO_AUX_LOSS else {"output_router_logits": True}
+    save = _save_fused if (family, case) in FUSED_CASES else save_hf
+    model = AutoModelForCausalLM.from_pretrained(save(hf, tmp_path / "hf"), **aux)
     assert type(model) is MOE_FAMILIES[family][0]
     ids, mask = left_padded_batch(hf.config.vocab_size, seed=seed)
 
@@ -63,29 +89,39 @@ def test_logits_aux_loss_and_round_trips(tmp_path, family, case):
     plain_logits, plain_aux = _hf_outputs(hf, ids[1:], None)
     plain = rel_err(np.asarray(plain_out.logits), plain_logits)
     assert padded < TOL and plain < TOL, (padded, plain)
-    np.testing.assert_allclose([float(out.aux_loss), float(plain_out.aux_loss)], [want_aux, plain_aux], rtol=1e-5)
+    if family in NO_AUX_LOSS:
+        assert out.aux_loss is plain_out.aux_loss is want_aux is plain_aux is None
+    else:
+        np.testing.assert_allclose([float(out.aux_loss), float(plain_out.aux_loss)], [want_aux, plain_aux],
+                                   rtol=1e-5)
 
     model.save_pretrained(tmp_path / "ours")
     again = MOE_FAMILIES[family][2].from_pretrained(tmp_path / "ours").eval()
     back = rel_err(_hf_outputs(again, ids, mask)[0], np.asarray(out.logits), keep=mask)
     assert back < TOL, back
     for name in ("num_experts_per_tok", "num_local_experts", "norm_topk_prob", "mlp_only_layers",
-                 "decoder_sparse_step", "tie_word_embeddings"):
+                 "decoder_sparse_step", "tie_word_embeddings") + GLM_FIELDS * (family == "glm4_moe"):
         assert getattr(again.config, name, None) == getattr(hf.config, name, None), name
     print(f"{family}/{case}: max relative error masked {padded:.2e}, unmasked {plain:.2e}, exported {back:.2e}")
 
 
-@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def _save_fused(hf, directory):
+    """transformers' in-memory state dict (fused experts ``mlp.experts.gate_up_proj`` / ``down_proj``) written as a
+    checkpoint, with its config.json."""
+    state = {k: v.contiguous().clone() for k, v in hf.state_dict().items()}  # a tied head: its own copy
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # the fused layout, in memory
+    directory.mkdir()
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    return directory
+
+
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f not in {f for f, _ in FUSED_CASES}])
 def test_fused_expert_layout_loads_and_every_moe_impl_agrees(tmp_path, family):
     """transformers-5's in-memory (fused) state dict written as a checkpoint loads to the same logits as the
     per-expert one; ``moe_impl`` ``dense``, ``gmm`` and ``ep`` (no mesh: its local path) agree with transformers."""
     hf = make_hf(family, seed=5, num_experts_per_tok=2)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # the fused layout, in memory
-    fused = tmp_path / "fused"
-    fused.mkdir()
-    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
-    (fused / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    fused = _save_fused(hf, tmp_path / "fused")
     ids, mask = left_padded_batch(hf.config.vocab_size, seed=2)
     want = _hf_outputs(hf, ids, mask)[0]
     for impl in ("dense", "gmm", "ep"):
@@ -131,4 +167,12 @@ def test_refused_settings_are_named(tmp_path):
         Qwen3MoEConfig.from_hf(path)
     with pytest.raises(ValueError, match="num_experts_per_tok must be in 1..8"):
         Qwen3MoEConfig.preset("qwen3-moe-tiny", num_experts_per_tok=9)
+    # GLM-4.5: transformers computes no aux loss for it, so asking for one is refused; its MTP layers on disk
+    # (model.layers.{num_hidden_layers}.*) are skipped on load, as transformers skips them.
+    from nnx_zoo import Glm4MoE, Glm4MoEConfig
+
+    with pytest.raises(ValueError, match="no auxiliary loss for GLM-4.5"):
+        Glm4MoEConfig.preset("glm4.5-tiny", output_router_logits=True)
+    skipped = Glm4MoE.key_table(Glm4MoEConfig.preset("glm4.5-air")).skipped()
+    assert skipped.search("model.layers.46.eh_proj.weight") and not skipped.search("model.layers.45.mlp.gate.weight")
 

@@ -82,6 +82,19 @@ def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset,
     assert f"{preset} (" in capsys.readouterr().err
 
 
+def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
+    """GLM-4.5 (a dense layer, then an MoE layer routed by sigmoid + selection bias, shared experts) trains with
+    the recipe; ``--routing-bias-rate`` moves the bias after every step (``update_routing_bias``: the arithmetic is
+    tests/models/test_moe_exact.py's) and the expert balance is logged. No aux loss: transformers has none."""
+    run_dir = tmp_path / "run"
+    args = ["--model", "glm4.5-tiny", *TINY, "--model.num_hidden_layers", "2", *SHORT, "--steps", "2",
+            "--moe-impl", "dense", "--routing-bias-rate", "0.01", "--run-dir", str(run_dir)]
+    assert recipe.main(args) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["expert_max_over_mean"] >= 1.0 for r in rows), rows
+    assert "aux_loss" not in rows[0] and "glm4.5-tiny (Glm4MoE)" in capsys.readouterr().err
+
+
 def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):
     from nnx_zoo import Qwen3, Qwen3Config
 
@@ -167,6 +180,9 @@ def test_training_extras_follow_what_the_config_has():
     assert extras("deepseek3-tiny", num_nextn_predict_layers=1) == (
         0.3, 1e-3, (("with_mtp", True), ("with_expert_load", True)))
     assert extras("deepseek3-tiny", num_nextn_predict_layers=0) == (0.0, 1e-3, (("with_expert_load", True),))
+    # GLM-4.5's router has a selection bias to balance; softmax top-k (Qwen3-MoE, Mixtral) has none.
+    assert extras("glm4.5-tiny") == (0.0, 1e-3, (("with_expert_load", True),))
+    assert extras("qwen3-moe-tiny")[:2] == extras("mixtral-tiny")[:2] == (0.0, 0.0)
     # All layers dense: no experts to balance.
     assert extras("deepseek3-tiny", num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0)[:2] \
         == (0.0, 0.0)
