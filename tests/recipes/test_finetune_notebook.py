@@ -66,27 +66,50 @@ def test_the_merged_checkpoint_reloads_and_generates(namespace):
     assert namespace["reloaded_answers"] == namespace["after"]
 
 
-def test_a_transformers_llama_checkpoint_goes_through_load_lora_train_merge_save(tmp_path):
+def _transformers_checkpoint(family: str, directory: Path):
+    """A tiny random transformers model of ``family`` with the notebook's byte vocabulary, saved to ``directory``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nnx_zoo import Llama3
     from nnx_zoo.train.tokenize import ByteTokenizer
+    from tests.models.deepseek.hf_reference import make_hf_model
+    from tests.models.dense_reference import make_hf
 
-    torch.manual_seed(0)
-    base = tmp_path / "llama"
-    LlamaForCausalLM(LlamaConfig(
-        vocab_size=ByteTokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )).save_pretrained(base)
-    ns = run_notebook(tmp_path, base, STEPS=3, BATCH=4)
-    assert isinstance(ns["model"], Llama3) and isinstance(ns["reloaded"], Llama3)
-    assert len(ns["adapted"]) == 7  # the family's default: q/k/v/o and gate/up/down of the one layer
+    vocab = ByteTokenizer.vocab_size
+    if family == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False))
+    elif family == "deepseek_v2":  # a dense layer, then routed + shared experts
+        model = make_hf_model(arch="v2", vocab_size=vocab, max_position_embeddings=256)
+    else:
+        model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
+    model.save_pretrained(directory)
+    return type(model)
+
+
+# LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
+# the stacked layers), merged.
+@pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
+                                                     ("deepseek_v2", 1)])
+def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
+    import torch
+
+    from nnx_zoo import AutoModelForCausalLM
+
+    base = tmp_path / family
+    hf_cls = _transformers_checkpoint(family, base)
+    ns = run_notebook(tmp_path, base, STEPS=3, BATCH=4, LORA_RANK=4, LORA_ALPHA=8, LORA_ON_EXPERTS=adapted_experts > 0)
+    assert type(ns["model"]) is AutoModelForCausalLM.model_class(family)
+    if family == "llama":
+        assert len(ns["adapted"]) == 7  # the family's default: q/k/v/o and gate/up/down of the one layer
+    assert sum(path.endswith("mlp/experts") for path in ns["adapted"]) == adapted_experts, ns["adapted"]
     assert len(ns["losses"]) == 3 and all(np.isfinite(ns["losses"]))
-    # The merged checkpoint is a plain Llama one: transformers loads it and computes the notebook's logits, which
-    # training changed (the adapters were trained and merged, not dropped).
-    merged = LlamaForCausalLM.from_pretrained(tmp_path / ns["MERGED_DIR"], dtype=torch.float32).eval()
-    original = LlamaForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    # The merged checkpoint is a plain one of the family: transformers loads it and computes the notebook's logits,
+    # which training changed (the adapters were trained and merged, not dropped).
+    merged = hf_cls.from_pretrained(tmp_path / ns["MERGED_DIR"], dtype=torch.float32).eval()
+    original = hf_cls.from_pretrained(base, dtype=torch.float32).eval()
     probe = torch.as_tensor(np.array(ns["probe"]), dtype=torch.long)
     with torch.no_grad():
         merged_logits, original_logits = merged(probe).logits.numpy(), original(probe).logits.numpy()
