@@ -6,10 +6,12 @@ The class defaults are GLM-4.5-Air. Shared fields, validation, HF mapping and co
 the file has none, as transformers defaults it), q/k/v biases without an ``o_proj`` one, per-head q/k RMSNorm when
 ``use_qk_norm``, layers ``< first_k_dense_replace`` dense, the others ``n_routed_experts`` experts of width
 ``moe_intermediate_size`` plus ``n_shared_experts`` shared ones, routed by sigmoid scores + a selection bias within
-the ``topk_group`` best of ``n_group`` groups (``nnx_zoo.layers.routers``). The ``num_nextn_predict_layers``
-multi-token-prediction layers are kept in the config and their weights skipped on load, as transformers does (its
-``Glm4MoeForCausalLM`` never runs them). transformers computes no auxiliary loss for GLM-4.5, so
-``output_router_logits`` has nothing to turn on: balance with the routing bias (``update_routing_bias``).
+the ``topk_group`` best of ``n_group`` groups (``nnx_zoo.layers.routers``). The checkpoint's
+multi-token-prediction layers (HF ``num_nextn_predict_layers``, here ``mtp_layers_on_disk``: not a field of that
+name, which would tell the trainer and ``--plan`` there are MTP heads to run) are skipped on load, as transformers
+skips them (its ``Glm4MoeForCausalLM`` never runs them), and the count is written back. transformers computes no
+auxiliary loss for GLM-4.5, so ``output_router_logits`` has nothing to turn on: balance with the routing bias
+(``update_routing_bias``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ GLM45_AIR: dict[str, Any] = dict(
     attention_bias=True, partial_rotary_factor=0.5, eos_token_id=(151329, 151336, 151338), num_experts_per_tok=8)
 # glm4.5-tiny / -small: the dense CPU presets, layer 0 dense, then 8 experts (width 64 / 128) top-2 + 1 shared.
 _CPU = cpu_presets("glm4.5", head_dim=32, rope_theta=1e6, attention_bias=True, partial_rotary_factor=0.5,
-                   n_routed_experts=8, num_experts_per_tok=2, num_nextn_predict_layers=0)
+                   n_routed_experts=8, num_experts_per_tok=2, mtp_layers_on_disk=0)
 PRESETS: dict[str, dict[str, Any]] = {
     "glm4.5-air": {},
     "glm4.5": dict(hidden_size=5120, intermediate_size=12288, num_hidden_layers=92, n_routed_experts=160,
@@ -60,7 +62,7 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     use_qk_norm: bool = False
-    num_nextn_predict_layers: int = 1  # MTP layers on disk (model.layers.{num_hidden_layers + j}.*): skipped
+    mtp_layers_on_disk: int = 1  # HF num_nextn_predict_layers: model.layers.{num_hidden_layers + j}.*, skipped
 
     @property
     def num_routed_experts(self) -> int:
@@ -117,6 +119,10 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
         # A file's silence means transformers' defaults where they differ from GLM-4.5-Air's (no attention bias);
         # output_router_logits only records logits there (no loss), so it is not read.
         d = {"attention_bias": False, **d, "output_router_logits": False}
-        if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
-            d["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        d["mtp_layers_on_disk"] = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))
         return super()._from_hf_dict(d, overrides)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = super().to_hf_dict()
+        d["num_nextn_predict_layers"] = d.pop("mtp_layers_on_disk")
+        return d

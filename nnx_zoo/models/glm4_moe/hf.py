@@ -27,6 +27,6 @@ def key_table(config: Glm4MoEConfig) -> KeyTable:
     """The HF key table of a GLM-4.5 model with this config."""
     table = moe_key_table(config, attention_rows=ATTENTION_ROWS, moe_rows=MOE_ROWS, fused=FUSED_EXPERTS,
                           source="nnx_zoo/models/glm4_moe/hf.py")
-    mtp = [str(config.num_hidden_layers + j) for j in range(config.num_nextn_predict_layers)]
+    mtp = [str(config.num_hidden_layers + j) for j in range(config.mtp_layers_on_disk)]
     return dataclasses.replace(table, ignored=table.ignored + ((rf"^model\.layers\.({'|'.join(mtp)})\.",)
                                                                if mtp else ()))
