@@ -166,6 +166,9 @@ class DecoderConfig(FamilyConfig):
     # What transformers' config class makes of a config.json without num_key_value_heads: its class default (an
     # int), or None for LlamaConfig's rule, num_attention_heads (multi-head attention).
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = None
+    # Whether the family's transformers model implements partial_rotary_factor (GLM-4.5 does; Llama, Qwen3,
+    # Qwen3-MoE and Mixtral rope whole heads and ignore or fail on another value, so here it is refused).
+    PARTIAL_ROTARY: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, model_type: str | None = None, architecture: str | None = None,
                           qk_norm: bool | None = None, o_bias: bool | None = None,
@@ -249,6 +252,9 @@ class DecoderConfig(FamilyConfig):
         factor = self.partial_rotary_factor
         if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1):
             p.append(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+        elif factor != 1 and not self.PARTIAL_ROTARY:
+            p.append(f"partial_rotary_factor={factor}: {type(self).__name__} ropes whole heads, as its transformers "
+                     "model does (it does not implement partial rotary); use 1.0")
         elif _positive_int(self.head_dim) and (self.rotary_dim < 2 or self.rotary_dim % 2):
             p.append(f"partial_rotary_factor={factor} leaves int(head_dim * factor) = {self.rotary_dim} rotary dims; "
                      "rope rotates pairs, so it must be a positive even number")

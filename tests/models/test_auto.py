@@ -210,3 +210,16 @@ def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
     theirs = transformers.AutoConfig.for_model(**without).num_key_value_heads
     ours = AutoConfig.from_hf(without)
     assert ours.num_key_value_heads == theirs != 2
+
+
+def test_partial_rotary_is_refused_where_transformers_does_not_implement_it(tmp_path):
+    # transformers' Llama (Qwen3, Mixtral, ...) ropes whole heads: it ignores partial_rotary_factor or, with llama3
+    # rope scaling, fails on it. Such a file must not quietly rope half of each head here; GLM-4.5 does rope half.
+    d = {**AutoConfig.preset("llama3-tiny").to_hf_dict(), "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointFormatError, match="ropes whole heads"):
+        AutoConfig.from_hf(tmp_path)
+    with pytest.raises(ValueError, match="ropes whole heads"):
+        AutoConfig.preset("qwen3-tiny", partial_rotary_factor=0.5)
+    assert AutoConfig.from_hf({**d, "partial_rotary_factor": 1.0}).partial_rotary_factor == 1.0
+    assert AutoConfig.preset("glm4.5-tiny").partial_rotary_factor == 0.5

@@ -52,6 +52,7 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
     """
 
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' Glm4MoeConfig default
+    PARTIAL_ROTARY: ClassVar[bool] = True
 
     n_routed_experts: int = 128
     moe_intermediate_size: int = 1408
