@@ -20,7 +20,11 @@ jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 
 from nnx_zoo.train.metrics import resolve_peak  # noqa: E402
 
+from jax.experimental import multihost_utils  # noqa: E402
+
 peak = resolve_peak()
 start = {"peak": peak.value, "source": peak.source}
+# Both have their starting peak before either raises it (else the later one could start from the raised cache).
+multihost_utils.sync_global_devices("both resolved their peak")
 mfu = peak.mfu(3 * peak.value, step=1)
 print(json.dumps({**start, "mfu": mfu, "raised_peak": peak.value, "raised_source": peak.source}), flush=True)
