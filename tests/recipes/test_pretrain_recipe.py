@@ -30,10 +30,20 @@ def test_runs_writes_metrics_and_resumes(tmp_path, capsys):
         assert key in records[0], key
     assert records[0]["mtp1"] > 0  # the multi-token-prediction head is trained
     assert records[0]["expert_max_over_mean"] >= 1.0  # expert loads are measured (and balance the router bias)
-    assert recipe.main([*SMALL, "--steps", "3", "--extend", "--run-dir", str(run_dir), "--mesh", "fsdp=8"]) == 0
-    out = capsys.readouterr().out
-    assert "steps 2 -> 3 (resumed)" in out
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    capsys.readouterr()
+    # Resumed onto another mesh, with a given peak: it is used and named, and compiling is announced.
+    assert recipe.main([*SMALL, "--steps", "3", "--extend", "--run-dir", str(run_dir), "--mesh", "fsdp=8",
+                        "--peak-flops", "2e9"]) == 0
+    captured = capsys.readouterr()
+    assert "steps 2 -> 3 (resumed)" in captured.out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "peak per device: 2.0 GFLOP/s (given by --peak-flops)" in captured.out
+    assert records[2]["mfu"] == pytest.approx(records[2]["tflops_per_device"] * 1e12 / 2e9)
+    assert "compiling the train step ..." in captured.err and "compiled and ran step 3 in" in captured.err
+    # What 'auto' chose on this CPU at 16 positions, printed at start and in the summary.
+    assert "nnx_zoo: kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.err
+    assert "kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.out
 
 
 @pytest.mark.parametrize(
@@ -129,16 +139,3 @@ def test_default_synthetic_vocab_fits_a_smaller_model_vocab():
     small = DeepSeekV3Config.preset("deepseek3-tiny", vocab_size=100)
     assert recipe.pretrain.synthetic_vocab(args, small) == 100  # the default bends to the model
     assert recipe.pretrain.synthetic_vocab(args, DeepSeekV3Config.preset("deepseek3-tiny")) == 256
-
-
-def test_given_peak_is_used_and_named_and_compiling_is_announced(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    assert recipe.main([*SMALL, "--steps", "1", "--run-dir", str(run_dir), "--peak-flops", "2e9"]) == 0
-    captured = capsys.readouterr()
-    assert "peak per device: 2.0 GFLOP/s (given by --peak-flops)" in captured.out
-    assert "compiling the train step ..." in captured.err and "compiled and ran step 1 in" in captured.err
-    # What 'auto' chose on this CPU at 16 positions, printed at start and in the summary.
-    assert "nnx_zoo: kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.err
-    assert "kernels: attention xla (attention_impl=auto), moe dense (moe_impl=auto)" in captured.out
-    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["mfu"] == pytest.approx(record["tflops_per_device"] * 1e12 / 2e9)
