@@ -92,7 +92,7 @@ def _transformers_checkpoint(family: str, directory: Path):
 # LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
 # the stacked layers), merged.
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
-                                                     ("deepseek_v2", 1)])
+                                                     ("glm4_moe", 1), ("deepseek_v2", 1)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 
