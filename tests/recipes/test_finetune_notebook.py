@@ -97,6 +97,7 @@ def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_p
     import torch
 
     from nnx_zoo import AutoModelForCausalLM
+    from tests.models.dense_reference import rel_err
 
     base = tmp_path / family
     hf_cls = _transformers_checkpoint(family, base)
@@ -113,5 +114,7 @@ def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_p
     probe = torch.as_tensor(np.array(ns["probe"]), dtype=torch.long)
     with torch.no_grad():
         merged_logits, original_logits = merged(probe).logits.numpy(), original(probe).logits.numpy()
-    np.testing.assert_allclose(ns["logits_before_save"], merged_logits, rtol=1e-4, atol=1e-5)
+    # Relative to the largest logit, as the parity tests measure: per element, the near-zero logits of these
+    # 0.3-std random weights differ by float32 rounding alone (Mixtral: 3e-5 absolute at 3.5 max, 8e-6 relative).
+    assert rel_err(ns["logits_before_save"], merged_logits) < 1e-5
     assert np.abs(merged_logits - original_logits).max() > 1e-3
