@@ -18,9 +18,9 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 
-from nnx_zoo.train.metrics import resolve_peak  # noqa: E402
-
 from jax.experimental import multihost_utils  # noqa: E402
+
+from nnx_zoo.train.metrics import resolve_peak  # noqa: E402
 
 peak = resolve_peak()
 start = {"peak": peak.value, "source": peak.source}
