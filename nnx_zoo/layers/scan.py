@@ -10,7 +10,7 @@ batch-split schedule).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,17 @@ def run_stack(
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
+class Summed(NamedTuple):
+    """An ``aux`` subtree that ``batch_split`` sums over the micro-batches whatever its leaves' shapes (e.g. an MoE
+    layer's per-expert counts ``[E]``, which a leading-dim rule could mistake for rows).
+
+    >>> y, (idx, sums) = batch_split(lambda x: (f(x), (indices(x), Summed(counts(x)))), x, factor=2)
+    >>> sums.value  # counts over the whole batch
+    """
+
+    value: Any
+
+
 def batch_split(
     fn: Callable[..., tuple[jax.Array, Any]], x: jax.Array, *args: Any, factor: int
 ) -> tuple[jax.Array, Any]:
@@ -91,7 +102,8 @@ def batch_split(
     calls, unrolled, so XLA may overlap one's compute with the next one's collectives. Arguments (and the leaves
     of pytree arguments, such as an ``AttentionMask``) whose leading dim is the batch are split too; others
     (rope tables, a batch-1 mask) go to every micro-batch. ``y`` (shaped like ``x``) and the leaves of ``aux``
-    with a leading batch dim are put back in order; scalar leaves of ``aux`` are summed. ``y`` leaves with
+    with a leading batch dim are put back in order; scalar leaves of ``aux``, and ``Summed`` subtrees, are
+    summed. ``y`` leaves with
     exactly ``x``'s sharding (``restore_sharding``). ``factor=1`` calls ``fn``.
     """
     if not isinstance(factor, int) or factor < 1:
@@ -124,7 +136,9 @@ def batch_split(
     pieces = [split_tree(a) for a in (x, *args)]
     outs = [fn(*(p[j] for p in pieces)) for j in range(factor)]
 
-    def merge(*leaves: jax.Array) -> jax.Array:
+    def merge(*leaves: Any) -> Any:
+        if isinstance(leaves[0], Summed):
+            return Summed(jax.tree.map(lambda *parts: sum(parts[1:], parts[0]), *(s.value for s in leaves)))
         if leaves[0].ndim == 0:
             return sum(leaves[1:], leaves[0])
         stacked = jnp.stack(leaves, axis=1)
@@ -133,7 +147,7 @@ def batch_split(
             spec = PartitionSpec(spec[0], *spec[2:])
         return jnp.reshape(stacked, (batch,) + stacked.shape[2:], out_sharding=spec)
 
-    y, aux = jax.tree.map(merge, *outs)
+    y, aux = jax.tree.map(merge, *outs, is_leaf=lambda t: isinstance(t, Summed))
     return restore_sharding(y, in_sharding), aux
 
 

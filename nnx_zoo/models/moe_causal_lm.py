@@ -6,7 +6,9 @@ Mixtral has the dense families' paths), the dense layers of a mixed model in ``d
 applies the layers in order as runs of consecutive layers of one kind, each run one scan over a slice of its
 stack (``layer_runs``): one run when every layer is MoE, two for dense-first-then-MoE (Qwen3-MoE's
 ``mlp_only_layers=[0]``), one per layer when the kinds alternate (``decoder_sparse_step=2``: then each scan has
-one step, as unrolled). The KV cache's layer axis runs over all layers in model order.
+one step, as unrolled). The KV cache's layer axis runs over all layers in model order. With
+``batch_split_factor > 1`` each MoE layer runs on that many micro-batches, its weights gathered once
+(``nnx_zoo.layers.batch_split``: same numbers, the balance sums added up), as DeepSeek's MoE layers do.
 
 With ``config.output_router_logits`` the forward's ``aux_loss`` is ``router_aux_loss_coef`` times the Switch
 load-balancing loss pooled over the MoE layers and the real tokens (``nnx_zoo.layers.routers``), which is
@@ -29,7 +31,7 @@ from flax import nnx
 from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row, Stack
 from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
 from nnx_zoo.layers.routers import BalanceSums, switch_balance_loss
-from nnx_zoo.layers.scan import create_stack, run_stack
+from nnx_zoo.layers.scan import Summed, batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
 from nnx_zoo.models.causal_lm import (
     STACK_AXIS,
@@ -87,6 +89,21 @@ class _Record(NamedTuple):
     expert_load: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
     balance: BalanceSums | None = None
+
+
+def _batch_split_layer(layer: MoEDecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                       mask: AttentionMask | None, token_mask: jax.Array, with_balance: bool, factor: int
+                       ) -> tuple[jax.Array, SparseMoEOutput]:
+    """``layer(x, ...)`` on ``factor`` micro-batches (``nnx_zoo.layers.batch_split``), its weights gathered once
+    for all of them: the same output, routing and dropped count, and the balance sums added up."""
+    gathered = gathered_over_fsdp(layer)
+
+    def run(h: jax.Array, m: AttentionMask | None, tm: jax.Array) -> tuple[jax.Array, Any]:
+        h, moe = gathered(h, cos, sin, m, token_mask=tm, with_balance=with_balance)
+        return h, (moe.expert_indices, moe.dropped_tokens, Summed(moe.balance))
+
+    h, (indices, dropped, balance) = batch_split(run, x, mask, token_mask, factor=factor)
+    return h, SparseMoEOutput(None, indices, dropped, balance.value)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
@@ -173,7 +190,11 @@ class MoECausalLM(CausalLM):
                 if not isinstance(layer, MoEDecoderLayer):
                     h = layer(h, cos, sin, mask)
                     return h, _Record(hidden=h if with_hidden_states else None)
-                h, moe = layer(h, cos, sin, mask, token_mask=token_mask, with_balance=with_balance)
+                if c.batch_split_factor > 1:
+                    h, moe = _batch_split_layer(layer, h, cos, sin, mask, token_mask, with_balance,
+                                                c.batch_split_factor)
+                else:
+                    h, moe = layer(h, cos, sin, mask, token_mask=token_mask, with_balance=with_balance)
                 load = None
                 if with_expert_load:
                     load = jnp.sum(jax.nn.one_hot(moe.expert_indices, c.num_routed_experts, dtype=jnp.float32),

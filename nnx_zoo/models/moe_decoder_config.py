@@ -35,7 +35,8 @@ class MoEDecoderConfig(DecoderConfig):
     """
 
     # nnx_zoo's own fields (not written to config.json).
-    NNX_ONLY: ClassVar[frozenset[str]] = frozenset({"moe_impl", "grouped_matmul_impl", "moe_capacity_factor"})
+    NNX_ONLY: ClassVar[frozenset[str]] = frozenset({"moe_impl", "grouped_matmul_impl", "moe_capacity_factor",
+                                                    "batch_split_factor"})
 
     num_experts_per_tok: int = 2
     router_aux_loss_coef: float = 0.001
@@ -44,6 +45,7 @@ class MoEDecoderConfig(DecoderConfig):
     moe_impl: str = "auto"  # 'auto' | 'dense' | 'gmm' | 'ep' (nnx_zoo.layers.moe)
     grouped_matmul_impl: str = "auto"  # the gmm path's kernel (nnx_zoo.layers.grouped_matmul)
     moe_capacity_factor: float | None = None  # ep only: tokens per expert capped at factor * T * k / E
+    batch_split_factor: int = 1  # each MoE layer runs on this many micro-batches (nnx_zoo.layers.batch_split)
 
     # ---- what a family answers ----
     @property
@@ -100,6 +102,9 @@ class MoEDecoderConfig(DecoderConfig):
             p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             p.append(f"moe_capacity_factor must be None or positive, got {self.moe_capacity_factor!r}")
+        if not (isinstance(self.batch_split_factor, int) and not isinstance(self.batch_split_factor, bool)
+                and self.batch_split_factor >= 1):
+            p.append(f"batch_split_factor must be a positive integer (1: off), got {self.batch_split_factor!r}")
         if not (isinstance(self.expert_intermediate_size, int) and self.expert_intermediate_size > 0):
             p.append(f"the expert width must be a positive integer, got {self.expert_intermediate_size!r}")
         return p

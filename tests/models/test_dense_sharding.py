@@ -48,8 +48,10 @@ FAMILIES = {"llama": (Llama3, Llama3Config.preset("llama3-tiny", **TINY)),
             "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False))}
 MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
 MOE_FAMILIES = {
+    # Its MoE layer runs on two micro-batches (batch_split_factor): on every mesh the same as on one device.
     "qwen3_moe": (Qwen3MoE, Qwen3MoEConfig.preset("qwen3-moe-tiny", **TINY, **MOE, mlp_only_layers=(0,),
-                                                 moe_intermediate_size=32, tie_word_embeddings=False)),
+                                                 moe_intermediate_size=32, tie_word_embeddings=False,
+                                                 batch_split_factor=2)),
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
                                                n_group=2, topk_group=1, tie_word_embeddings=False))}

@@ -176,3 +176,18 @@ def test_refused_settings_are_named(tmp_path):
     skipped = Glm4MoE.key_table(Glm4MoEConfig.preset("glm4.5-air")).skipped()
     assert skipped.search("model.layers.46.eh_proj.weight") and not skipped.search("model.layers.45.mlp.gate.weight")
 
+
+
+def test_batch_split_gives_transformers_logits_and_aux_loss(tmp_path):
+    """``batch_split_factor=2``: each MoE layer runs on two micro-batches (rows 0, 2 and 1, 3) with its weights
+    gathered once; the logits and the pooled Switch loss are transformers', as without the split."""
+    hf = make_hf("qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[0])
+    path = save_hf(hf, tmp_path / "hf")
+    ids, mask = left_padded_batch(hf.config.vocab_size, batch=4, seed=4)
+    want, want_aux = _hf_outputs(hf, ids, mask)
+    for impl in ("dense", "gmm"):
+        model = AutoModelForCausalLM.from_pretrained(path, batch_split_factor=2, output_router_logits=True,
+                                                     moe_impl=impl)
+        out = model.forward(jnp.asarray(ids), jnp.asarray(mask))
+        assert rel_err(np.asarray(out.logits), want, keep=mask) < TOL, impl
+        np.testing.assert_allclose(float(out.aux_loss), want_aux, rtol=1e-5)
