@@ -2,9 +2,11 @@
 
 The class defaults are DeepSeek-V3 (671B total, 37B active). Fields after ``initializer_range`` are nnx_zoo's
 own (compute/parameter dtype, MoE compute path, layer scanning, rematerialization) and are not written to HF.
-DeepSeek-V2 (and V2-Lite) is the same model with another router: ``topk_method`` (``ROUTERS``) picks it, and
-decides which transformers architecture (``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``) the config is
-read from and written as.
+DeepSeek-V2 (and V2-Lite) is the same model with another router: ``topk_method`` (``ROUTERS``) picks it.
+DeepSeek-V3.2 is V3 plus DeepSeek Sparse Attention: ``index_topk > 0`` gives every MLA layer a lightning indexer
+(``nnx_zoo.models.deepseek.indexer``). Together they decide which transformers architecture
+(``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV32ForCausalLM``, ``hf_model_type``) the
+config is read from and written as.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
+# DeepSeek-V3.2's indexer training (the V3.2 report, section 2.1): 'off' (no indexer loss), 'dense_warmup' (dense
+# attention; the indexer learns the attention distribution, the rest of the model frozen), 'sparse' (top-k
+# attention; the indexer learns on its selected keys from detached inputs, the model from the LM loss alone).
+INDEXER_TRAINING = ("off", "dense_warmup", "sparse")
 
 
 class Router(NamedTuple):
@@ -40,13 +46,18 @@ ROUTERS: dict[str, Router] = {
 }
 # Per transformers architecture: its class name; its defaults for keys a config.json may leave out, where they
 # differ from ours; and what it cannot express (fields that must hold these values, not written to config.json).
+_NO_INDEXER = dict(index_topk=0)
 _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed={}),
+    "deepseek_v3": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed=_NO_INDEXER),
+    # V3.2: V3 plus the indexer; its main MLA always rotates consecutive pairs.
+    "deepseek_v32": dict(name="DeepseekV32ForCausalLM", defaults=dict(
+        topk_method="noaux_tc", index_topk=2048, index_n_heads=64, index_head_dim=128, n_group=8, topk_group=4,
+        first_k_dense_replace=3, num_nextn_predict_layers=0), fixed=dict(rope_interleave=True)),
     "deepseek_v2": dict(name="DeepseekV2ForCausalLM", defaults=dict(
         topk_method="greedy", first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
         norm_topk_prob=False, n_group=None, topk_group=None, max_position_embeddings=2048),
         # V2 rotates consecutive pairs (complex multiplication) and has no multi-token-prediction layers.
-        fixed=dict(rope_interleave=True, num_nextn_predict_layers=0)),
+        fixed=dict(rope_interleave=True, num_nextn_predict_layers=0, **_NO_INDEXER)),
 }
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
@@ -98,6 +109,11 @@ class DeepSeekV3Config(FamilyConfig):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     num_nextn_predict_layers: int = 1
+    # DeepSeek-V3.2 sparse attention (DSA): each query attends only to the index_topk earlier keys its lightning
+    # indexer (index_n_heads heads of width index_head_dim) scores highest. 0: no indexer, dense MLA (V3, V2).
+    index_topk: int = 0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
     initializer_range: float = 0.02
     # ---- nnx_zoo only ----
     dtype: str = "float32"  # compute dtype of activations and matmuls
@@ -116,6 +132,8 @@ class DeepSeekV3Config(FamilyConfig):
     # When > 0, model.forward(...) carries it as aux_loss, which the trainer adds to the loss.
     attention_impl: str = "auto"  # MLA's attention kernel: 'auto' | 'xla' (einsum, the reference) | 'blockwise'
     # (portable flash) | 'cudnn' | 'tokamax' (nnx_zoo.layers.attention.choose_attention_impl)
+    indexer_training: str = "off"  # DSA's indexer signal (INDEXER_TRAINING): 'off' | 'dense_warmup' | 'sparse'
+    indexer_loss_weight: float = 1.0  # the indexer's KL loss in the training loss (gradients reach only the indexer)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -176,6 +194,35 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        return p + self._indexer_problems()
+
+    def _indexer_problems(self) -> list[str]:
+        p: list[str] = []
+        if self.indexer_training not in INDEXER_TRAINING:
+            p.append(f"indexer_training must be one of {INDEXER_TRAINING}, got {self.indexer_training!r}")
+        if not _is_number(self.indexer_loss_weight) or self.indexer_loss_weight < 0:
+            p.append(f"indexer_loss_weight must be a number >= 0, got {self.indexer_loss_weight!r}")
+        if not isinstance(self.index_topk, int) or isinstance(self.index_topk, bool) or self.index_topk < 0:
+            return p + [f"index_topk must be an integer >= 0 (0 = no sparse attention), got {self.index_topk!r}"]
+        if self.index_topk == 0:
+            if self.indexer_training != "off":
+                p.append(f"indexer_training={self.indexer_training!r} needs the lightning indexer: set index_topk > 0 "
+                         "(DeepSeek-V3.2's sparse attention)")
+            return p
+        for name in ("index_n_heads", "index_head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                p.append(f"{name} must be a positive integer (index_topk > 0), got {getattr(self, name)!r}")
+        if not p and isinstance(self.qk_rope_head_dim, int) and self.index_head_dim < self.qk_rope_head_dim:
+            p.append(f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}: "
+                     "the indexer rotates its first qk_rope_head_dim dims")
+        if self.q_lora_rank is None:
+            p.append("index_topk > 0 (DeepSeek-V3.2's indexer) needs q_lora_rank: the indexer's queries are read "
+                     "from the compressed query latent")
+        if self.topk_method != "noaux_tc":
+            p.append(f"index_topk > 0 (DeepSeek-V3.2) routes as V3 does: topk_method must be 'noaux_tc', got "
+                     f"{self.topk_method!r}")
+        if not self.rope_interleave:
+            p.append("index_topk > 0 (DeepSeek-V3.2): its MLA rotates consecutive pairs, rope_interleave must be true")
         return p
 
     def _moe_problems(self) -> list[str]:
@@ -212,6 +259,12 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * per_group} "
                      f"experts in the topk_group={self.topk_group} selected groups of {per_group}")
         return p
+
+    @property
+    def hf_model_type(self) -> str:
+        """The transformers architecture this config is written as: ``deepseek_v32`` with an indexer, else the
+        router's (``deepseek_v3`` / ``deepseek_v2``)."""
+        return "deepseek_v32" if self.index_topk else self.router.hf_model_type
 
     @property
     def router(self) -> Router:
@@ -257,9 +310,18 @@ class DeepSeekV3Config(FamilyConfig):
         if d.get("moe_layer_freq", 1) != 1:  # transformers ignores it (every layer past the dense ones is MoE)
             problems.append(f"moe_layer_freq={d['moe_layer_freq']!r} is not supported (only 1: every layer from "
                             "first_k_dense_replace on is an MoE layer)")
+        if model_type == "deepseek_v32":
+            layer_types = d.get("mlp_layer_types")
+            if layer_types is not None:  # transformers' spelling of first_k_dense_replace
+                dense = sum(1 for t in layer_types if t == "dense")
+                if list(layer_types) != ["dense"] * dense + ["sparse"] * (len(layer_types) - dense):
+                    problems.append(f"mlp_layer_types {layer_types!r} is not supported (only dense layers first, "
+                                    "then sparse ones)")
+                d["first_k_dense_replace"] = dense
         router = ROUTERS.get(d["topk_method"])
-        if router is None or router.hf_model_type != model_type:
-            methods = [name for name, r in ROUTERS.items() if r.hf_model_type == model_type]
+        expected = "deepseek_v3" if model_type == "deepseek_v32" else model_type
+        if router is None or router.hf_model_type != expected:
+            methods = [name for name, r in ROUTERS.items() if r.hf_model_type == expected]
             problems.append(f"topk_method {d['topk_method']!r} is not a {model_type} router (one of {methods})")
         elif d.get("scoring_func", router.scoring) != router.scoring:
             problems.append(f"scoring_func {d['scoring_func']!r} does not match topk_method {d['topk_method']!r}, "
@@ -292,17 +354,17 @@ class DeepSeekV3Config(FamilyConfig):
         transformers architecture that routes as ``topk_method`` does (``DeepseekV3ForCausalLM`` for
         ``noaux_tc``, ``DeepseekV2ForCausalLM`` for V2's softmax routers)."""
         router = self.router
-        arch = _HF_ARCHITECTURES[router.hf_model_type]
+        arch = _HF_ARCHITECTURES[self.hf_model_type]
         unwritable = {k: getattr(self, k) for k, v in arch["fixed"].items() if getattr(self, k) != v}
         if unwritable:
             raise ValueError(f"{arch['name']} (topk_method={self.topk_method!r}) cannot hold {unwritable}: it "
                              f"needs {arch['fixed']}")
-        d: dict[str, Any] = {"architectures": [arch["name"]], "model_type": router.hf_model_type}
+        d: dict[str, Any] = {"architectures": [arch["name"]], "model_type": self.hf_model_type}
         for f in dataclasses.fields(self):
             if f.name == "initializer_range":
                 d[f.name] = self.initializer_range
                 break
-            if f.name not in arch["fixed"]:
+            if f.name not in arch["fixed"] and (self.index_topk or not f.name.startswith("index_")):
                 d[f.name] = getattr(self, f.name)
         d["rope_scaling"] = None if self.rope_scaling is None else self.rope_scaling.to_dict()
         d.update(hidden_act="silu", num_key_value_heads=self.num_attention_heads, scoring_func=router.scoring,
@@ -321,7 +383,15 @@ class DeepSeekV3Config(FamilyConfig):
         kv_a = (h + bias) * (self.kv_lora_rank + self.qk_rope_head_dim)
         kv_b = self.kv_lora_rank * (1 + heads * (self.qk_nope_head_dim + self.v_head_dim))
         o = heads * self.v_head_dim * h + bias * h
-        return q + kv_a + kv_b + o + 2 * h  # + input and post-attention norms
+        return q + kv_a + kv_b + o + 2 * h + self._indexer_params()  # + input and post-attention norms
+
+    def _indexer_params(self) -> int:
+        """The lightning indexer's parameters in one layer (0 without one): wq_b, wk, k_norm, weights_proj."""
+        if not self.index_topk:
+            return 0
+        width = self.index_n_heads * self.index_head_dim
+        return self.q_lora_rank * width + self.hidden_size * (self.index_head_dim + self.index_n_heads) + 2 * (
+            self.index_head_dim)
 
     def _moe_params(self) -> tuple[int, int]:
         """(all parameters, parameters of the unchosen routed experts) of one MoE layer's MLP."""
@@ -348,14 +418,20 @@ class DeepSeekV3Config(FamilyConfig):
         """Training FLOPs per token: ``6 * (active matmul parameters) + attention``.
 
         Matmul parameters are the active ones minus the input embedding (a lookup; a tied table still counts
-        once, as the output head). Attention adds ``3 * seq_len * heads * (qk_head_dim + v_head_dim)`` per
-        layer: forward ``2 * seq_len * heads * (qk + v)`` for scores and mixing, halved for causality, times 3
-        for forward + backward.
+        once, as the output head). Attention adds ``6 * keys * heads * (qk_head_dim + v_head_dim)`` per layer
+        (forward ``2 * keys * heads * (qk + v)`` for scores and mixing, times 3 for forward + backward), where
+        ``keys`` a query attends to is ``seq_len / 2`` on average under the causal mask, and at most
+        ``index_topk`` with DeepSeek-V3.2's sparse attention. The lightning indexer adds its scores, ``seq_len *
+        index_n_heads * index_head_dim`` per layer forward (causal), times 3 when ``indexer_training`` trains it.
         """
         counts = self.num_parameters(include_mtp=include_mtp)
         matmul = counts.active - (0 if self.tie_word_embeddings else counts.embedding)
         layers = self.num_hidden_layers + (self.num_nextn_predict_layers if include_mtp else 0)
-        attention = 3 * seq_len * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * layers
+        keys = seq_len / 2 if not self.index_topk else min(seq_len / 2, self.index_topk)
+        attention = 6 * keys * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * layers
+        if self.index_topk:
+            passes = 1 if self.indexer_training == "off" else 3
+            attention += passes * seq_len * self.index_n_heads * self.index_head_dim * layers
         return float(6 * matmul + attention)
 
 
