@@ -51,3 +51,28 @@ class RMSNorm(nnx.Module):
         xf = xf * factor
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
         return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """``scale * (x - mean) / sqrt(var + eps) + bias`` over the last dim, statistics in float32 (PyTorch's
+    ``nn.LayerNorm``, which DeepSeek-V3.2's indexer uses on its keys). Returned in ``dtype``.
+
+    >>> norm = LayerNorm(32, rngs=nnx.Rngs(0))
+    >>> norm(jnp.ones((2, 8, 32))).shape
+    (2, 8, 32)
+    """
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, dtype: jnp.dtype = jnp.float32,
+                 param_dtype: jnp.dtype = jnp.float32, names: tuple[str] = ("norm",), rngs: nnx.Rngs | None = None):
+        del rngs  # ones / zeros initialized
+        self.eps = float(eps)
+        self.dtype = dtype
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=names, eager_sharding=False)
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=names, eager_sharding=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)

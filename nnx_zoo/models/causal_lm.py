@@ -107,7 +107,10 @@ class CausalLMOutput(NamedTuple):
     ``final_hidden [batch, seq, embed]``: the final normed hidden state, the output head's input, always.
     ``mtp_hidden [depth, batch, seq, embed]`` (``with_mtp``): each MTP depth's normed hidden state, the head's
     input for ``mtp_logits``. With ``with_logits=False`` ``logits`` and ``mtp_logits`` are None (not computed):
-    a trainer applies ``model.output_head()`` to these in chunks (``nnx_zoo.train.loss``).
+    a trainer applies ``model.output_head()`` to these in chunks (``nnx_zoo.train.loss``). ``indexer_loss``
+    (scalar): a sparse-attention indexer's own loss (DeepSeek-V3.2's KL), weighted, a mean over the sequences
+    holding a real token like ``aux_loss``; its gradient reaches the indexer alone; computed when the config
+    trains the indexer.
 
     >>> out = model.forward(ids, mask, with_hidden_states=True)
     >>> out.logits.shape, out.hidden_states.shape, out.mtp_logits
@@ -125,6 +128,7 @@ class CausalLMOutput(NamedTuple):
     aux_loss: jax.Array | None = None
     final_hidden: jax.Array | None = None
     mtp_hidden: jax.Array | None = None
+    indexer_loss: jax.Array | None = None
 
 
 class CausalLMBase(nnx.Module):

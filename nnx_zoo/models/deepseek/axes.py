@@ -25,3 +25,6 @@ ACTIVATION_KV_LORA = declare_axis("activation_kv_lora", like=None, doc="key/valu
 DENSE_LAYERS = declare_axis("dense_layers", like="layers", doc="stack axis of the first_k_dense_replace dense layers")
 MOE_LAYERS = declare_axis("moe_layers", like="layers", doc="stack axis of the MoE decoder layers")
 MTP_LAYERS = declare_axis("mtp_layers", like="layers", doc="stack axis of the multi-token-prediction heads")
+# DeepSeek-V3.2's lightning indexer: its heads are few and narrow (64 x 128); placed like attention heads.
+INDEX_HEADS = declare_axis("index_heads", like="heads", doc="lightning indexer heads (index_n_heads, DeepSeek-V3.2)")
+INDEX_KV = declare_axis("index_kv", like="kv", doc="lightning indexer head width (index_head_dim, DeepSeek-V3.2)")

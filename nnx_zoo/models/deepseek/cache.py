@@ -32,7 +32,8 @@ class MLACache(NamedTuple):
     expands into keys and values). ``k_rope [layers, batch, max_len, qk_rope_head_dim]``: the shared rope key,
     rope already applied. ``valid [batch, max_len]``: the slot holds a real token (written, not padding).
     ``next_position [batch]``: the rope position of the row's next token (its number of real tokens so far).
-    ``length`` (scalar): slots written so far.
+    ``length`` (scalar): slots written so far. ``index_k [layers, batch, max_len, index_head_dim]``: DeepSeek-V3.2's
+    lightning-indexer keys, rope applied (None without an indexer).
 
     >>> cache = model.init_cache(batch=2, max_len=64)
     >>> logits, cache = model.prefill(prompt_ids, attention_mask, cache)
@@ -44,24 +45,31 @@ class MLACache(NamedTuple):
     valid: jax.Array
     next_position: jax.Array
     length: jax.Array
+    index_k: jax.Array | None = None
 
     @classmethod
     def zeros(cls, *, num_layers: int, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
-              dtype: jnp.dtype) -> MLACache:
-        """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names."""
+              dtype: jnp.dtype, index_dim: int = 0) -> MLACache:
+        """An empty cache, laid out on the ambient mesh (``jax.set_mesh``) by its logical names; ``index_dim > 0``
+        adds the indexer's keys."""
         slots = empty_slots(batch, max_len)
-        return cls(latent=shard(jnp.zeros((num_layers, batch, max_len, kv_lora_rank), dtype), CACHE_NAMES),
-                   k_rope=shard(jnp.zeros((num_layers, batch, max_len, rope_dim), dtype), CACHE_NAMES), **slots)
+
+        def zeros(width: int) -> jax.Array:
+            return shard(jnp.zeros((num_layers, batch, max_len, width), dtype), CACHE_NAMES)
+
+        return cls(latent=zeros(kv_lora_rank), k_rope=zeros(rope_dim), **slots,
+                   index_k=zeros(index_dim) if index_dim else None)
 
     @property
     def max_len(self) -> int:
         return self.latent.shape[2]
 
     def bytes_per_token_per_layer(self) -> int:
-        """Bytes the latent and rope-key arrays hold per cached token per layer (the ``valid`` flags, one byte
-        per token for all layers together, are not counted)."""
+        """Bytes the latent, rope-key (and indexer-key) arrays hold per cached token per layer (the ``valid``
+        flags, one byte per token for all layers together, are not counted)."""
         layers, batch, max_len = self.latent.shape[:3]
-        return (self.latent.nbytes + self.k_rope.nbytes) // (layers * batch * max_len)
+        index = 0 if self.index_k is None else self.index_k.nbytes
+        return (self.latent.nbytes + self.k_rope.nbytes + index) // (layers * batch * max_len)
 
     def advance(self, token_mask: jax.Array) -> tuple[jax.Array, jax.Array, MLACache]:
         """Book ``t`` new tokens per row (``token_mask [batch, t]``, 1 = real token, 0 = padding) into the next

@@ -8,6 +8,10 @@ heads. Rope touches only the rope parts. Softmax scale ``qk_head_dim ** -0.5``, 
 Decoding (``MLA.decode``) caches only the normed latent and the roped ``k_rope`` per token and never expands
 keys or values per head: ``kv_b``'s key half is absorbed into the queries and its value half applied after the
 attention-weighted sum of latents.
+
+With ``index_topk > 0`` (DeepSeek-V3.2) the layer has a lightning indexer, and each query attends only to the
+``index_topk`` keys it scores highest (``nnx_zoo.models.deepseek.dsa``), in the same absorbed form. While the
+sequence (or the cache) holds no more than ``index_topk`` keys every key is chosen, and the dense path runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from nnx_zoo.layers.rope import apply_rope, yarn_softmax_multiplier
 from nnx_zoo.layers.spec import weight_einsum
 from nnx_zoo.models.deepseek.cache import write as cache_write
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.models.deepseek.dsa import LightningIndexer, sparse_attention
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
@@ -66,13 +71,38 @@ class MLA(nnx.Module):
         self.o_proj = Linear((heads, c.v_head_dim), c.hidden_size, kernel_names=("heads", "kv", "embed"),
                              use_bias=c.attention_bias, **kw)
         self.scale = c.qk_head_dim**-0.5 * yarn_softmax_multiplier(c.rope_scaling)
+        self.indexer = LightningIndexer(c, rngs=rngs) if c.index_topk else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  mask: AttentionMask | jax.Array | None) -> jax.Array:
+        return self.attend(x, cos, sin, mask)[0]
+
+    def attend(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | jax.Array | None
+               ) -> tuple[jax.Array, jax.Array | None]:
+        """``(output [b, s, embed], indexer_kl [b, s] or None)``: the KL is each query's indexer loss, computed
+        when ``config.indexer_training`` trains the indexer (``dense_warmup``: over all visible keys, attention
+        dense; ``sparse``: over the selected keys)."""
         c = self.config
         in_sharding = sharding_of(x)
-        q_nope, q_rope = self._queries(x, cos, sin)
+        q_nope, q_rope, q_latent = self._queries(x, cos, sin)
         latent, k_rope = self.compress(x, cos, sin)
+        stage = c.indexer_training
+        sparse = self.indexer is not None and c.index_topk < x.shape[1] and stage != "dense_warmup"
+        kl = None
+        if sparse:
+            loss = "sparse" if stage == "sparse" else "off"
+            context, kl = self._sparse(x, q_nope, q_rope, q_latent, latent, k_rope, cos, sin, mask, loss)
+            out = self._values(context)
+        else:
+            out = self._dense(q_nope, q_rope, latent, k_rope, mask)
+            if self.indexer is not None and stage != "off":  # every key is chosen: the KL over all of them
+                _, kl = self._sparse(x, q_nope, q_rope, q_latent, latent, k_rope, cos, sin, mask, "dense")
+        return restore_sharding(self.o_proj(out, _BLE), in_sharding), kl
+
+    def _dense(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+               mask: AttentionMask | jax.Array | None) -> jax.Array:
+        """Attention over every visible key, keys and values expanded per head; ``[b, s, heads, v]``."""
+        c = self.config
         kv = self.kv_b_proj(latent, _BLHD)
         k_nope, v = jnp.split(kv, [c.qk_nope_head_dim], axis=-1)
 
@@ -81,19 +111,41 @@ class MLA(nnx.Module):
         # Keys and values are gathered over the sequence (context parallelism keeps only queries split).
         k = shard(jnp.concatenate([k_nope, k_rope], axis=-1), _BKHD)
         v = shard(v, _BKHD)
+        return shard(attention(q, k, v, mask, self.scale, c.attention_impl), _BLHD)
 
-        out = shard(attention(q, k, v, mask, self.scale, c.attention_impl), _BLHD)
-        return restore_sharding(self.o_proj(out, _BLE), in_sharding)
+    def _sparse(self, x: jax.Array, q_nope: jax.Array, q_rope: jax.Array, q_latent: jax.Array, latent: jax.Array,
+                k_rope: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | jax.Array | None,
+                loss: str, index_k: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array | None]:
+        """DSA over the per-token entries ``latent``, ``k_rope`` (and the indexer's keys: ``index_k``, or those
+        of ``x``): ``(context [b, s, heads, kv_lora], kl)`` (``dsa.sparse_attention``; ``loss`` its mode)."""
+        index_q, index_w = self.indexer.queries(x, q_latent, cos, sin)
+        if index_k is None:
+            index_k = self.indexer.keys(x, cos, sin)
+        if not isinstance(mask, AttentionMask):
+            raise ValueError("DeepSeek-V3.2's sparse attention needs an AttentionMask (causal_mask), not a dense "
+                             "mask array")
+        w_k = jnp.split(self._kv_b_kernel(), [self.config.qk_nope_head_dim], axis=-1)[0]
+        absorbed = weight_einsum("bthn,chn->bthc", q_nope, w_k.astype(q_nope.dtype), _BLH_KV_LORA)
+        return sparse_attention(absorbed, q_rope, index_q, index_w, latent, k_rope, index_k, mask,
+                                topk=self.config.index_topk, scale=self.scale, loss=loss)
 
-    def _queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(q_nope [b, s, heads, nope], q_rope [b, s, heads, rope])``, rope applied."""
+    def _values(self, context: jax.Array) -> jax.Array:
+        """``kv_b_proj``'s value half on an attention-weighted sum of latents: ``[b, s, heads, v]``."""
+        w_v = jnp.split(self._kv_b_kernel(), [self.config.qk_nope_head_dim], axis=-1)[1]
+        return shard(weight_einsum("bthc,chv->bthv", context, w_v.astype(context.dtype), _BLHD), _BLHD)
+
+    def _queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """``(q_nope [b, s, heads, nope], q_rope [b, s, heads, rope], q_latent [b, s, q_lora] or None)``, rope
+        applied; ``q_latent`` is the normed query latent (None without query compression)."""
         c = self.config
         if c.q_lora_rank is None:
-            q = self.q_proj(x, _BLHD)
+            q, q_latent = self.q_proj(x, _BLHD), None
         else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, _BLQ)), _BLHD)
+            q_latent = self.q_a_norm(self.q_a_proj(x, _BLQ))
+            q = self.q_b_proj(q_latent, _BLHD)
         q_nope, q_rope = jnp.split(q, [c.qk_nope_head_dim], axis=-1)
-        return q_nope, apply_rope(q_rope, cos, sin, interleaved=c.rope_interleave)
+        return q_nope, apply_rope(q_rope, cos, sin, interleaved=c.rope_interleave), q_latent
 
     def compress(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What a decoding cache keeps per token: ``(kv_a_norm(latent) [b, s, kv_lora], k_rope [b, s, rope])``,
@@ -104,33 +156,42 @@ class MLA(nnx.Module):
         return self.kv_a_norm(latent), k_rope
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
-               start: jax.Array, mask: AttentionMask | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               start: jax.Array, mask: AttentionMask | jax.Array, index_cache: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """Attention for ``t`` new tokens ``x [b, t, embed]`` against a cache, in the absorbed form.
 
         The new tokens' ``compress`` output is written into ``latent_cache [b, max_len, kv_lora]`` and
         ``rope_cache [b, max_len, rope]`` at slots ``start .. start + t``; ``mask`` (``cache.advance``'s) says
         which slots each new token sees. Keys are never expanded per head: ``q_nope`` is taken through the key
         half of ``kv_b_proj`` (``q_nope . (W_k latent) = (W_k^T q_nope) . latent``), scores are taken against
-        the cached latent, and the value half is applied after the attention-weighted sum of latents. Returns
-        ``(out [b, t, embed], latent_cache, rope_cache)``.
+        the cached latent, and the value half is applied after the attention-weighted sum of latents. With an
+        indexer, ``index_cache [b, max_len, index_head_dim]`` keeps its keys beside them, and while the cache has
+        more than ``index_topk`` slots each new token attends only to its top ``index_topk`` visible slots
+        (``dsa.sparse_attention``). Returns ``(out [b, t, embed], latent_cache, rope_cache, index_cache)``
+        (``index_cache`` None without an indexer).
         """
         c = self.config
         in_sharding = sharding_of(x)
-        q_nope, q_rope = self._queries(x, cos, sin)
+        q_nope, q_rope, q_latent = self._queries(x, cos, sin)
         latent, k_rope = self.compress(x, cos, sin)
         latent_cache = cache_write(latent_cache, latent, start)
         rope_cache = cache_write(rope_cache, k_rope, start)
-
-        w_k, w_v = jnp.split(self._kv_b_kernel(), [c.qk_nope_head_dim], axis=-1)  # [kv_lora, heads, nope | v]
-        q_latent = weight_einsum("bthn,chn->bthc", q_nope, w_k.astype(q_nope.dtype), _BLH_KV_LORA)
-        scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent_cache.astype(q_latent.dtype))
-                  + jnp.einsum("bthr,bsr->bhts", q_rope, rope_cache.astype(q_rope.dtype)))
-        visible = dense_mask(mask, scores.shape[2], scores.shape[3])  # [b, 1, t, max_len]
-        scores = jnp.where(visible, scores * jnp.asarray(self.scale, scores.dtype), jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_latent.dtype)
-        context = jnp.einsum("bhts,bsc->bthc", probs, latent_cache.astype(probs.dtype))
-        out = shard(weight_einsum("bthc,chv->bthv", context, w_v.astype(context.dtype), _BLHD), _BLHD)
-        return restore_sharding(self.o_proj(out, _BLE), in_sharding), latent_cache, rope_cache
+        if self.indexer is not None:
+            index_cache = cache_write(index_cache, self.indexer.keys(x, cos, sin).astype(index_cache.dtype), start)
+        if self.indexer is not None and c.index_topk < latent_cache.shape[1]:
+            context, _ = self._sparse(x, q_nope, q_rope, q_latent, latent_cache, rope_cache, cos, sin, mask, "off",
+                                      index_k=index_cache)
+        else:
+            w_k = jnp.split(self._kv_b_kernel(), [c.qk_nope_head_dim], axis=-1)[0]  # [kv_lora, heads, nope]
+            q_latent = weight_einsum("bthn,chn->bthc", q_nope, w_k.astype(q_nope.dtype), _BLH_KV_LORA)
+            scores = (jnp.einsum("bthc,bsc->bhts", q_latent, latent_cache.astype(q_latent.dtype))
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, rope_cache.astype(q_rope.dtype)))
+            visible = dense_mask(mask, scores.shape[2], scores.shape[3])  # [b, 1, t, max_len]
+            scores = jnp.where(visible, scores * jnp.asarray(self.scale, scores.dtype), jnp.finfo(scores.dtype).min)
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q_latent.dtype)
+            context = jnp.einsum("bhts,bsc->bthc", probs, latent_cache.astype(probs.dtype))
+        out = self._values(context)
+        return restore_sharding(self.o_proj(out, _BLE), in_sharding), latent_cache, rope_cache, index_cache
 
     def _kv_b_kernel(self) -> jax.Array:
         """``kv_b_proj``'s effective kernel ``[kv_lora, heads, nope + v]``. A plain ``Linear`` gives its kernel;

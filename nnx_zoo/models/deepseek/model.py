@@ -25,6 +25,7 @@ from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, r
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, stack_hidden_states
 from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput
 from nnx_zoo.sharding import get_rules, shard, use_rules
@@ -50,12 +51,15 @@ def _mean_over_sequences(balance: jax.Array, attention_mask: jax.Array | None) -
 class LayerOutput(NamedTuple):
     """What a ``DecoderLayer`` returns, whatever the layer: ``hidden [batch, seq, embed]``, and for an MoE layer
     its ``MoEOutput`` fields ``expert_indices [batch, seq, k]``, ``dropped_tokens`` (int32 scalar) and
-    ``balance_loss [batch]`` (None when ``seq_aux_loss_alpha`` is 0); for a dense layer those three are None."""
+    ``balance_loss [batch]`` (None when ``seq_aux_loss_alpha`` is 0); for a dense layer those three are None.
+    ``indexer_loss [batch]``: DeepSeek-V3.2's indexer KL, each sequence's mean over its real tokens (None unless
+    ``indexer_training`` trains the indexer)."""
 
     hidden: jax.Array
     expert_indices: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
     balance_loss: jax.Array | None = None
+    indexer_loss: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -83,9 +87,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None) -> LayerOutput:
         """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask``: ``causal_mask``'s."""
-        x = shard(x + self.attn(self.input_norm(x), cos, sin, mask), _BLE)
+        attn, kl = self.attn.attend(self.input_norm(x), cos, sin, mask)
+        x = shard(x + attn, _BLE)
         # A token is real (not padding) when it may attend to itself.
-        return self._feed_forward(x, token_mask_of(mask, x.shape[1]))
+        token_mask = token_mask_of(mask, x.shape[1])
+        out = self._feed_forward(x, token_mask)
+        return out if kl is None else out._replace(indexer_loss=mean_over_real_queries(kl, token_mask))
 
     def _feed_forward(self, x: jax.Array, token_mask: jax.Array) -> LayerOutput:
         if not self.is_moe:
@@ -93,14 +100,14 @@ class DecoderLayer(nnx.Module):
         moe: MoEOutput = self.mlp(self.post_attn_norm(x), token_mask=token_mask)
         return LayerOutput(shard(x + moe.output, _BLE), moe.expert_indices, moe.dropped_tokens, moe.balance_loss)
 
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, latent_cache: jax.Array, rope_cache: jax.Array,
-               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer on ``t`` new tokens against this layer's cache (``MLA.decode``): ``(output, latent_cache,
-        rope_cache)`` with the new tokens written at slots ``start .. start + t``."""
-        attn, latent_cache, rope_cache = self.attn.decode(self.input_norm(x), cos, sin, latent_cache, rope_cache,
-                                                          start, mask)
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, caches: tuple[jax.Array, ...],
+               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The layer on ``t`` new tokens against this layer's cache (``MLA.decode``): ``caches`` are its
+        ``(latent, k_rope)`` slices, plus the indexer's keys with an indexer; returns ``(output, caches)`` with
+        the new tokens written at slots ``start .. start + t``."""
+        attn, *caches = self.attn.decode(self.input_norm(x), cos, sin, *caches[:2], start, mask, *caches[2:])
         out = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
-        return out.hidden, latent_cache, rope_cache
+        return out.hidden, tuple(c for c in caches if c is not None)
 
     def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, factor: int
                     ) -> LayerOutput:
@@ -150,6 +157,7 @@ class _LayerRecord(NamedTuple):
     expert_load: jax.Array | None
     dropped_tokens: jax.Array | None
     balance_loss: jax.Array | None
+    indexer_loss: jax.Array | None = None
 
 
 class DeepSeekV3(CausalLMBase):
@@ -254,7 +262,7 @@ class DeepSeekV3(CausalLMBase):
                     hidden=out.hidden if with_hidden_states else None,
                     expert_indices=out.expert_indices if with_routing else None, expert_load=load,
                     dropped_tokens=out.dropped_tokens if with_expert_load else None,
-                    balance_loss=out.balance_loss)
+                    balance_loss=out.balance_loss, indexer_loss=out.indexer_loss)
 
             h, records = embeddings, []
             for stack in (self.dense_layers, self.moe_layers):
@@ -263,6 +271,11 @@ class DeepSeekV3(CausalLMBase):
                     records.append(record)
             final_hidden = self.norm(h)
             moe = records[-1] if self.moe_layers is not None else _LayerRecord(None, None, None, None, None)
+            indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
+            indexer_loss = None
+            if indexer:  # summed over the layers, a mean over the sequences holding a real token
+                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(jnp.concatenate(indexer),
+                                                                            attention_mask)
             hidden_states = None
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
@@ -280,7 +293,7 @@ class DeepSeekV3(CausalLMBase):
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
                 aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
                                                                                      attention_mask),
-                final_hidden=final_hidden, mtp_hidden=mtp_hidden)
+                final_hidden=final_hidden, mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
@@ -288,7 +301,8 @@ class DeepSeekV3(CausalLMBase):
         c = self.config
         with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             return MLACache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
-                                  kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype))
+                                  kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, dtype=jnp.dtype(c.dtype),
+                                  index_dim=c.index_head_dim if c.index_topk else 0)
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: MLACache) -> tuple[jax.Array, MLACache]:
         """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
@@ -298,23 +312,24 @@ class DeepSeekV3(CausalLMBase):
         cos, sin = self._rope(positions)
 
         def layer_body(layer: DecoderLayer, carry: Any, index: jax.Array) -> tuple[Any, None]:
-            h, latent, k_rope = carry
-            h, layer_latent, layer_rope = layer.decode(
-                h, cos, sin, jax.lax.dynamic_index_in_dim(latent, index, keepdims=False),
-                jax.lax.dynamic_index_in_dim(k_rope, index, keepdims=False), start, mask)
-            latent = jax.lax.dynamic_update_index_in_dim(latent, layer_latent, index, 0)
-            k_rope = jax.lax.dynamic_update_index_in_dim(k_rope, layer_rope, index, 0)
-            return (h, latent, k_rope), None
+            h, *caches = carry  # latent, k_rope (and the indexer's keys), each [layers, ...]
+            h, layer_caches = layer.decode(
+                h, cos, sin, tuple(jax.lax.dynamic_index_in_dim(a, index, keepdims=False) for a in caches), start,
+                mask)
+            caches = [jax.lax.dynamic_update_index_in_dim(a, new, index, 0) for a, new in zip(caches, layer_caches,
+                                                                                                strict=True)]
+            return (h, *caches), None
 
-        carry, first_layer = (self.embed(input_ids), cache.latent, cache.k_rope), 0
+        tables = (cache.latent, cache.k_rope) + (() if cache.index_k is None else (cache.index_k,))
+        carry, first_layer = (self.embed(input_ids), *tables), 0
         for stack, count in ((self.dense_layers, c.num_dense_layers), (self.moe_layers, c.num_moe_layers)):
             if stack is not None:  # the cache's layer axis runs over the dense layers, then the MoE layers
                 layer_index = jnp.arange(first_layer, first_layer + count)
                 carry, _ = run_stack(stack, layer_body, carry, layer_index, scan=c.scan_layers)
                 first_layer += count
-        h, latent, k_rope = carry
+        h, latent, k_rope, *index_k = carry
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
-        return logits, cache._replace(latent=latent, k_rope=k_rope)
+        return logits, cache._replace(latent=latent, k_rope=k_rope, index_k=index_k[0] if index_k else None)
 
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves

@@ -1,0 +1,268 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): the lightning indexer, and MLA over the keys it selects.
+
+The indexer (transformers' ``DeepseekV32Indexer``) scores query ``t`` against key ``s``, in float32:
+
+    I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] / sqrt(D))
+
+with ``q = wq_b(q_latent)`` (``index_n_heads`` heads of width ``D = index_head_dim``, read from MLA's normed query
+latent), one key head ``k = LayerNorm(wk(x))`` shared by all indexer heads, both rotated on their first
+``qk_rope_head_dim`` dims by rotate-half rope (MLA itself rotates interleaved pairs), and per-head weights
+``w = weights_proj(x) / sqrt(index_n_heads)`` (a float32 projection). Query ``t`` attends only to the
+``index_topk`` visible keys with the highest ``I[t, :]`` (to every visible key when fewer are visible).
+
+How it is computed (``sparse_attention``): queries go in blocks. For one block the indexer's scores
+``[block, keys]`` are built, their top-k taken, and each query's chosen keys gathered from MLA's per-token entries,
+the normed latent and the shared rope key (``kv_lora_rank + qk_rope_head_dim`` numbers, 576 in V3.2), never
+per-head keys and values. Attention runs in MLA's absorbed (multi-query) form, as ``MLA.decode`` and DeepSeek's own
+kernels do: scores ``q_latent . latent + q_rope . k_rope`` with ``q_latent = q_nope`` taken through
+``kv_b_proj``'s key half, and the value half applied after the weighted sum of latents. No ``[seq, seq]`` array is
+built: per block there are the indexer's ``[block, keys]`` scores and the gathered ``[block, topk, 576]``
+entries, both recomputed in the backward pass (``jax.checkpoint``). Under a mesh each device runs its own
+queries (split over the sequence by context parallelism) against all keys: latents, rope keys and indexer keys
+are gathered over the sequence first (``activation_kv_length``), so a query's top-k spans every shard and needs
+no merge.
+
+Training the indexer (the V3.2 report, section 2.1): per query, the KL divergence from the main attention's
+distribution (summed over heads, L1-normalized; detached) to the softmax of the indexer's scores. Stage
+``dense_warmup``: over all visible keys, with dense attention. Stage ``sparse``: over the selected keys. The
+indexer reads detached inputs, so its loss trains the indexer alone, and the language-model loss never reaches
+the indexer (its top-k is not differentiable).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.scipy.special import xlogy
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.layers.attention import AttentionMask, _activation_spec, _ambient_mesh, _varying
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.norm import LayerNorm
+from nnx_zoo.layers.rope import apply_rope
+from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.sharding import axes_tuple
+from nnx_zoo.sharding.constrain import shard_to_spec
+
+_BLQ = ("activation_batch", "activation_length", "activation_q_lora")
+_BLID = ("activation_batch", "activation_length", None, None)  # indexer queries [b, s, index heads, width]
+_BLI = ("activation_batch", "activation_length", None)  # indexer head weights [b, s, index heads]
+_BLD = ("activation_batch", "activation_length", None)  # indexer keys [b, s, width]
+_Q_SIDE = ("activation_batch", "activation_length", "activation_heads", None)  # absorbed queries [b, s, h, c]
+_K_SIDE = ("activation_batch", "activation_kv_length", None)  # per-token entries [b, keys, c]
+_MIN = float(jnp.finfo(jnp.float32).min)
+# The largest per-block scratch (indexer scores per head, gathered entries, scores) a block may take, in bytes.
+_BLOCK_BYTES = 64 * 2**20
+_MAX_BLOCK = 512
+
+
+class LightningIndexer(nnx.Module):
+    """DeepSeek-V3.2's lightning indexer for one MLA layer: ``queries`` and ``keys``, scored by ``index_scores``.
+
+    >>> config = DeepSeekV3Config.preset("deepseek3-mini", index_topk=8, index_n_heads=4, index_head_dim=32)
+    >>> indexer = LightningIndexer(config, rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs):
+        c = config
+        dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+        init = nnx.initializers.normal(c.initializer_range)
+        self.heads, self.dim = c.index_n_heads, c.index_head_dim
+        self.wq_b = Linear(c.q_lora_rank, (c.index_n_heads, c.index_head_dim), kernel_names=(
+            "q_lora", "index_heads", "index_kv"), kernel_init=init, rngs=rngs, **dtypes)
+        self.wk = Linear(c.hidden_size, c.index_head_dim, kernel_names=("embed", "index_kv"), kernel_init=init,
+                         rngs=rngs, **dtypes)
+        self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, names=("index_kv",), **dtypes)
+        # float32 whatever the model's dtype, as transformers keeps it (_keep_in_fp32_modules)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads, kernel_names=("embed", "index_heads"),
+                                   kernel_init=init, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32)
+
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """``(q [b, s, heads, dim], w [b, s, heads] float32)`` for ``x [b, s, embed]`` and MLA's normed query
+        latent ``q_latent [b, s, q_lora]``; both inputs are detached (the indexer trains on its own loss only)."""
+        x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+        q = apply_rope(self.wq_b(q_latent, _BLID), cos, sin, interleaved=False)
+        w = self.weights_proj(x.astype(jnp.float32), _BLI) * (self.heads ** -0.5)
+        return q, w
+
+    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """The indexer's key of each token ``[b, s, dim]`` (one head for all; what a decoding cache keeps)."""
+        k = self.k_norm(self.wk(jax.lax.stop_gradient(x), _BLD))
+        return apply_rope(k[:, :, None, :], cos, sin, interleaved=False)[:, :, 0, :]
+
+
+def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
+    """The indexer's float32 scores ``[b, queries, keys]`` for ``q [b, queries, heads, dim]``, ``w [b, queries,
+    heads]`` and ``k [b, keys, dim]``: ``sum_j w_j * relu(q_j . k / sqrt(dim))`` (transformers' order of
+    operations)."""
+    scores = jnp.einsum("bqhd,bkd->bqhk", q.astype(jnp.float32), k.astype(jnp.float32))
+    scores = jax.nn.relu(scores * jnp.float32(q.shape[-1] ** -0.5))
+    return jnp.einsum("bqh,bqhk->bqk", w.astype(jnp.float32), scores)
+
+
+def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array, index_w: jax.Array,
+                     latent: jax.Array, k_rope: jax.Array, index_k: jax.Array, mask: AttentionMask, *,
+                     topk: int, scale: float, loss: str = "off") -> tuple[jax.Array | None, jax.Array | None]:
+    """DSA in MLA's absorbed form: ``(context [b, q, heads, kv_lora], indexer_kl [b, q] or None)``.
+
+    Queries: ``q_latent [b, q, heads, kv_lora]`` (``q_nope`` through ``kv_b_proj``'s key half), ``q_rope [b, q,
+    heads, rope]``, the indexer's ``index_q [b, q, index_heads, dim]`` and ``index_w [b, q, index_heads]``. Keys,
+    one entry per token: ``latent [b, k, kv_lora]``, ``k_rope [b, k, rope]``, ``index_k [b, k, dim]``. ``mask``
+    says which keys each query sees (causal, padding, segments; a decode step's cache slots). Each query attends
+    to its ``topk`` visible keys with the highest indexer scores; the context is the attention-weighted sum of
+    their latents (``kv_b_proj``'s value half and ``o_proj`` follow).
+
+    ``loss``: ``"off"`` (no KL), ``"sparse"`` (context and the KL over the selected keys) or ``"dense"`` (no
+    context, None; the KL over all visible keys against dense attention, for the indexer's warm-up).
+    """
+    mode = loss
+    if mode not in ("off", "sparse", "dense"):
+        raise ValueError(f"loss must be 'off', 'sparse' or 'dense', got {loss!r}")
+    k_len = latent.shape[1]
+    kernel = functools.partial(_local, topk=min(topk, k_len), scale=scale, mode=mode)
+    q_offset = jnp.asarray(mask.q_offset, jnp.int32)
+    q_seg = mask.query_segment_ids(q_latent.shape[1])
+    masks = (mask.kv_valid, q_seg, mask.segment_ids)
+    mesh = _ambient_mesh()
+    if mesh is None:
+        return kernel(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, *masks, head_axes=())
+    return _on_mesh(kernel, (q_latent, q_rope, index_q, index_w), (latent, k_rope, index_k), q_offset, masks, mode)
+
+
+def _on_mesh(kernel, queries, keys, q_offset, masks, mode):
+    """``kernel`` on each device's queries inside ``shard_map``: queries keep their layout (batch, sequence and
+    heads split as the rules say), keys whole along the sequence; a device holding queries ``[start, start + n)``
+    passes ``q_offset + start``, so its causal mask is the global one."""
+    q_spec = _activation_spec(_Q_SIDE, queries[0].shape)
+    head_axes = axes_tuple(q_spec[2])
+    index_spec = PartitionSpec(q_spec[0], q_spec[1], None, None)
+    q_specs = [q_spec, q_spec, index_spec, PartitionSpec(q_spec[0], q_spec[1], None)]
+    k_specs = [_activation_spec(_K_SIDE, k.shape) for k in keys]
+    row_spec = PartitionSpec(q_spec[0], q_spec[1])
+    mask_specs = [k_specs[0][:2] if masks[0] is not None else None, row_spec if masks[1] is not None else None,
+                  k_specs[0][:2] if masks[2] is not None else None]
+    present = [i for i, m in enumerate(masks) if m is not None]
+    specs = [*q_specs, *k_specs, PartitionSpec()] + [PartitionSpec(*mask_specs[i]) for i in present]
+    args = [*queries, *keys, q_offset] + [masks[i] for i in present]
+    args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
+    length_axes = axes_tuple(q_spec[1])
+    every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in axes_tuple(e)))
+
+    def per_device(*arrays):
+        *tensors, offset = arrays[:8]
+        local_masks = [None, None, None]
+        for i, m in zip(present, arrays[8:]):
+            local_masks[i] = m
+        start = jax.lax.axis_index(length_axes) * tensors[0].shape[1] if length_axes else 0
+        tensors = [_varying(a, every_axis) for a in tensors]
+        local_masks = [_varying(m, every_axis) for m in local_masks]
+        return kernel(*tensors, _varying(offset + start, every_axis), *local_masks, head_axes=head_axes)
+
+    out_specs = (None if mode == "dense" else q_spec, None if mode == "off" else row_spec)
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
+
+
+def _block_size(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
+    """Query rows per block: a power of two up to ``_MAX_BLOCK`` whose scratch stays under ``_BLOCK_BYTES``."""
+    per_row = 4 * (index_heads * k_len + topk * (width + 2 * heads) + heads * width)
+    block = _MAX_BLOCK
+    while block > 8 and block * per_row > _BLOCK_BYTES:
+        block //= 2
+    return min(block, q_len)
+
+
+def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, kv_valid, q_seg, kv_seg, *,
+           topk, scale, mode, head_axes):
+    """``sparse_attention`` on one device's arrays: a map over query blocks, each recomputed in the backward."""
+    b, q_len, heads, width = q_latent.shape
+    block = _block_size(q_len, latent.shape[1], topk, heads, index_q.shape[2], width + k_rope.shape[-1])
+    blocks = -(-q_len // block)
+    pad = blocks * block - q_len
+
+    def split(a):  # [b, q, ...] -> [blocks, b, block, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], blocks, block, *a.shape[2:]), 1, 0)
+
+    positions = (q_offset + jnp.arange(blocks * block, dtype=jnp.int32)).reshape(blocks, block)
+    xs = (split(q_latent), split(q_rope), split(index_q), split(index_w), positions,
+          None if q_seg is None else split(q_seg))
+
+    @jax.checkpoint
+    def one_block(x):
+        qa, qr, iq, iw, q_pos, q_seg_block = x
+        visible = _visible(q_pos, latent.shape[1], kv_valid, q_seg_block, kv_seg)
+        return _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, topk=topk, scale=scale, mode=mode,
+                             head_axes=head_axes)
+
+    context, kl = jax.lax.map(one_block, xs)
+
+    def merge(a):  # [blocks, b, block, ...] -> [b, q, ...]
+        if a is None:
+            return None
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape(b, blocks * block, *a.shape[3:])[:, :q_len]
+
+    return merge(context), merge(kl)
+
+
+def _visible(q_pos, k_len, kv_valid, q_seg, kv_seg):
+    """``[b or 1, block, keys]`` bool: query at slot ``q_pos`` sees key ``j`` (causal, valid, same segment)."""
+    visible = (jnp.arange(k_len)[None, :] <= q_pos[:, None])[None]
+    if kv_valid is not None:
+        visible = visible & kv_valid.astype(bool)[:, None, :]
+    if q_seg is not None:
+        visible = visible & (q_seg[:, :, None] == kv_seg[:, None, :])
+    return visible
+
+
+def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, scale, mode, head_axes):
+    """One block of queries: ``(context [b, block, heads, kv_lora] or None, kl [b, block] or None)``."""
+    index = jnp.where(visible, index_scores(iq, iw, index_k), _MIN)  # [b, block, keys]
+    if mode == "dense":  # warm-up: the KL over every visible key, against dense attention
+        scores = (jnp.einsum("bqhc,bkc->bqhk", qa, latent.astype(qa.dtype))
+                  + jnp.einsum("bqhr,bkr->bqhk", qr, k_rope.astype(qr.dtype)))
+        probs = _softmax(scores, visible[:, :, None, :], scale)
+        return None, _kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes)
+    chosen = jax.lax.top_k(jax.lax.stop_gradient(index), topk)[1]  # [b, block, topk]
+    gather = jax.vmap(lambda table, rows: table[rows])  # per batch row: [keys, d] at [block, topk]
+    chosen_latent = gather(latent.astype(qa.dtype), chosen)  # [b, block, topk, kv_lora]
+    chosen_rope = gather(k_rope.astype(qr.dtype), chosen)
+    seen = jnp.take_along_axis(jnp.broadcast_to(visible, index.shape), chosen, axis=-1)  # [b, block, topk]
+    scores = (jnp.einsum("bqhc,bqkc->bqhk", qa, chosen_latent)
+              + jnp.einsum("bqhr,bqkr->bqhk", qr, chosen_rope))
+    probs = _softmax(scores, seen[:, :, None, :], scale)
+    context = jnp.einsum("bqhk,bqkc->bqhc", probs.astype(qa.dtype), chosen_latent)
+    kl = None if mode == "off" else _kl(probs, jnp.take_along_axis(index, chosen, axis=-1), seen, head_axes)
+    return context, kl
+
+
+def _softmax(scores, visible, scale):
+    """Float32 softmax over the keys, hidden keys filled with the minimum (a row with none stays finite)."""
+    scores = scores.astype(jnp.float32) * jnp.float32(scale)
+    return jax.nn.softmax(jnp.where(visible, scores, _MIN), axis=-1)
+
+
+def _kl(probs, index, visible, head_axes):
+    """Per query ``KL(p || softmax(index))`` over the visible keys ``[b, block]``: ``p`` is the attention
+    distribution summed over heads (all devices' heads) and L1-normalized, detached."""
+    p = jnp.sum(jax.lax.stop_gradient(probs), axis=2)
+    if head_axes:
+        p = jax.lax.psum(p, head_axes)
+    p = jnp.where(visible, p, 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    log_q = jax.nn.log_softmax(jnp.where(visible, index, _MIN), axis=-1)
+    return jnp.sum(xlogy(p, p) - jnp.where(visible, p * log_q, 0.0), axis=-1)
+
+
+def mean_over_real_queries(kl: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Per-query KL ``[b, q]`` -> each sequence's mean over its real queries ``[b]`` (0 for none)."""
+    valid = jnp.broadcast_to(token_mask, kl.shape).astype(jnp.float32)
+    return jnp.sum(kl * valid, axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1.0)
+
+
+__all__ = ["LightningIndexer", "index_scores", "mean_over_real_queries", "sparse_attention"]
