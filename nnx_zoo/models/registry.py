@@ -26,6 +26,8 @@ from nnx_zoo.sharding.rules import Rules
 MODEL_TYPES: dict[str, tuple[type, type]] = {
     "deepseek_v3": (DeepSeekV3Config, DeepSeekV3),
     "deepseek_v2": (DeepSeekV3Config, DeepSeekV3),
+    "deepseek_v32": (DeepSeekV3Config, DeepSeekV3),  # DeepSeek-V3.2: V3 plus the lightning indexer
+    "kimi_k2": (DeepSeekV3Config, DeepSeekV3),  # Moonshot's Kimi K2: DeepSeek-V3's architecture (exported as V3)
     "llama": (Llama3Config, Llama3),
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),

@@ -55,6 +55,18 @@ def test_auto_picks_the_family(checkpoints, tmp_path):
     assert MODEL_TYPES["deepseek_v2"][1] is DeepSeekV3
 
 
+@pytest.mark.parametrize("model_type, preset", [("deepseek_v32", "deepseek3.2-tiny"), ("kimi_k2", "kimi-k2-1t")])
+def test_deepseek_v32_and_kimi_k2_configs_are_deepseek_ones(tmp_path, model_type, preset):
+    """DeepSeek-V3.2 and Moonshot's Kimi K2 (DeepSeek-V3's architecture under model_type kimi_k2) route to DeepSeekV3,
+    from a dict and from a directory."""
+    config = DeepSeekV3Config.preset(preset)
+    d = {**config.to_hf_dict(), "model_type": model_type}  # a Kimi K2 config.json is V3's with another model_type
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert AutoConfig.from_hf(d) == AutoConfig.from_hf(tmp_path) == config
+    assert MODEL_TYPES[model_type] == (DeepSeekV3Config, DeepSeekV3)
+    assert AutoModelForCausalLM.model_class(model_type) is DeepSeekV3
+
+
 def test_unsupported_model_type_lists_the_supported_ones(checkpoints, tmp_path):
     directory, _ = checkpoints["llama"]
     config = json.loads((directory / "config.json").read_text())

@@ -58,6 +58,11 @@ _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
         norm_topk_prob=False, n_group=None, topk_group=None, max_position_embeddings=2048),
         # V2 rotates consecutive pairs (complex multiplication) and has no multi-token-prediction layers.
         fixed=dict(rope_interleave=True, num_nextn_predict_layers=0, **_NO_INDEXER)),
+    # Moonshot's Kimi K2 is the DeepSeek-V3 architecture: its config.json says model_type "kimi_k2" with
+    # architectures ["DeepseekV3ForCausalLM"] (transformers itself reads a kimi_k2 text config as deepseek_v3, see
+    # its Kimi_K25Config). It is read as V3 ("reads_as"); export writes deepseek_v3, which transformers loads.
+    "kimi_k2": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed=_NO_INDEXER,
+                    reads_as="deepseek_v3"),
 }
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
@@ -299,8 +304,10 @@ class DeepSeekV3Config(FamilyConfig):
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
         model_type = d.get("model_type", "deepseek_v3")
         if model_type not in _HF_ARCHITECTURES:
-            raise ValueError(f"unsupported config: model_type {model_type!r} is not a DeepSeek V2/V3 model")
+            raise ValueError(f"unsupported config: model_type {model_type!r} is not a DeepSeek V2/V3 model (nor V3.2 "
+                             f"or Kimi K2): DeepSeekV3Config reads {sorted(_HF_ARCHITECTURES)}")
         arch = _HF_ARCHITECTURES[model_type]
+        model_type = arch.get("reads_as", model_type)
         d = {**arch["defaults"], **d, **arch["fixed"]}
         problems = []
         if d.get("hidden_act", "silu") != "silu":
@@ -466,6 +473,46 @@ PRESETS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=1, **_SMALL_DEFAULTS,
+    ),
+    # DeepSeek-V3.2 / V3.2-Exp: DeepSeek-V3's shape (above) plus DeepSeek Sparse Attention, a lightning indexer of
+    # 64 heads x 128 in every layer (the MTP layer's too) choosing the 2048 keys each query attends to; 1 MTP layer.
+    # Dims: inference/config_671B_v3.2.json of github.com/deepseek-ai/DeepSeek-V3.2-Exp (index_n_heads 64,
+    # index_head_dim 128, index_topk 2048; the rest as V3), and transformers' DeepseekV32Config defaults (its
+    # checkpoint: deepseek-ai/DeepSeek-V3.2-Exp). 671.9B (V3's 671.0B + 0.85B of indexers), 38.4B active; 683.5B
+    # with the MTP layer, 685.4B counting the MTP layer's stored copies of embedding and head (the hub's "685B").
+    "deepseek3.2-671b": dict(index_topk=2048, index_n_heads=64, index_head_dim=128),
+    # ~10M parameters: deepseek3-mini with a 4 x 32 indexer keeping 32 keys per query, so at the recipe's default
+    # --seq-len 64 the attention of the later half of each sequence is sparse.
+    "deepseek3.2-tiny": dict(
+        vocab_size=32000, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, routed_scaling_factor=1.0, num_nextn_predict_layers=1, index_topk=32,
+        index_n_heads=4, index_head_dim=32, **_SMALL_DEFAULTS,
+    ),
+    # ~26M parameters: deepseek3-small with an 8 x 32 indexer keeping 64 keys per query (sparse from --seq-len 128).
+    "deepseek3.2-small": dict(
+        vocab_size=32000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=6,
+        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=1, index_topk=64,
+        index_n_heads=8, index_head_dim=32, **_SMALL_DEFAULTS,
+    ),
+    # Moonshot's Kimi K2 (Base / Instruct, July 2025): the DeepSeek-V3 architecture with 384 routed experts top-8
+    # and no group limit (n_group = topk_group = 1), 64 heads, one dense layer, routed scaling 2.827, a 163840
+    # vocabulary, rope_theta 50000 with YaRN 32 over 4096 (beta_fast = beta_slow = 1), no MTP layers. Dims:
+    # moonshotai/Kimi-K2-Instruct config.json as MaxText's configs/models/kimi-k2-1t.yml copies it (rms_norm_eps
+    # 1e-6, max_position_embeddings 131072). Kimi-K2-Instruct-0905 and K2-Thinking have this shape with YaRN 64
+    # (max_position_embeddings 262144). 1.026T total, 32.9B active (transformers counts the same); Moonshot
+    # publishes 1T / 32B (model card), 1.04T / 32.6B (tech report).
+    "kimi-k2-1t": dict(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        first_k_dense_replace=1, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=50000.0, max_position_embeddings=131072, num_nextn_predict_layers=0,
+        rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0,
+                                 mscale=1.0, mscale_all_dim=1.0),
     ),
     # DeepSeek-V2-Lite (16B total, 2.4B active): softmax routing, greedy top-6 of 64 (its config.json's n_group =
     # topk_group = 1 are unused by greedy), no query compression.

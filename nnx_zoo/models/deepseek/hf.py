@@ -1,9 +1,9 @@
 """Hugging Face checkpoints <-> DeepSeekV3: the DeepSeek key table, on the shared loader of ``nnx_zoo.hf``.
 
-What is DeepSeek's own: the key table (MLA projections, the router and V3's correction bias, shared and
-per-expert routed experts, the transformers-5 fused expert layout), the multi-token-prediction (MTP) layers stored
-after the main ones (``model.layers.{num_hidden_layers + d}.``, which repeat the embedding and head: written on
-export, skipped on import), and building only as many MTP heads as the files hold.
+What is DeepSeek's own: the key table (MLA projections, V3.2's lightning indexer, the router and V3's correction
+bias, shared and per-expert routed experts, the transformers-5 fused expert layout), the multi-token-prediction
+(MTP) layers stored after the main ones (``model.layers.{num_hidden_layers + d}.``, which repeat the embedding and
+head: written on export, skipped on import), and building only as many MTP heads as the files hold.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ LAYER_TABLE = (
     Row("self_attn.kv_b_proj.weight", "attn.kv_b_proj.kernel", DENSE),
     Row("self_attn.o_proj.weight", "attn.o_proj.kernel", Dense(n_in=2)),
     Row("self_attn.o_proj.bias", "attn.o_proj.bias"),
+    # DeepSeek-V3.2's lightning indexer (only with index_topk > 0; V3 / V2 models lack these Variables, so the
+    # rows are skipped): wq_b reads the compressed query latent into [q_lora, index heads, index dim], wk and
+    # weights_proj read the hidden state, k_norm is a LayerNorm (scale and bias). transformers keeps weights_proj
+    # in float32.
+    Row("self_attn.indexer.wq_b.weight", "attn.indexer.wq_b.kernel", DENSE),
+    Row("self_attn.indexer.wk.weight", "attn.indexer.wk.kernel", DENSE),
+    Row("self_attn.indexer.k_norm.weight", "attn.indexer.k_norm.scale"),
+    Row("self_attn.indexer.k_norm.bias", "attn.indexer.k_norm.bias"),
+    Row("self_attn.indexer.weights_proj.weight", "attn.indexer.weights_proj.kernel", DENSE),
     Row("mlp.gate_proj.weight", "mlp.gate.kernel", DENSE),
     Row("mlp.up_proj.weight", "mlp.up.kernel", DENSE),
     Row("mlp.down_proj.weight", "mlp.down.kernel", DENSE),
