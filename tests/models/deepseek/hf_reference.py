@@ -13,7 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+)
 
 BASE: dict[str, Any] = dict(
     vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -26,15 +33,21 @@ BASE: dict[str, Any] = dict(
 # softmax, greedy by default, and never renormalises.
 V2_BASE: dict[str, Any] = {k: v for k, v in BASE.items() if k not in ("rope_interleave", "n_group", "topk_group",
                                                                      "norm_topk_prob")}
+# DeepseekV32Config: V3's keys (its MLA always rotates consecutive pairs) plus a lightning indexer; its tiny heads
+# (8 of width 8, rope on the first 4) score with little chance of ties at the top-k boundary.
+V32_BASE: dict[str, Any] = {**{k: v for k, v in BASE.items() if k != "rope_interleave"}, "index_topk": 5,
+                            "index_n_heads": 8, "index_head_dim": 8}
 ARCHS = {"v3": (DeepseekV3Config, DeepseekV3ForCausalLM, BASE),
-         "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_BASE)}
+         "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_BASE),
+         "v32": (DeepseekV32Config, DeepseekV32ForCausalLM, V32_BASE)}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def make_hf_model(seed: int = 0, arch: str = "v3", **overrides: Any) -> DeepseekV3ForCausalLM:
-    """A random ``DeepseekV3ForCausalLM`` (``arch="v2"``: ``DeepseekV2ForCausalLM``; eager attention, float32) from
-    ``BASE`` (``V2_BASE``) updated with ``overrides``."""
+    """A random ``DeepseekV3ForCausalLM`` (``arch="v2"`` / ``"v32"``: ``DeepseekV2ForCausalLM`` /
+    ``DeepseekV32ForCausalLM``; eager attention, float32) from ``BASE`` (``V2_BASE``, ``V32_BASE``) updated with
+    ``overrides``."""
     config_cls, model_cls, base = ARCHS[arch]
     config = config_cls(**{**base, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)

@@ -1,0 +1,183 @@
+"""DeepSeek-V3.2 (V3 plus DeepSeek Sparse Attention) against transformers' ``DeepseekV32ForCausalLM`` (CPU,
+float32), and the sparse-attention kernel (``dsa.sparse_attention``) against a dense reference written here.
+
+Exact: logits and every hidden state within 1e-5 relative when the indexer's top-k is smaller than the sequence
+(a left-padded batch, YaRN) and when it covers it; export reloads in transformers; cached greedy decoding equals
+the uncached argmax continuation and transformers' ``generate``. The kernel, run in blocks of 4 queries with
+padding and packed documents, gives the reference's context, indexer KL and gradients.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV32ForCausalLM
+
+from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, generate
+from nnx_zoo.layers.attention import AttentionMask
+from nnx_zoo.models.deepseek import dsa
+from tests.models.deepseek.hf_reference import YARN, hf_outputs, make_hf_model, rel_l2, save_hf
+from tests.models.deepseek.test_parity import forward
+
+BATCH, SEQ = 2, 12
+CASES = {
+    # 5 of up to 12 keys: every query past the fifth attends to a strict subset; row 0 left-padded by 3; YaRN.
+    "sparse-padded-yarn": dict(hf=dict(index_topk=5, rope_scaling=YARN), padded=True),
+    # index_topk 16 >= 12 keys: every visible key is chosen (so the dense path runs); all layers MoE.
+    "topk-covers-sequence": dict(hf=dict(index_topk=16, num_hidden_layers=2, first_k_dense_replace=0)),
+}
+
+
+def _inputs(padded: bool, vocab: int, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray | None]:
+    ids = np.random.default_rng(0).integers(0, vocab, (BATCH, seq)).astype(np.int32)
+    if not padded:
+        return ids, None
+    mask = np.ones((BATCH, seq), np.int32)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case name -> (checkpoint dir, HF model, HF outputs, ids, mask); each HF model built and run once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            case = CASES[name]
+            hf = make_hf_model(seed=10 + len(cache), arch="v32", **case["hf"])
+            ids, mask = _inputs(case.get("padded", False), hf.config.vocab_size)
+            path = save_hf(hf, tmp_path_factory.mktemp(name))
+            cache[name] = (path, hf, hf_outputs(hf, ids, mask), ids, mask)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_transformers(built, name):
+    path, hf, ref, ids, mask = built(name)
+    model = AutoModelForCausalLM.from_pretrained(path, moe_impl="dense")
+    assert isinstance(model, DeepSeekV3) and model.config.index_topk == CASES[name]["hf"]["index_topk"]
+    out = forward(model, jnp.asarray(ids), None if mask is None else jnp.asarray(mask))
+    # Real tokens only: a left-pad query sees no key (transformers averages all values there, we the chosen ones).
+    real = np.ones((BATCH, SEQ), bool) if mask is None else mask.astype(bool)
+    assert rel_l2(np.asarray(out.logits)[real], ref["logits"][real]) < 1e-5
+    assert len(out.hidden_states) == len(ref["hidden_states"])
+    for i, (a, b) in enumerate(zip(out.hidden_states, ref["hidden_states"])):
+        assert rel_l2(np.asarray(a)[real], b[real]) < 1e-5, f"hidden state {i}"
+    for layer, (a, b) in enumerate(zip(np.asarray(out.expert_indices), ref["experts"], strict=True)):
+        np.testing.assert_array_equal(np.sort(a, -1)[real], np.sort(b.reshape(a.shape), -1)[real], f"layer {layer}")
+    if model.config.index_topk < SEQ:  # the sparsity shows: choosing every key gives other logits
+        for layer in hf.model.layers:
+            layer.self_attn.indexer.index_topk = 10 * SEQ
+        try:
+            dense = hf_outputs(hf, ids, mask)["logits"]
+        finally:
+            for layer in hf.model.layers:
+                layer.self_attn.indexer.index_topk = model.config.index_topk
+        assert rel_l2(dense[real], ref["logits"][real]) > 1e-2
+
+
+def test_export_reloads_in_transformers(built, tmp_path):
+    path, _, ref, ids, mask = built("sparse-padded-yarn")
+    model = DeepSeekV3.from_pretrained(path, moe_impl="gmm")
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "deepseek_v32"
+    reloaded = DeepseekV32ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = reloaded(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    real = mask.astype(bool)
+    assert rel_l2(logits[real], ref["logits"][real]) < 1e-5
+
+
+def test_cached_greedy_equals_uncached_and_transformers(built):
+    path, hf, _, _, _ = built("sparse-padded-yarn")
+    model = DeepSeekV3.from_pretrained(path, moe_impl="dense")
+    prompt, new = 7, 8  # the cache (15 slots) and the late prompts hold more keys than index_topk (5)
+    ids, mask = _inputs(True, hf.config.vocab_size, prompt)
+    out = generate(model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=new)
+    tokens, cur_mask = ids, mask
+    for _ in range(new):  # the uncached argmax continuation
+        logits = np.asarray(model(jnp.asarray(tokens), jnp.asarray(cur_mask)))
+        tokens = np.concatenate([tokens, logits[:, -1].argmax(-1)[:, None].astype(np.int32)], axis=1)
+        cur_mask = np.concatenate([cur_mask, np.ones((BATCH, 1), np.int32)], axis=1)
+    np.testing.assert_array_equal(np.asarray(out.tokens), tokens)
+    with torch.no_grad():
+        expected = hf.generate(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask), max_new_tokens=new,
+                               do_sample=False, pad_token_id=0)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, prompt:], expected.numpy()[:, prompt:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernel against a dense reference: the [q, k] masks built whole, the top-k as a threshold on the scores.
+
+def _reference(qa, qr, iq, iw, lat, kr, ik, visible, topk, scale, mode):
+    index = jnp.einsum("bqh,bqhk->bqk", iw, jax.nn.relu(jnp.einsum("bqhd,bkd->bqhk", iq, ik) * iq.shape[-1] ** -0.5))
+    index = jnp.where(visible, index, -jnp.inf)
+    if mode == "dense":
+        chosen = visible
+    else:  # the topk largest visible scores (every visible key where fewer are visible)
+        kth = jax.lax.top_k(index, topk)[0][..., -1:]
+        chosen = visible & (index >= kth)
+    scores = (jnp.einsum("bqhc,bkc->bqhk", qa, lat) + jnp.einsum("bqhr,bkr->bqhk", qr, kr)) * scale
+    probs = jax.nn.softmax(jnp.where(chosen[:, :, None], scores, -1e30), axis=-1)
+    context = jnp.einsum("bqhk,bkc->bqhc", probs, lat)
+    p = jax.lax.stop_gradient(jnp.sum(probs, axis=2))
+    p = jnp.where(chosen, p, 0) / jnp.sum(jnp.where(chosen, p, 0), axis=-1, keepdims=True)
+    log_q = jax.nn.log_softmax(jnp.where(chosen, index, -1e30), axis=-1)
+    kl = jnp.sum(jnp.where(chosen, p * (jnp.log(jnp.where(chosen, p, 1.0)) - log_q), 0.0), axis=-1)
+    return context, kl
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_kernel_matches_dense_reference(monkeypatch, mode):
+    monkeypatch.setattr(dsa, "_MAX_BLOCK", 4)  # 13 queries: 4 blocks, the last one padded
+    b, s, h, c, r, hi, d, topk = 2, 13, 3, 8, 4, 4, 8, 5
+    rng = np.random.default_rng(0)
+    arrays = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in (
+        (b, s, h, c), (b, s, h, r), (b, s, hi, d), (b, s, hi), (b, s, c), (b, s, r), (b, s, d))]
+    valid = np.ones((b, s), bool)
+    valid[0, :3] = False  # left padding
+    segments = np.zeros((b, s), np.int32)
+    segments[1, 7:] = 1  # row 1 packs two documents
+    mask = AttentionMask(kv_valid=jnp.asarray(valid), segment_ids=jnp.asarray(segments))
+    pos = np.arange(s)
+    visible = ((pos[None, :] <= pos[:, None])[None] & valid[:, None, :]
+               & (segments[:, :, None] == segments[:, None, :]))
+    real = jnp.asarray(valid, jnp.float32)  # left-pad queries see no key: left out, as no real token reads them
+    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, s, h, c), (b, s))]
+
+    def loss(fn, *xs):
+        context, kl = fn(*xs)
+        total = jnp.sum(kl * real * weights[1])
+        return total if context is None else total + jnp.sum(context * real[:, :, None, None] * weights[0])
+
+    def ours(*xs):
+        return dsa.sparse_attention(*xs, mask, topk=topk, scale=0.3, loss=mode)
+
+    def ref(*xs):
+        context, kl = _reference(*xs, jnp.asarray(visible), topk, 0.3, mode)
+        return (None if mode == "dense" else context), kl
+
+    (got_context, got_kl), (want_context, want_kl) = ours(*arrays), ref(*arrays)
+    keep = valid.reshape(-1)
+    np.testing.assert_allclose(np.asarray(got_kl).reshape(-1)[keep], np.asarray(want_kl).reshape(-1)[keep],
+                               rtol=1e-5, atol=1e-6)
+    assert float(np.max(np.asarray(got_kl).reshape(-1)[keep])) > 1e-2  # a KL that says something
+    if mode == "sparse":
+        np.testing.assert_allclose(np.asarray(got_context).reshape(b * s, -1)[keep],
+                                   np.asarray(want_context).reshape(b * s, -1)[keep], rtol=1e-5, atol=1e-5)
+    got = jax.grad(lambda *xs: loss(ours, *xs), argnums=tuple(range(7)))(*arrays)
+    want = jax.grad(lambda *xs: loss(ref, *xs), argnums=tuple(range(7)))(*arrays)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if float(jnp.linalg.norm(w)) == 0:  # dense mode: no context, no gradient to the attention's inputs
+            assert float(jnp.linalg.norm(g)) == 0, f"gradient {i}"
+            continue
+        assert rel_l2(g, w) < 1e-5, f"gradient {i}"
