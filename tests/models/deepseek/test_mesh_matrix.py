@@ -442,3 +442,26 @@ def test_mtp_loss_equals_the_sliced_formula():
         part, count = ce(mtp[k][:, :-shift], batch["targets"][:, shift:], batch["loss_mask"][:, shift:])
         want += 0.5 / 2 * part * tokens / max(count, 1.0)
     np.testing.assert_allclose(float(total), want, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V3.2: the same model with a lightning indexer keeping 6 of the 16 keys, its KL trained ("sparse"), so
+# the selection, the gather over sequence shards and the indexer's loss all run under the mesh.
+
+V32 = (("index_topk", 6), ("index_n_heads", 4), ("index_head_dim", 16), ("indexer_training", "sparse"))
+V32_MESHES = ((("fsdp", 8),), (("fsdp", 4), ("expert", 2)))
+V32_CASES = [  # CI: FSDP 8 under Auto; FSDP 4 x EP 2 under Explicit with the sequence split over 'expert'
+    Setup(rules, 1, impl, sizes, mode, config=V32)
+    for sizes, rules, impl, mode in (
+        (V32_MESHES[0], "default", "dense", "auto"),
+        (V32_MESHES[1], "ep-as-cp", "ep", "explicit"),  # a query's top-k spans the sequence shards
+    )
+] if not FULL else [  # 24 cases: both meshes, every named rule set, both modes
+    Setup(rules, 1, "ep" if _ep_axes(dict(sizes), rules) else "dense", sizes, mode, config=V32)
+    for sizes in V32_MESHES for rules in RULE_ORDER for mode in MODES
+]
+
+
+@pytest.mark.parametrize("setup", V32_CASES, ids=lambda s: f"{s.mode}-{_name(dict(s.sizes))}-{s.rules}")
+def test_v32_sparse_attention_on_meshes(setup):
+    assert_same(run(setup), run(Setup(config=V32)), f"V3.2 {setup}")

@@ -181,3 +181,36 @@ def test_kernel_matches_dense_reference(monkeypatch, mode):
             assert float(jnp.linalg.norm(g)) == 0, f"gradient {i}"
             continue
         assert rel_l2(g, w) < 1e-5, f"gradient {i}"
+
+
+@pytest.mark.parametrize("rules", ["default", "ep-as-cp"])
+def test_sparse_mla_keeps_its_input_sharding(rules):
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_zoo.layers.attention import causal_mask
+    from nnx_zoo.models.deepseek.mla import MLA
+    from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, use_rules
+    from tests.models.deepseek.small import small_config
+
+    config = small_config(index_topk=4, index_n_heads=4, index_head_dim=32, indexer_training="sparse")
+    mesh = make_mesh({"fsdp": 4, "expert": 2}, shard_mode="explicit")
+    mla = MLA(config, rngs=nnx.Rngs(0))
+    positions = jnp.arange(16)[None]
+    cos = sin = jnp.ones((1, 16, config.qk_rope_head_dim // 2)) * positions[..., None] / 16
+
+    @nnx.jit
+    def run(mla, x):
+        with use_rules(rules):
+            return mla.attend(x, cos, sin, causal_mask(16))
+
+    spec = logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"), get_rules(rules), mesh)
+    with jax.set_mesh(mesh):
+        for in_spec in (spec, P(None, None, None)):
+            x = jax.device_put(jnp.ones((8, 16, config.hidden_size)), NamedSharding(mesh, in_spec))
+            out, kl = run(mla, x)
+            assert jax.typeof(out).sharding.spec == jax.typeof(x).sharding.spec
+            assert kl.shape == (8, 16)
+    if rules == "ep-as-cp":  # the queries really were split over the sequence
+        assert spec[1] == "expert"
