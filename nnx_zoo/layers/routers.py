@@ -5,7 +5,10 @@ A router is a family's choice; this module holds the family-agnostic ones (``ROU
 auxiliary loss over any number of MoE layers.
 
 ``softmax_top_k``, in HF's order: ``p = softmax(logits)`` in float32 over all experts, ``top_k(p)``, then, with
-``renormalize``, the ``k`` chosen weights divided by their sum (without: the raw probabilities).
+``renormalize``, the ``k`` chosen weights divided by their sum (without: the raw probabilities), times ``scale``
+(1 unless a model sets it). With ``group_top=1`` (router ``"softmax_group_limited"``, HF DeepSeek-V2's
+``group_limited_greedy``) the top-k is taken only within the ``topk_group`` of ``n_group`` contiguous groups
+holding the best single probabilities.
 
 ``sigmoid_bias_top_k`` (HF ``topk_method='noaux_tc'``): ``s = sigmoid(logits)`` in float32; experts
 are *selected* on ``s + bias`` within the ``topk_group`` best of ``n_group`` contiguous expert groups (a group's
@@ -51,13 +54,20 @@ class Routing(NamedTuple):
     probs: jax.Array
 
 
-def softmax_top_k(logits: jax.Array, k: int, *, renormalize: bool) -> Routing:
-    """Softmax (float32) over the experts of ``logits [..., E]``, the ``k`` most probable experts, their
-    probabilities as weights, divided by their sum when ``renormalize``."""
+def softmax_top_k(logits: jax.Array, k: int, *, renormalize: bool, n_group: int = 1, topk_group: int = 1,
+                  group_top: int = 0, scale: float = 1.0) -> Routing:
+    """Softmax (float32) over the experts of ``logits [..., E]``, the ``k`` most probable experts (``group_top``
+    > 0: within the ``topk_group`` best of ``n_group`` groups, see ``group_limited_top_k``), their probabilities
+    as weights, divided by their sum when ``renormalize``, times ``scale``."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, idx = jax.lax.top_k(probs, k)
+    if group_top:
+        idx, weights = group_limited_top_k(probs, k, n_group=n_group, topk_group=topk_group, group_top=group_top)
+    else:
+        weights, idx = jax.lax.top_k(probs, k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if scale != 1.0:  # a Python constant: the default traces nothing
+        weights = weights * scale
     return Routing(idx.astype(jnp.int32), weights, probs)
 
 
@@ -96,15 +106,19 @@ def sigmoid_bias_top_k(logits: jax.Array, k: int, *, bias: jax.Array, renormaliz
 
 
 # The routers a model picks by name (a config value): does the router carry a selection bias (RouterBias)?
-ROUTERS: dict[str, bool] = {"softmax": False, "sigmoid_bias": True}
+ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "sigmoid_bias": True}
 
 
 def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: jax.Array | None = None,
           n_group: int = 1, topk_group: int = 1, scale: float = 1.0) -> Routing:
     """The ``Routing`` of ``logits [..., E]`` by the router named ``router`` (``ROUTERS``): ``"softmax"``
-    (``softmax_top_k``; no bias, groups or scale) or ``"sigmoid_bias"`` (``sigmoid_bias_top_k``)."""
-    if router == "softmax":
-        return softmax_top_k(logits, k, renormalize=renormalize)
+    (``softmax_top_k``; no bias or groups), ``"softmax_group_limited"`` (``softmax_top_k`` within the
+    ``topk_group`` groups holding the best single probabilities; no bias) or ``"sigmoid_bias"``
+    (``sigmoid_bias_top_k``)."""
+    if router in ("softmax", "softmax_group_limited"):
+        group_top = 1 if router == "softmax_group_limited" else 0
+        return softmax_top_k(logits, k, renormalize=renormalize, n_group=n_group, topk_group=topk_group,
+                             group_top=group_top, scale=scale)
     if router == "sigmoid_bias":
         return sigmoid_bias_top_k(logits, k, bias=bias, renormalize=renormalize, n_group=n_group,
                                   topk_group=topk_group, scale=scale)

@@ -19,7 +19,7 @@ from flax import nnx
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import MoeImpl, RoutedExperts
-from nnx_zoo.layers.routers import ROUTERS, BalanceSums, RouterBias, balance_routing_bias, balance_sums, route
+from nnx_zoo.layers.routers import ROUTERS, BalanceSums, RouterBias, Routing, balance_routing_bias, balance_sums, route
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
@@ -41,15 +41,29 @@ class SparseMoEOutput(NamedTuple):
     balance: BalanceSums | None
 
 
+class RoutedOutput(NamedTuple):
+    """``SparseMoE.routed``'s result, what a family's block builds its own output from: ``output [batch, seq,
+    embed]`` (in the input's sharding); ``routing`` and ``logits`` (float32) over the tokens as the block laid
+    them out, ``[batch * seq, ...]`` (``[batch, seq, ...]`` for ``moe_impl='ep'``); ``dropped_tokens`` (int32
+    scalar)."""
+
+    output: jax.Array
+    routing: Routing
+    logits: jax.Array
+    dropped_tokens: jax.Array
+
+
 class SparseMoE(nnx.Module):
     """Routed SwiGLU experts (``num_experts`` of width ``expert_hidden``), plus an optional shared SwiGLU of width
     ``shared_hidden`` added unweighted.
 
-    ``router`` names the routing (``nnx_zoo.layers.routers.ROUTERS``): ``"softmax"`` (top-k of the softmax) or
-    ``"sigmoid_bias"`` (selection on sigmoid scores + ``e_score_correction_bias``, a ``RouterBias`` Variable moved
-    by ``balance_bias``, within the ``topk_group`` best of ``n_group`` groups; weights times
-    ``routed_scaling_factor``). ``renormalize``: divide the ``k`` chosen weights by their sum. ``moe_impl``:
-    ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
+    ``router`` names the routing (``nnx_zoo.layers.routers.ROUTERS``): ``"softmax"`` (top-k of the softmax),
+    ``"softmax_group_limited"`` (that within the ``topk_group`` of ``n_group`` groups holding the best single
+    probabilities) or ``"sigmoid_bias"`` (selection on sigmoid scores + ``e_score_correction_bias``, a
+    ``RouterBias`` Variable moved by ``balance_bias``, within the ``topk_group`` best of ``n_group`` groups).
+    Weights are times ``routed_scaling_factor``. ``renormalize``: divide the ``k`` chosen weights by their sum.
+    ``moe_impl``: ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
+    ``routed`` is the block without its output tuple, for a family's block that builds its own.
 
     >>> moe = SparseMoE(64, num_experts=8, experts_per_token=2, expert_hidden=32, renormalize=True,
     ...                 rngs=nnx.Rngs(0))
@@ -85,6 +99,22 @@ class SparseMoE(nnx.Module):
                  with_balance: bool = False) -> SparseMoEOutput:
         """``SparseMoEOutput`` for ``x [batch, seq, embed]``. ``token_mask [batch or 1, seq]`` (True = real token;
         default all real): which tokens the balance sums count (``with_balance``)."""
+        batch, seq, _ = x.shape
+        out, routing, logits, dropped = self.routed(x)
+        balance = None
+        if with_balance:
+            mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
+            mask = shard(jnp.broadcast_to(mask, (batch, seq)), _BLE[:2])
+            if logits.ndim == 2:
+                mask = shard(jnp.reshape(mask, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,))),
+                             _TE[:1])
+            balance = balance_sums(routing, mask)
+        idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
+        return SparseMoEOutput(out, idx, dropped, balance)
+
+    def routed(self, x: jax.Array) -> RoutedOutput:
+        """The block on ``x [batch, seq, embed]`` (the output, restored to ``x``'s sharding) with its routing and
+        router logits, for ``__call__`` or a family's own block to build its output (and losses) from."""
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
         router = self.router[...].astype(jnp.float32)
@@ -107,16 +137,7 @@ class SparseMoE(nnx.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out.astype(x.dtype), _BLE), in_sharding)
-        balance = None
-        if with_balance:
-            mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
-            mask = shard(jnp.broadcast_to(mask, (batch, seq)), _BLE[:2])
-            if logits.ndim == 2:
-                mask = shard(jnp.reshape(mask, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,))),
-                             _TE[:1])
-            balance = balance_sums(routing, mask)
-        idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
-        return SparseMoEOutput(out, idx, dropped, balance)
+        return RoutedOutput(out, routing, logits, dropped)
 
     def balance_bias(self, expert_load: jax.Array, rate: float) -> None:
         """Move the selection bias toward balance after an optimizer step (``balance_routing_bias``);

@@ -7,9 +7,10 @@ when ``norm_topk_prob``, and always multiplied by ``routed_scaling_factor``.
 V2 routing (``'greedy'`` / ``'group_limited_greedy'``, HF ``DeepseekV2TopkRouter``): ``s = softmax(x W)`` in
 float32, no bias; the top-k of ``s`` (group-limited: within the ``topk_group`` groups holding the best single
 scores), weighted by ``s`` times ``routed_scaling_factor``, never renormalized.
-The selection (``group_limited_top_k``) and the bias Variable (``RouterBias``) are the shared ones of
-``nnx_zoo.layers.routers``. The shared experts (one SwiGLU of width ``moe_intermediate_size *
-n_shared_experts``) are added unscaled.
+The block is the shared ``nnx_zoo.layers.sparse_moe.SparseMoE`` (token layout, float32 router, every
+``moe_impl`` path, the input's sharding restored), its router the shared one ``topk_method`` names
+(``SHARED_ROUTERS``); DeepSeek adds the sequence-wise balance loss. The shared experts (one SwiGLU of width
+``moe_intermediate_size * n_shared_experts``) are added unscaled.
 """
 
 from __future__ import annotations
@@ -20,17 +21,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_zoo.layers.mlp import SwiGLU
-from nnx_zoo.layers.moe import RoutedExperts
-from nnx_zoo.layers.routers import RouterBias, group_limited_top_k
-from nnx_zoo.layers.spec import explicit_spec, weight_einsum
-from nnx_zoo.models.deepseek.config import DeepSeekV3Config
-from nnx_zoo.sharding import restore_sharding, shard, sharding_of
+from nnx_zoo.layers.routers import RouterBias
+from nnx_zoo.layers.routers import route as shared_route
+from nnx_zoo.layers.sparse_moe import SparseMoE
+from nnx_zoo.layers.spec import explicit_spec
+from nnx_zoo.models.deepseek.config import DeepSeekV3Config, Router
+from nnx_zoo.sharding import shard
 
-_BLE = ("activation_batch", "activation_length", "activation_embed")
-_TE = ("activation_tokens", "activation_embed")
-_T_EXPERTS = ("activation_tokens", None)  # every token sees all router scores: top-k needs the whole row
+__all__ = ["SHARED_ROUTERS", "DeepSeekMoE", "MoEOutput", "RouterBias", "route", "router_scores",
+           "sequence_balance_loss"]
+
 _BL_EXPERTS = ("activation_batch", "activation_length", None)
+
+
+# DeepSeek's routers (config.ROUTERS rows) as the shared ones (nnx_zoo.layers.routers.ROUTERS), by (scoring,
+# group_top, selection_bias): V3's noaux_tc, V2's greedy and group_limited_greedy.
+SHARED_ROUTERS: dict[tuple[str, int, bool], str] = {
+    ("sigmoid", 2, True): "sigmoid_bias",
+    ("softmax", 0, False): "softmax",
+    ("softmax", 1, False): "softmax_group_limited",
+}
+
+
+def _shared_router(router: Router) -> str:
+    key = (router.scoring, router.group_top, router.selection_bias)
+    if key not in SHARED_ROUTERS:
+        raise ValueError(f"no shared router routes as {router} does")
+    return SHARED_ROUTERS[key]
 
 
 def router_scores(logits: jax.Array, config: DeepSeekV3Config) -> jax.Array:
@@ -43,11 +60,13 @@ def route(
     logits: jax.Array, bias: jax.Array | None, config: DeepSeekV3Config
 ) -> tuple[jax.Array, jax.Array]:
     """Top-k experts and their weights for router ``logits [..., E]`` (float32, e.g. ``[T, E]`` or ``[B, S, E]``):
-    ``(idx [..., k], weights [..., k])``. ``bias``: the selection bias when ``config.router`` has one, else None."""
+    ``(idx [..., k], weights [..., k])``, as ``DeepSeekMoE`` routes (the shared router ``config.router`` maps to).
+    ``bias``: the selection bias when ``config.router`` has one, else None."""
     c = config
-    return group_limited_top_k(router_scores(logits, c), c.num_experts_per_tok, bias=bias, n_group=c.n_group,
-                               topk_group=c.topk_group, group_top=c.router.group_top, renormalize=c.norm_topk_prob,
-                               scale=c.routed_scaling_factor)
+    routing = shared_route(_shared_router(c.router), logits, c.num_experts_per_tok, renormalize=c.norm_topk_prob,
+                           bias=bias, n_group=c.n_group or 1, topk_group=c.topk_group or 1,
+                           scale=c.routed_scaling_factor)
+    return routing.expert_indices, routing.weights
 
 
 def sequence_balance_loss(
@@ -99,8 +118,10 @@ class MoEOutput(NamedTuple):
     balance_loss: jax.Array | None
 
 
-class DeepSeekMoE(nnx.Module):
-    """The MoE feed-forward block: ``moe(x [batch, seq, embed]) -> MoEOutput``.
+class DeepSeekMoE(SparseMoE):
+    """The MoE feed-forward block: ``moe(x [batch, seq, embed]) -> MoEOutput``. A ``SparseMoE`` configured from
+    ``config`` (its Variables ``router``, ``e_score_correction_bias`` (V3 only), ``experts``, ``shared_experts``)
+    with DeepSeek's output and sequence-wise balance loss.
 
     >>> moe = DeepSeekMoE(DeepSeekV3Config.preset("deepseek3-mini"), rngs=nnx.Rngs(0))
     >>> out = moe(jnp.ones((2, 8, 128)))
@@ -111,53 +132,22 @@ class DeepSeekMoE(nnx.Module):
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
-                  kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs)
-        init = nnx.initializers.normal(c.initializer_range)
-        self.router = nnx.Param(
-            init(rngs.params(), (c.hidden_size, c.n_routed_experts), jnp.dtype(c.param_dtype)),
-            out_sharding=("embed", "exp_router"),
-            eager_sharding=False,
-        )
-        if c.router.selection_bias:  # V2's routers have none: no Variable, no HF key
-            self.e_score_correction_bias = RouterBias(
-                jnp.zeros((c.n_routed_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
-            )
-        else:
-            self.e_score_correction_bias = None
-        self.experts = RoutedExperts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size,
-                                     grouped_matmul_impl=c.grouped_matmul_impl, **kw)
-        if c.n_shared_experts:
-            self.shared_experts = SwiGLU(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, **kw)
-        else:
-            self.shared_experts = None
+        super().__init__(
+            c.hidden_size, num_experts=c.n_routed_experts, experts_per_token=c.num_experts_per_tok,
+            expert_hidden=c.moe_intermediate_size, renormalize=c.norm_topk_prob,
+            shared_hidden=c.moe_intermediate_size * c.n_shared_experts, router=_shared_router(c.router),
+            n_group=c.n_group or 1, topk_group=c.topk_group or 1, routed_scaling_factor=c.routed_scaling_factor,
+            moe_impl=c.moe_impl, grouped_matmul_impl=c.grouped_matmul_impl, capacity_factor=c.moe_capacity_factor,
+            dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
+            kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None) -> MoEOutput:
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None) -> MoEOutput:  # type: ignore[override]
         """``MoEOutput`` for ``x [batch, seq, embed]``. ``token_mask [batch or 1, seq]`` (True = real token; default
         all real) says which tokens the balance loss counts."""
         c = self.config
-        in_sharding = sharding_of(x)
-        batch, seq, hidden = x.shape
-        router = self.router[...].astype(jnp.float32)
-        if c.moe_impl == "ep":
-            # Routed per sequence: with the sequence split (ep-as-cp) a flat token layout costs an all-to-all; the
-            # ep path gathers [batch, seq] blocks itself.
-            tokens = shard(x, _BLE)
-            logits = shard(weight_einsum("bsh,he->bse", tokens.astype(jnp.float32), router, _BL_EXPERTS),
-                           _BL_EXPERTS)
-        else:
-            tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
-            tokens = shard(tokens, _TE)
-            logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
-        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-        idx, weights = route(logits, bias, c)
-
-        out, dropped = self.experts(tokens, idx, weights, impl=c.moe_impl, capacity_factor=c.moe_capacity_factor,
-                                    return_dropped=True)
-        out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        out = restore_sharding(shard(out, _BLE), in_sharding)
+        batch, seq, _ = x.shape
+        out, routing, logits, dropped = self.routed(x)
+        idx = routing.expert_indices
         balance = None
         if c.seq_aux_loss_alpha > 0:  # off: nothing to trace
             token_mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
