@@ -314,8 +314,9 @@ def train(
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps, wrt=trainable_filter(model)))
 
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
-    trained = _trained(state.optimizer.wrt)
-    if config.routing_bias_rate > 0 and trains_part(state.model, state.optimizer.wrt):
+    partial = trains_part(state.model, state.optimizer.wrt)
+    trained = _trained(state.optimizer.wrt) if partial else "all parameters"
+    if config.routing_bias_rate > 0 and partial:
         checkpoints.close()
         raise ValueError(
             f"routing_bias_rate={config.routing_bias_rate} would move the routers' balancing bias, but this model "
@@ -544,7 +545,8 @@ def _run_definition(
 
 
 def _trained(wrt: Any) -> str:
-    """The optimizer's ``wrt`` filter as a stable string (stored in each checkpoint, compared on resume)."""
+    """The optimizer's ``wrt`` filter as a string, for a model that trains part of itself (stored in each
+    checkpoint, compared on resume; a model that trains all of itself stores 'all parameters')."""
     return str(nnx.filterlib.to_predicate(wrt))
 
 
