@@ -13,7 +13,13 @@ Examples (the mesh ones need 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_pla
 Every field of the chosen family's config class can be set with ``--model.<field> VALUE`` (``none`` for None);
 ``--model NAME --help`` lists that family's fields. Training extras a model has are used because it has them:
 multi-token-prediction heads (``num_nextn_predict_layers > 0``), aux-loss-free expert balancing (MoE layers and
-``--routing-bias-rate > 0``), a sequence-wise balance loss (``seq_aux_loss_alpha > 0``).
+``--routing-bias-rate > 0``), a sequence-wise balance loss (``seq_aux_loss_alpha > 0``), a sparse-attention
+indexer's own loss (DeepSeek-V3.2: ``--indexer-stage dense_warmup`` trains the indexer alone on dense attention,
+the rest frozen; ``--indexer-stage sparse`` trains it beside the model, on its own loss only). A warm-up goes on to
+the sparse stage as a new run from its export:
+    python recipes/pretrain.py --model deepseek3.2-tiny --indexer-stage dense_warmup --run-dir runs/warm
+    python recipes/export_hf.py runs/warm exports/warm
+    python recipes/pretrain.py --from-pretrained exports/warm --indexer-stage sparse --run-dir runs/sparse
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ EXIT_CODES = """exit codes:
 """
 
 SYNTHETIC_VOCAB = 256  # --synthetic-vocab's default; smaller model vocabularies use their own size
+
+# --indexer-stage: the values of a config's ``indexer_training`` (DeepSeek-V3.2's DSA indexer).
+INDEXER_STAGES = ("off", "dense_warmup", "sparse")
 
 # Config fields that change how the model computes, not what: free to change when resuming a run.
 HOW_FIELDS = frozenset({"moe_impl", "grouped_matmul_impl", "attention_impl", "batch_split_factor", "scan_layers",
@@ -163,6 +172,14 @@ def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iter
                        help="MoE compute path (shortcut for --model.moe_impl)")
     if "remat_policy" in fields:
         g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
+    if "indexer_training" in fields:
+        g.add_argument("--indexer-stage", choices=INDEXER_STAGES,
+                       help="how the sparse-attention indexer trains (shortcut for --model.indexer_training): "
+                       "dense_warmup: dense attention, only the indexer trains (on its KL to the attention "
+                       "distribution), the rest frozen; sparse: top-k attention, the indexer trains on its KL from "
+                       "detached inputs, the rest on the language-model loss alone; off: no indexer loss. After a "
+                       "warm-up, export it (recipes/export_hf.py RUN_DIR OUT) and start the sparse stage as a new "
+                       "run with --from-pretrained OUT --indexer-stage sparse")
     for field in dataclasses.fields(config_cls):
         kind = getattr(hints[field.name], "__name__", None) or str(hints[field.name]).replace("typing.", "")
         # The value this run would use unless overridden: what a user compares an override against.
@@ -412,6 +429,8 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["moe_impl"] = args.moe_impl
     if getattr(args, "remat", None):
         overrides["remat_policy"] = args.remat
+    if getattr(args, "indexer_stage", None):
+        overrides["indexer_training"] = args.indexer_stage
     return overrides
 
 
@@ -448,6 +467,48 @@ def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> E
                    and getattr(config, "has_routing_bias", True))  # a softmax top-k router has no bias to move
     return Extras(mtp_weight=args.mtp_weight if has_mtp else 0.0,
                   routing_bias_rate=args.routing_bias_rate if can_balance else 0.0)
+
+
+def trained_parameters(config: Any, model_cls: type) -> tuple[int, int]:
+    """(parameters the trainer updates, all parameters) of ``config``'s model, counted on an abstract one: what
+    ``model.trainable()`` selects (``nnx_zoo.train.optim.trainable_filter``; all of them unless the model freezes
+    part of itself, e.g. for an indexer warm-up)."""
+    import jax
+    from flax import nnx
+
+    from nnx_zoo.train.optim import trainable_filter
+
+    model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+
+    def count(wrt: Any) -> int:
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.All(nnx.Param, wrt))))
+
+    return count(trainable_filter(model)), count(nnx.Param)
+
+
+def what_trains(config: Any, model_cls: type, extras: Extras, pretrained: bool) -> tuple[Extras, list[str]]:
+    """The extras adjusted to a model that trains only part of itself (no routing-bias balancing: its routers are
+    frozen), and the lines that say so, with the indexer stage of a config that has one."""
+    trained, total = trained_parameters(config, model_cls)
+    lines = []
+    stage, topk = getattr(config, "indexer_training", None), getattr(config, "index_topk", 0)
+    if stage == "dense_warmup":
+        lines.append(f"indexer warm-up: dense attention, training the indexer only ({trained:,} parameters), the rest "
+                     f"frozen ({total - trained:,}); its loss is the KL to the attention distribution (metric "
+                     "indexer_loss); the language-model loss is measured, not trained"
+                     + ("" if pretrained else ". The model starts from a random initialization: a warm-up is meant "
+                        "to start from a trained dense model (--from-pretrained)"))
+    elif stage == "sparse":
+        lines.append(f"indexer sparse stage: each query attends to its top {topk} keys; the indexer trains on its KL "
+                     "over them from detached inputs (metric indexer_loss), the rest on the language-model loss")
+    elif stage == "off" and topk:
+        lines.append(f"indexer: each query attends to its top {topk} keys; the indexer is not trained "
+                     "(--indexer-stage off: no indexer loss)")
+    if trained < total and extras.routing_bias_rate > 0:
+        lines.append(f"routing-bias balancing off (--routing-bias-rate {extras.routing_bias_rate:g} not used): the "
+                     f"model trains {trained:,} of its {total:,} parameters, its routers frozen")
+        extras = extras._replace(routing_bias_rate=0.0)
+    return extras, lines
 
 
 def plan(args: argparse.Namespace, config: Any) -> int:
@@ -574,11 +635,14 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     if args.plan:
         return plan(args, config)
     model_cls = AutoModelForCausalLM.model_class(config)
-    extras = training_extras(config, model_cls, args)
+    extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),
+                                      pretrained=source.pretrained is not None)
     settings = train_config(args, source, config, extras)
     params = config.num_parameters()
     print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "
           f"({params.active / 1e6:.1f}M active), run dir {settings.run_dir}", file=sys.stderr)
+    for line in stage_lines:
+        print(f"nnx_zoo: {line}", file=sys.stderr)
     kernels = describe_kernels(config, kernel_choices(config, seq_len=args.seq_len, segments=args.data != "synthetic"))
     print(f"nnx_zoo: kernels: {kernels}", file=sys.stderr)
     structure, model_settings = model_definition(config)
@@ -619,6 +683,10 @@ def print_summary(summary: dict[str, Any], run_dir: str | Path) -> None:
     ]
     if losses:
         lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    first = summary.get("first") or {}
+    for name in ("aux_loss", "indexer_loss"):  # the model's own loss terms, first and last logged
+        if name in last and name in first:
+            lines.append(f"{name} {first[name]:.4f} -> {last[name]:.4f}")
     if last:
         mfu = last.get("mfu")
         lines.append(f"last step: {last['tokens_per_s']:.0f} tokens/s, {last['tflops_per_device'] * 1e3:.3f} "

@@ -189,6 +189,17 @@ class CausalLMBase(nnx.Module):
         ``mtp_hidden``) are its inputs, for ``output_head()``."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
 
+    def trainable(self) -> nnx.filterlib.Filter:
+        """Which Variables a trainer updates (the optimizer's ``wrt``; ``nnx_zoo.train`` asks for it): every
+        ``nnx.Param`` here. A family narrows it for a stage that trains part of the model with the rest frozen
+        (DeepSeek-V3.2's indexer warm-up: only the indexer). Buffers that are not ``nnx.Param`` (a router's
+        balancing bias) are never in it.
+
+        >>> optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=model.trainable())
+        >>> frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(model.trainable())))  # what stays as it is
+        """
+        return nnx.Param
+
     @contextlib.contextmanager
     def sharding_scope(self) -> Iterator[None]:
         """The model's rules (and, with no ambient mesh, its parameters' mesh) in force, as inside ``forward``:

@@ -14,7 +14,13 @@ from nnx_zoo.train.loop import (
 )
 from nnx_zoo.train.loss import chunked_head_cross_entropy
 from nnx_zoo.train.metrics import MetricsWriter, Peak, peak_flops_per_device, resolve_peak
-from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, make_tx
+from nnx_zoo.train.optim import (
+    OptimizerConfig,
+    learning_rate_schedule,
+    make_optimizer,
+    make_tx,
+    trainable_filter,
+)
 from nnx_zoo.train.step import token_cross_entropy, train_step
 
 __all__ = [
@@ -42,4 +48,5 @@ __all__ = [
     "token_cross_entropy",
     "train",
     "train_step",
+    "trainable_filter",
 ]

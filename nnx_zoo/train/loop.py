@@ -28,8 +28,8 @@ from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, resolve_peak
-from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
-from nnx_zoo.train.run_spec import reconcile, run_definition
+from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, trainable_filter, trains_part
+from nnx_zoo.train.run_spec import RunMismatchError, reconcile, run_definition
 from nnx_zoo.train.step import train_step
 
 BATCH_NAMES = ("activation_batch", "activation_length")
@@ -50,7 +50,9 @@ class TrainConfig:
     accum_steps: int = 1
     mtp_weight: float = 0.3
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
-    routing_bias_rate: float = 0.0  # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off
+    # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off. Must be 0 for a model that trains only
+    # part of itself (model.trainable(), e.g. an indexer warm-up): balancing would move its frozen routers.
+    routing_bias_rate: float = 0.0
     # Tokens per device whose logits the output head + cross-entropy computes at a time (nnx_zoo.train.loss
     # chunked_head_cross_entropy): None = chunks of at most 512 MiB of float32 logits (a batch that fits is one
     # chunk: no recompute; an Auto mesh splitting the tokens: one chunk, as XLA would reduce the head's gradient
@@ -287,6 +289,11 @@ def train(
     pretrained checkpoint, read onto ``mesh``) after ``make_model``'s model was created sharded; a resumed run
     takes its weights from its checkpoint instead.
 
+    What is trained is what the model says (``model.trainable()``, ``nnx_zoo.train.optim.trainable_filter``; every
+    ``nnx.Param`` by default): the optimizer and its state cover only that, the rest stays as created (or loaded).
+    A run directory keeps training the same part: a checkpoint records it and a resume that would train another
+    part (say the indexer's warm-up continued as its sparse stage) stops, as its optimizer state cannot carry over.
+
     ``model_structure`` (e.g. the model config's architecture fields) and ``model_settings`` (fields that change
     the numbers but not the parameters, such as a loss weight) join the run's definition, which every checkpoint
     stores and a resume checks (``nnx_zoo.train.run_spec``).
@@ -304,14 +311,31 @@ def train(
 
     def make_state() -> TrainState:
         model = make_model()
-        return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps))
+        return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps, wrt=trainable_filter(model)))
 
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
+    partial = trains_part(state.model, state.optimizer.wrt)
+    trained = _trained(state.optimizer.wrt) if partial else "all parameters"
+    if config.routing_bias_rate > 0 and partial:
+        checkpoints.close()
+        raise ValueError(
+            f"routing_bias_rate={config.routing_bias_rate} would move the routers' balancing bias, but this model "
+            f"trains only part of its parameters (model.trainable(): {trained}), the rest frozen: set "
+            "routing_bias_rate=0 (recipes: --routing-bias-rate 0)")
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
     start_step, reference_loss = 0, None
     if resume_step is not None:
+        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
+        if stored_trained != trained:
+            checkpoints.close()
+            raise RunMismatchError(
+                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
+                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
+                "state does not carry over. Start a new run from this one's weights instead: export it "
+                f"(recipes/export_hf.py {config.run_dir} OUT) and train from there (--from-pretrained OUT) in a new "
+                "--run-dir.")
         start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
         reference_loss = meta.get("first_loss")
@@ -319,7 +343,8 @@ def train(
         print(f"nnx_zoo: {note}", file=sys.stderr)
 
     schedule = learning_rate_schedule(config.optimizer, schedule_steps)
-    summary: dict[str, Any] = {"start_step": start_step, "end_step": start_step, "losses": [], "last": None,
+    summary: dict[str, Any] = {"start_step": start_step, "end_step": start_step, "losses": [], "first": None,
+                               "last": None,
                                "stopped_by_signal": None, "schedule_steps": schedule_steps, "diverged": None}
     writer = MetricsWriter(run_dir, tensorboard=config.tensorboard, enabled=primary)
     writer.drop_after(start_step)  # rows a crashed run logged after its last checkpoint are trained again
@@ -351,7 +376,8 @@ def train(
             raise NonFiniteLossError(
                 f"the state after step {step} is not finite; not saving it. The last finite checkpoint is "
                 f"{_latest(checkpoints)} in {checkpoints.directory}.", summary)
-        meta = {"step": step, "seed": config.seed, "run": definition, "first_loss": watch.reference}
+        meta = {"step": step, "seed": config.seed, "run": definition, "first_loss": watch.reference,
+                "trained": trained}
         checkpoints.save(step, state, data_state=data_state, meta=meta)
         saved.append(step)
         last_save_time[0] = time.monotonic()
@@ -412,13 +438,17 @@ def train(
                         "tflops_per_device": tflops,
                         "mfu": peak.mfu(tflops * 1e12, step=step),
                         "exploding": exploding,
-                        **{k: float(v) for k, v in metrics.items() if k.startswith(("mtp", "aux", "expert"))},
+                        **{k: float(v) for k, v in metrics.items()
+                           if k.startswith(("mtp", "aux", "expert", "indexer"))},
                     }
                     peak_memory = device_peak_memory_gib()
                     if peak_memory is not None:  # accelerators report it; XLA:CPU does not
                         record["peak_memory_gib"] = peak_memory
                     writer.write(record)
-                    progress.update(step, {"loss": loss, "tok/s": tokens_per_s})
+                    # An indexer warm-up trains only the indexer: its loss is the one that moves.
+                    shown = {"indexer_loss": record["indexer_loss"]} if "indexer_loss" in record else {}
+                    progress.update(step, {"loss": loss, **shown, "tok/s": tokens_per_s})
+                    summary["first"] = summary["first"] or record
                     summary["last"] = record
                     window_start, window_tokens = time.perf_counter(), 0.0
                 if exploding:
@@ -512,6 +542,12 @@ def _run_definition(
 
     return reconcile(stored, current, resume_step=resume_step, steps=config.steps, extend=config.extend,
                      override_settings=config.override_settings, lr_at=lr_at)
+
+
+def _trained(wrt: Any) -> str:
+    """The optimizer's ``wrt`` filter as a string, for a model that trains part of itself (stored in each
+    checkpoint, compared on resume; a model that trains all of itself stores 'all parameters')."""
+    return str(nnx.filterlib.to_predicate(wrt))
 
 
 def _all_finite(tree: Any) -> jax.Array:

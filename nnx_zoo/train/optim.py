@@ -205,8 +205,23 @@ def make_tx(config: OptimizerConfig, model: nnx.Module, total_steps: int, wrt: n
     return opt
 
 
+def trainable_filter(model: nnx.Module) -> nnx.filterlib.Filter:
+    """What a trainer updates in ``model``: ``model.trainable()`` when the model says (a ``CausalLMBase`` does,
+    e.g. only DeepSeek-V3.2's indexer during its warm-up), else every ``nnx.Param``."""
+    trainable = getattr(model, "trainable", None)
+    return nnx.Param if trainable is None else trainable()
+
+
+def trains_part(model: nnx.Module, wrt: nnx.filterlib.Filter) -> bool:
+    """Whether ``wrt`` leaves some of ``model``'s parameters (``nnx.Param``) frozen."""
+    return len(jax.tree.leaves(nnx.state(model, nnx.All(nnx.Param, wrt)))) < len(
+        jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
 def make_optimizer(config: OptimizerConfig, model: nnx.Module, total_steps: int,
-                   wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.Optimizer:
-    """``nnx.Optimizer(model, tx, wrt=wrt)``: only trainable parameters (not routing biases) are updated; pass
-    ``wrt=LoRAParam`` to train only LoRA adapters."""
+                   wrt: nnx.filterlib.Filter | None = None) -> nnx.Optimizer:
+    """``nnx.Optimizer(model, tx, wrt=wrt)``: only trainable parameters (not routing biases) are updated. By
+    default what the model says it trains (``trainable_filter``: every ``nnx.Param`` unless ``model.trainable()``
+    narrows it); pass ``wrt=LoRAParam`` to train only LoRA adapters."""
+    wrt = trainable_filter(model) if wrt is None else wrt
     return nnx.Optimizer(model, make_tx(config, model, total_steps, wrt), wrt=wrt)

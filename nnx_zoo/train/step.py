@@ -8,12 +8,18 @@ tokens (``chunked_head_cross_entropy``, ``loss_chunk_tokens``): no float32 logit
 without ``forward`` is called as ``model(input_ids, attention_mask)`` and its result taken as the logits. When the
 output carries ``mtp_logits`` or ``mtp_hidden`` (a sequence whose k-th entry predicts the token ``k + 2`` places
 ahead) the multi-token-prediction loss is added with ``mtp_weight``; an ``aux_loss`` scalar (e.g. a sequence-wise
-balance loss, already weighted by the model, and a mean over the sequences holding a real token) is added as is;
-an ``expert_load`` is summed into the metrics.
+balance loss, already weighted by the model, and a mean over the sequences holding a real token) is added as is,
+and so is an ``indexer_loss`` scalar (a sparse-attention indexer's own loss, same reduction; the model keeps its
+gradient away from everything but the indexer); an ``expert_load`` is summed into the metrics.
 
 With gradient accumulation every term stays a mean over the whole step: the cross-entropy and each MTP head's loss
-over all of the step's tokens, the aux loss over all of its real sequences (``step_counts``), so ``accum_steps``
-micro-batches give the same loss, gradient and update as one step on the whole batch, whatever their masks.
+over all of the step's tokens, the aux and indexer losses over all of its real sequences (``step_counts``), so
+``accum_steps`` micro-batches give the same loss, gradient and update as one step on the whole batch, whatever
+their masks.
+
+What is trained is the optimizer's ``wrt`` (``nnx.Optimizer(model, tx, wrt=...)``): only those parameters are
+differentiated and updated; the training loop takes it from ``model.trainable()`` (e.g. only an indexer during
+its warm-up), a notebook may pass ``wrt=LoRAParam``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from nnx_zoo.sharding import shard_mode_of
 from nnx_zoo.train.loss import chunked_head_cross_entropy, token_cross_entropy
 
 Batch = dict[str, jax.Array]
+# The output's scalar loss terms that are means over the sequences holding a real token, each added to the loss as
+# is and logged under its own name: a balance loss (``aux_loss``), a sparse-attention indexer's loss.
+SEQUENCE_LOSSES = ("aux_loss", "indexer_loss")
 
 
 def shift_left(x: jax.Array, shift: int) -> jax.Array:
@@ -126,10 +135,10 @@ def loss_terms(
 
     The step's loss is the per-token cross-entropy over all of the step's tokens, plus ``mtp_weight`` times the
     mean over MTP heads of each head's per-token loss over all of the step's tokens for that head, plus the
-    ``aux_loss`` as a mean over all of the step's real sequences. ``counts`` (``step_counts`` of the whole batch)
-    are those totals; without them this micro-batch is the whole step. Summing the shares of all micro-batches and
-    dividing by ``counts["tokens"]`` gives exactly the loss of one step on the whole batch. ``loss_chunk_tokens``:
-    see ``head_losses``.
+    ``aux_loss`` and the ``indexer_loss`` (``SEQUENCE_LOSSES``), each as a mean over all of the step's real
+    sequences. ``counts`` (``step_counts`` of the whole batch) are those totals; without them this micro-batch is
+    the whole step. Summing the shares of all micro-batches and dividing by ``counts["tokens"]`` gives exactly the
+    loss of one step on the whole batch. ``loss_chunk_tokens``: see ``head_losses``.
     """
     out, losses = head_losses(model, batch, model_kwargs, loss_chunk_tokens)
     (ce_sum, tokens), mtp_losses = losses[0], losses[1:]
@@ -146,13 +155,14 @@ def loss_terms(
     expert_load = getattr(out, "expert_load", None)
     if expert_load is not None:
         metrics["expert_load"] = jax.lax.stop_gradient(expert_load)
-    aux_loss = getattr(out, "aux_loss", None)
-    if aux_loss is not None:
-        sequences = real_sequences(batch)
-        step_sequences = sequences if counts is None else counts["sequences"]
-        total = total + aux_loss * step_tokens * sequences / jnp.maximum(step_sequences, 1.0)
-        metrics["aux_loss_sum"] = aux_loss * sequences
-        metrics["sequences"] = sequences
+    for name in SEQUENCE_LOSSES:  # scalars, each a mean over this micro-batch's real sequences
+        value = getattr(out, name, None)
+        if value is not None:
+            sequences = real_sequences(batch)
+            step_sequences = sequences if counts is None else counts["sequences"]
+            total = total + value * step_tokens * sequences / jnp.maximum(step_sequences, 1.0)
+            metrics[f"{name}_sum"] = value * sequences
+            metrics["sequences"] = sequences
     return total, metrics
 
 
@@ -233,6 +243,7 @@ def train_step(
     for name, value in sums.items():  # per-token means over the step's tokens for each head
         if name.startswith("mtp") and name.endswith("_sum"):
             metrics[name.removesuffix("_sum")] = value / jnp.maximum(sums[name.replace("_sum", "_tokens")], 1.0)
-    if "aux_loss_sum" in sums:  # the mean over the step's real sequences
-        metrics["aux_loss"] = sums["aux_loss_sum"] / jnp.maximum(sums["sequences"], 1.0)
+    for name in SEQUENCE_LOSSES:  # the mean over the step's real sequences
+        if f"{name}_sum" in sums:
+            metrics[name] = sums[f"{name}_sum"] / jnp.maximum(sums["sequences"], 1.0)
     return metrics

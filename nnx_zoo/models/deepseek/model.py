@@ -331,6 +331,14 @@ class DeepSeekV3(CausalLMBase):
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(latent=latent, k_rope=k_rope, index_k=index_k[0] if index_k else None)
 
+    def trainable(self) -> nnx.filterlib.Filter:
+        """What a trainer updates: every parameter, except in DeepSeek-V3.2's indexer warm-up
+        (``indexer_training='dense_warmup'``), which trains the lightning indexers alone (every parameter under an
+        ``indexer`` module), the rest frozen."""
+        if self.config.indexer_training == "dense_warmup":
+            return nnx.All(nnx.Param, nnx.PathContains("indexer"))
+        return nnx.Param
+
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves
         by ``rate`` toward balance, ``bias += rate * sign(mean load - load)`` (``expert_load [layers, experts]``
