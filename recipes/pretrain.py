@@ -487,8 +487,8 @@ def trained_parameters(config: Any, model_cls: type) -> tuple[int, int]:
 
 
 def what_trains(config: Any, model_cls: type, extras: Extras, pretrained: bool) -> tuple[Extras, list[str]]:
-    """The extras adjusted to a model that trains only part of itself (no routing-bias balancing: its routers are
-    frozen), and the lines that say so, with the indexer stage of a config that has one."""
+    """The lines that say what an indexer stage trains (a config with ``indexer_training``), and the extras
+    adjusted to it (no routing-bias balancing in the warm-up: the routers are frozen there)."""
     trained, total = trained_parameters(config, model_cls)
     lines = []
     stage, topk = getattr(config, "indexer_training", None), getattr(config, "index_topk", 0)
@@ -502,11 +502,11 @@ def what_trains(config: Any, model_cls: type, extras: Extras, pretrained: bool) 
         lines.append(f"indexer sparse stage: each query attends to its top {topk} keys; the indexer trains on its KL "
                      "over them from detached inputs (metric indexer_loss), the rest on the language-model loss")
     elif stage == "off" and topk:
-        lines.append(f"indexer: each query attends to its top {topk} keys; the indexer is not trained "
-                     "(--indexer-stage off: no indexer loss)")
-    if trained < total and extras.routing_bias_rate > 0:
+        lines.append(f"indexer: each query attends to its top {topk} keys; the indexer is frozen "
+                     f"({total - trained:,} parameters; --indexer-stage off: no indexer loss)")
+    if stage == "dense_warmup" and extras.routing_bias_rate > 0:
         lines.append(f"routing-bias balancing off (--routing-bias-rate {extras.routing_bias_rate:g} not used): the "
-                     f"model trains {trained:,} of its {total:,} parameters, its routers frozen")
+                     "routers are frozen with the rest of the model in the indexer warm-up")
         extras = extras._replace(routing_bias_rate=0.0)
     return extras, lines
 

@@ -316,12 +316,6 @@ def train(
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
     partial = trains_part(state.model, state.optimizer.wrt)
     trained = _trained(state.optimizer.wrt) if partial else "all parameters"
-    if config.routing_bias_rate > 0 and partial:
-        checkpoints.close()
-        raise ValueError(
-            f"routing_bias_rate={config.routing_bias_rate} would move the routers' balancing bias, but this model "
-            f"trains only part of its parameters (model.trainable(): {trained}), the rest frozen: set "
-            "routing_bias_rate=0 (recipes: --routing-bias-rate 0)")
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)

@@ -7,14 +7,15 @@
   with AdamW lowers the indexer's loss while every other Variable (routing biases included) stays bit-identical,
   and the model's cross-entropy on a fixed batch does not move at all.
 - ``train_step`` adds an ``indexer_loss`` like an ``aux_loss`` (a mean over the step's real sequences) and logs it:
-  exact under gradient accumulation; the loop refuses routing-bias balancing for a partly frozen model (toy models,
-  so no further DeepSeek compiles).
+  exact under gradient accumulation (a toy model, so no further DeepSeek compile). With ``'off'`` the indexer is
+  frozen (it has no signal; weight decay alone would move its top-k).
 
 A tiny config (2 layers, top-8 of 32 positions, so attention really is sparse), one compile per DeepSeek case.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,7 +25,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
-from nnx_zoo.train import OptimizerConfig, TrainConfig, make_optimizer, train, train_step
+from nnx_zoo.train import OptimizerConfig, make_optimizer, train_step
 from nnx_zoo.train.step import head_losses
 from tests.train.toy_lm import ToyLM
 
@@ -75,8 +76,7 @@ def test_sparse_stage_indexer_loss_and_lm_loss_reach_disjoint_parameters():
     assert len(indexer) == 15  # wq_b, wk, k_norm scale and bias, weights_proj; dense, MoE and MTP layers
     leaks = {name: g for name, g in from_indexer.items() if name not in indexer and g != 0.0}
     assert not leaks, f"the indexer loss reaches the main model: {leaks}"
-    # The MTP layer's indexer chooses its keys but has no loss of its own yet: only the main stack's are required.
-    dead = {name for name in indexer if not name.startswith("mtp_layers/") and from_indexer[name] == 0.0}
+    dead = {name for name in indexer if from_indexer[name] == 0.0}  # the MTP layer's indexer included
     assert not dead, f"the indexer loss does not reach {dead}"
     leaks = {name: g for name, g in from_lm.items() if name in indexer and g != 0.0}
     assert not leaks, f"the LM loss reaches the indexer: {leaks}"
@@ -92,8 +92,9 @@ def _not_indexer(model: nnx.Module) -> dict[str, np.ndarray]:
 
 def test_dense_warmup_trains_the_indexer_alone_and_its_loss_falls():
     """``make_optimizer`` takes ``model.trainable()``: only the indexers' parameters (and their AdamW state). Ten
-    ``train_step``s on a fixed batch cut the indexer's KL to dense attention by more than half; every other
-    Variable is bit-identical afterwards, so the cross-entropy of the fixed batch is the same at every step."""
+    ``train_step``s on a fixed batch (routing-bias balancing asked for: the warm-up's routers stay frozen) cut the
+    indexer's KL to dense attention by more than half; every other Variable is bit-identical afterwards, so the
+    cross-entropy of the fixed batch is the same at every step."""
     model = DeepSeekV3(_config("dense_warmup"), rngs=nnx.Rngs(0))
     optimizer = make_optimizer(OptimizerConfig(lr=1e-2, warmup_steps=0, schedule="constant"), model, 10)
     trained = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(
@@ -101,7 +102,7 @@ def test_dense_warmup_trains_the_indexer_alone_and_its_loss_falls():
     assert trained and all("attn/indexer/" in name for name in trained)
     assert len(trained) == 15
     before, indexer_before = _not_indexer(model), nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
-    step = nnx.jit(train_step)
+    step = nnx.jit(functools.partial(train_step, routing_bias_rate=1e-2, model_kwargs=(("with_expert_load", True),)))
     batch = _batch(rows=4)
     metrics = [jax.device_get(step(model, optimizer, batch)) for _ in range(10)]
     losses = [float(m["indexer_loss"]) for m in metrics]
@@ -115,23 +116,20 @@ def test_dense_warmup_trains_the_indexer_alone_and_its_loss_falls():
     indexer_after = nnx.to_pure_dict(nnx.state(model, optimizer.wrt))
     still = [_path(p) for p, same in jax.tree_util.tree_leaves_with_path(jax.tree.map(
         lambda a, b: bool(jnp.all(a == b)), indexer_before, indexer_after)) if same]
+    # The MTP head runs only with with_mtp (its loss's test is the sparse one above); here it has no KL.
     assert not [name for name in still if not name.startswith("mtp_layers/")], still
 
 
-class _FrozenToy(ToyLM):
-    """A model that trains part of itself (``trainable()``), as an indexer warm-up does."""
-
-    def trainable(self):
-        return nnx.All(nnx.Param, nnx.PathContains("head"))
-
-
-def test_a_partly_frozen_model_refuses_routing_bias_balancing(tmp_path):
-    """The loop stops before compiling a step when balancing (``routing_bias_rate > 0``) would move the bias of a
-    router the model keeps frozen (any model whose ``trainable()`` leaves parameters out)."""
-    with pytest.raises(ValueError, match="routing_bias_rate=0.001 would move the routers' balancing bias"):
-        train(lambda: _FrozenToy(VOCAB, 16, nnx.Rngs(0)),
-              TrainConfig(steps=1, run_dir=str(tmp_path), routing_bias_rate=1e-3, progress=False),
-              vocab_size=VOCAB, flops_per_token=1.0)
+def test_off_freezes_the_indexer_and_sparse_trains_everything():
+    """Stage ``off``: the optimizer leaves out exactly the 15 indexer parameters (no signal reaches them, and weight
+    decay alone would shrink them and move their top-k); ``sparse`` trains every parameter."""
+    for stage, frozen in (("off", 15), ("sparse", 0)):
+        model = nnx.eval_shape(lambda stage=stage: DeepSeekV3(_config(stage), rngs=nnx.Rngs(0)))
+        trained = nnx.to_pure_dict(nnx.state(model, nnx.All(nnx.Param, model.trainable())))
+        every = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        left_out = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(every)} - {
+            _path(p) for p, _ in jax.tree_util.tree_leaves_with_path(trained)}
+        assert len(left_out) == frozen and all("attn/indexer/" in name for name in left_out), (stage, left_out)
 
 
 # ------------------------------------------------------------------ the trainer's reduction (a toy model)

@@ -75,7 +75,7 @@ class LightningIndexer(nnx.Module):
             "q_lora", "index_heads", "index_kv"), kernel_init=init, rngs=rngs, **dtypes)
         self.wk = Linear(c.hidden_size, c.index_head_dim, kernel_names=("embed", "index_kv"), kernel_init=init,
                          rngs=rngs, **dtypes)
-        self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, names=("index_kv",), **dtypes)
+        self.k_norm = LayerNorm(c.index_head_dim, eps=1e-6, **dtypes)  # named 'norm': no weight decay, replicated
         # float32 whatever the model's dtype, as transformers keeps it (_keep_in_fp32_modules)
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, kernel_names=("embed", "index_heads"),
                                    kernel_init=init, rngs=rngs, dtype=jnp.float32, param_dtype=jnp.float32)

@@ -143,10 +143,11 @@ class MTPHead(nnx.Module):
         self.final_norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
 
     def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
-                 mask: AttentionMask | None) -> jax.Array:
+                 mask: AttentionMask | None) -> tuple[jax.Array, jax.Array | None]:
+        """``(normed hidden [batch, seq, embed], indexer_loss [batch] or None)`` (its layer's indexer KL)."""
         joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
         out = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
-        return self.final_norm(out.hidden)
+        return self.final_norm(out.hidden), out.indexer_loss
 
 
 class _LayerRecord(NamedTuple):
@@ -271,18 +272,20 @@ class DeepSeekV3(CausalLMBase):
                     records.append(record)
             final_hidden = self.norm(h)
             moe = records[-1] if self.moe_layers is not None else _LayerRecord(None, None, None, None, None)
-            indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
-            indexer_loss = None
-            if indexer:  # summed over the layers, a mean over the sequences holding a real token
-                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(jnp.concatenate(indexer),
-                                                                            attention_mask)
             hidden_states = None
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
                 hidden_states = stack_hidden_states(embeddings, layer_outputs, final_hidden)
             mtp_hidden = logits = mtp_logits = None
+            indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
             if with_mtp:
-                mtp_hidden = self._mtp(token_embeddings[1:], masks, segment_ids, final_hidden, run, positions)
+                mtp_hidden, mtp_indexer = self._mtp(token_embeddings[1:], masks, segment_ids, final_hidden, run,
+                                                    positions)
+                indexer += [] if mtp_indexer is None else [mtp_indexer]
+            indexer_loss = None
+            if indexer:  # summed over the layers (MTP heads' too), a mean over the sequences holding a real token
+                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(jnp.concatenate(indexer),
+                                                                            attention_mask)
             if with_logits and with_mtp:  # the main and MTP hidden states share one head matmul: one weight
                 logits = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))  # gradient to reduce
                 logits, mtp_logits = logits[0], logits[1:]
@@ -332,28 +335,30 @@ class DeepSeekV3(CausalLMBase):
         return logits, cache._replace(latent=latent, k_rope=k_rope, index_k=index_k[0] if index_k else None)
 
     def trainable(self) -> nnx.filterlib.Filter:
-        """What a trainer updates: every parameter, except in DeepSeek-V3.2's indexer warm-up
-        (``indexer_training='dense_warmup'``), which trains the lightning indexers alone (every parameter under an
-        ``indexer`` module), the rest frozen."""
-        if self.config.indexer_training == "dense_warmup":
-            return nnx.All(nnx.Param, nnx.PathContains("indexer"))
-        return nnx.Param
+        """What a trainer updates: every parameter, except with DeepSeek-V3.2's lightning indexers (every
+        parameter under an ``indexer`` module), by ``indexer_training``: ``dense_warmup`` trains the indexers
+        alone, the rest frozen; ``off`` freezes the indexers (they get no signal: weight decay alone would shrink
+        them and move their top-k); ``sparse`` trains everything."""
+        stage = self.config.indexer_training
+        if not self.config.index_topk or stage == "sparse":
+            return nnx.Param
+        indexer = nnx.PathContains("indexer")
+        return nnx.All(nnx.Param, indexer if stage == "dense_warmup" else nnx.Not(indexer))
 
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free balancing, after an optimizer step: each MoE layer's selection bias moves
         by ``rate`` toward balance, ``bias += rate * sign(mean load - load)`` (``expert_load [layers, experts]``
         from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen.
-        A router without a selection bias (DeepSeek-V2's softmax routers) has nothing to move: a no-op."""
-        if self.moe_layers is None or not self.config.router.selection_bias:
-            return
-        bias = self.moe_layers.mlp.e_score_correction_bias
-        load = expert_load.astype(jnp.float32)
-        step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        bias[...] = bias[...] + step.astype(bias[...].dtype)
+        A router without a selection bias (DeepSeek-V2's softmax routers) has nothing to move, and in
+        DeepSeek-V3.2's indexer warm-up the routers are frozen with the rest of the model: a no-op."""
+        if self.moe_layers is not None and self.config.indexer_training != "dense_warmup":
+            self.moe_layers.mlp.balance_bias(expert_load, rate)
 
     def _mtp(self, token_embeddings: jax.Array, masks: jax.Array | None, segment_ids: jax.Array | None,
-             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array) -> jax.Array:
-        """Hidden states ``[depth, batch, seq, embed]`` of every MTP depth. Depth ``k`` reads the embeddings of the
+             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array
+             ) -> tuple[jax.Array, jax.Array | None]:
+        """Hidden states ``[depth, batch, seq, embed]`` of every MTP depth, and their indexers' KL ``[depth, batch]``
+        (None unless the indexers train). Depth ``k`` reads the embeddings of the
         tokens shifted left by ``k`` (``token_embeddings[k - 1]``, at their own positions; ``masks[k]`` their
         padding mask) and the previous depth's hidden state (depth 1: the main model's final, normed one). With
         packed documents, position ``i`` attends within the document of position ``i``."""
@@ -363,13 +368,13 @@ class DeepSeekV3(CausalLMBase):
         xs = (token_embeddings, jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
               None if masks is None else masks[1:])
 
-        def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
+        def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
             embedded, (cos, sin), pad_mask = x
-            h = head(embedded, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
-            return h, h
+            h, indexer_loss = head(embedded, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
+            return h, (h, indexer_loss)
 
-        _, hidden = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
-        return hidden
+        _, (hidden, indexer_loss) = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
+        return hidden, indexer_loss
 
 
 def _shifted_by_depth(input_ids: jax.Array, attention_mask: jax.Array | None,

@@ -182,7 +182,8 @@ def _graphdef(rules: str, batch_split: int, moe_impl: str, config_overrides: tup
 @functools.cache
 def _initial_state(config_overrides: tuple = ()) -> nnx.State:
     """Model and optimizer state, drawn with numpy (the model's own initializers would compile one program per
-    parameter shape): weights N(0, 0.02), norm scales 1, the router bias and the optimizer's moments 0."""
+    parameter shape): weights N(0, 0.02) (a V3.2 indexer's N(0, 0.5)), norm scales 1, the router bias and the
+    optimizer's moments 0."""
     config = tiny_config(**dict(config_overrides))
     abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(0)
@@ -192,7 +193,10 @@ def _initial_state(config_overrides: tuple = ()) -> nnx.State:
         if is_model and "['scale']" in name:  # RMSNorm scales
             return jnp.ones(leaf.shape, leaf.dtype)
         if is_model and leaf.ndim >= 2:
-            return jnp.asarray(rng.normal(0.0, 0.02, leaf.shape), leaf.dtype)
+            # A V3.2 indexer drawn larger: its scores then spread, and its KL (and gradient) is O(1), not float32
+            # rounding around a near-uniform distribution.
+            std = 0.5 if "indexer" in name else 0.02
+            return jnp.asarray(rng.normal(0.0, std, leaf.shape), leaf.dtype)
         return jnp.zeros(leaf.shape, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, abstract)
