@@ -9,6 +9,7 @@ head: written on export, skipped on import), and building only as many MTP heads
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,10 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     hold. Float8 weights are dequantized with their ``weight_scale_inv`` blocks. ``allow_partial`` as in
     ``DeepSeekV3.create``: dimensions that do not divide go on a dividing prefix of their mesh axes.
 
+    ``index_topk=K`` given for a checkpoint without lightning indexers (DeepSeek-V3, as DeepSeek started V3.2
+    from V3.1): everything else is loaded and the indexers start from a random init (seed 0), with a warning, for
+    ``indexer_training='dense_warmup'`` to train them.
+
     Unreadable files raise ``nnx_zoo.hf.CheckpointFormatError`` naming the file (weights holding NaN or
     infinities: every such key, after all were read); files that do not fit the model raise
     ``CheckpointMismatchError``.
@@ -158,9 +163,26 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
         if "num_nextn_predict_layers" not in config_overrides:
             depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
             config = config.with_overrides(num_nextn_predict_layers=depth)
+        if config.index_topk and "index_topk" in config_overrides and not any(
+                ".indexer." in key for key in ckpt.entries):
+            return _with_new_indexers(cls, ckpt, config, mesh, rules, allow_partial)
         abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
                                                allow_partial=allow_partial or None))
         return load_module(ckpt, key_table(config), abstract, mesh=mesh, rules=rules, allow_partial=allow_partial)
+
+
+def _with_new_indexers(cls: type, ckpt: SafetensorsCheckpoint, config: DeepSeekV3Config, mesh: Mesh | None,
+                       rules: Rules, allow_partial: bool) -> Any:
+    """The checkpoint's weights in a model with freshly initialized lightning indexers (the checkpoint has none)."""
+    warnings.warn(f"{ckpt.directory} holds no lightning-indexer weights: the indexers (index_topk="
+                  f"{config.index_topk}) start from a random init; train them first (indexer_training="
+                  "'dense_warmup'), or each query attends to the keys an untrained indexer picks", stacklevel=3)
+    dense = config.with_overrides(index_topk=0, indexer_training="off")
+    abstract = abstract_module(lambda: cls(dense, rngs=nnx.Rngs(0), rules=rules, allow_partial=allow_partial or None))
+    loaded = load_module(ckpt, key_table(dense), abstract, mesh=mesh, rules=rules, allow_partial=allow_partial)
+    model = cls.create(config, mesh=mesh, rules=rules, allow_partial=allow_partial)
+    nnx.update(model, nnx.state(loaded))
+    return model
 
 
 def save_pretrained(model: Any, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:

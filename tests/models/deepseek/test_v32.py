@@ -214,3 +214,34 @@ def test_sparse_mla_keeps_its_input_sharding(rules):
             assert kl.shape == (8, 16)
     if rules == "ep-as-cp":  # the queries really were split over the sequence
         assert spec[1] == "expert"
+
+
+def test_a_v3_checkpoint_loads_with_new_indexers_for_the_warm_up(tmp_path):
+    """``index_topk`` given for a DeepSeek-V3 checkpoint (no indexer weights; DeepSeek started V3.2 from V3.1):
+    every weight it has is loaded, the indexers start from a random init with a warning, and while the top-k
+    covers the sequence the logits are the V3 model's. A V3.2 checkpoint missing its indexers is still refused."""
+    from nnx_zoo.hf import CheckpointMismatchError
+
+    hf = make_hf_model(seed=3, num_hidden_layers=2)
+    path = save_hf(hf, tmp_path / "v3")
+    ids, _ = _inputs(False, hf.config.vocab_size)
+    with pytest.warns(UserWarning, match="no lightning-indexer weights"):
+        model = DeepSeekV3.from_pretrained(path, moe_impl="dense", index_topk=SEQ)
+    assert model.config.index_topk == SEQ and model.moe_layers.attn.indexer is not None
+    v3 = DeepSeekV3.from_pretrained(path, moe_impl="dense")
+    np.testing.assert_array_equal(np.asarray(model.moe_layers.attn.q_b_proj.kernel[...]),
+                                  np.asarray(v3.moe_layers.attn.q_b_proj.kernel[...]))
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), np.asarray(v3(jnp.asarray(ids))), rtol=1e-6,
+                               atol=1e-6)
+    model.save_pretrained(tmp_path / "v32")  # then its indexer weights are taken out of the files
+    import safetensors.numpy
+
+    weights = tmp_path / "v32" / "model-00001-of-00001.safetensors"
+    tensors = {k: v for k, v in safetensors.numpy.load_file(weights).items() if ".indexer." not in k}
+    safetensors.numpy.save_file(tensors, weights)
+    index = tmp_path / "v32" / "model.safetensors.index.json"
+    d = json.loads(index.read_text())
+    d["weight_map"] = {k: v for k, v in d["weight_map"].items() if ".indexer." not in k}
+    index.write_text(json.dumps(d))
+    with pytest.raises(CheckpointMismatchError, match="indexer"):
+        DeepSeekV3.from_pretrained(tmp_path / "v32")
