@@ -245,3 +245,22 @@ def test_a_v3_checkpoint_loads_with_new_indexers_for_the_warm_up(tmp_path):
     index.write_text(json.dumps(d))
     with pytest.raises(CheckpointMismatchError, match="indexer"):
         DeepSeekV3.from_pretrained(tmp_path / "v32")
+
+
+def test_recipe_trains_the_v32_tiny_preset_in_its_sparse_stage(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("pretrain", root / "recipes" / "pretrain.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    run_dir = tmp_path / "run"
+    args = ["--model", "deepseek3.2-tiny", "--model.num_hidden_layers", "1", "--model.first_k_dense_replace", "0",
+            "--model.vocab_size", "256", "--model.index_topk", "4", "--indexer-stage", "sparse", "--batch", "8",
+            "--seq-len", "16", "--steps", "2", "--no-progress", "--warmup-steps", "1", "--peak-flops", "1e11",
+            "--run-dir", str(run_dir)]
+    assert recipe.main(args) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["indexer_loss"]) and r["indexer_loss"] > 0 for r in rows)
