@@ -36,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.scipy.special import xlogy
 from jax.sharding import PartitionSpec
 
@@ -97,9 +98,10 @@ class LightningIndexer(nnx.Module):
 
 def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
     """The indexer's float32 scores ``[b, queries, keys]`` for ``q [b, queries, heads, dim]``, ``w [b, queries,
-    heads]`` and ``k [b, keys, dim]``: ``sum_j w_j * relu(q_j . k / sqrt(dim))`` (transformers' order of
-    operations)."""
-    scores = jnp.einsum("bqhd,bkd->bqhk", q.astype(jnp.float32), k.astype(jnp.float32))
+    heads]`` and ``k [b, keys, dim]`` (every query against the same keys), or ``k [b, queries, keys, dim]`` (each
+    query against its own): ``sum_j w_j * relu(q_j . k / sqrt(dim))`` (transformers' order of operations)."""
+    equation = "bqhd,bkd->bqhk" if k.ndim == 3 else "bqhd,bqkd->bqhk"
+    scores = jnp.einsum(equation, q.astype(jnp.float32), k.astype(jnp.float32))
     scores = jax.nn.relu(scores * jnp.float32(q.shape[-1] ** -0.5))
     return jnp.einsum("bqh,bqhk->bqk", w.astype(jnp.float32), scores)
 
@@ -192,7 +194,9 @@ def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset
     xs = (split(q_latent), split(q_rope), split(index_q), split(index_w), positions,
           None if q_seg is None else split(q_seg))
 
-    @jax.checkpoint
+    # Recomputed in the backward pass, but for the chosen keys (small integers): the indexer's scores over all keys
+    # are not needed again (the sparse KL's gradient goes through the chosen keys' scores alone).
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("dsa_chosen"))
     def one_block(x):
         qa, qr, iq, iw, q_pos, q_seg_block = x
         visible = _visible(q_pos, latent.shape[1], kv_valid, q_seg_block, kv_seg)
@@ -228,7 +232,7 @@ def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, sca
                   + jnp.einsum("bqhr,bkr->bqhk", qr, k_rope.astype(qr.dtype)))
         probs = _softmax(scores, visible[:, :, None, :], scale)
         return None, _kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes)
-    chosen = jax.lax.top_k(jax.lax.stop_gradient(index), topk)[1]  # [b, block, topk]
+    chosen = checkpoint_name(jax.lax.top_k(jax.lax.stop_gradient(index), topk)[1], "dsa_chosen")  # [b, block, k]
     gather = jax.vmap(lambda table, rows: table[rows])  # per batch row: [keys, d] at [block, topk]
     chosen_latent = gather(latent.astype(qa.dtype), chosen)  # [b, block, topk, kv_lora]
     chosen_rope = gather(k_rope.astype(qr.dtype), chosen)
@@ -237,7 +241,10 @@ def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, sca
               + jnp.einsum("bqhr,bqkr->bqhk", qr, chosen_rope))
     probs = _softmax(scores, seen[:, :, None, :], scale)
     context = jnp.einsum("bqhk,bqkc->bqhc", probs.astype(qa.dtype), chosen_latent)
-    kl = None if mode == "off" else _kl(probs, jnp.take_along_axis(index, chosen, axis=-1), seen, head_axes)
+    kl = None
+    if mode == "sparse":  # the chosen keys' scores again, from their gathered keys: the KL's gradient path
+        chosen_index = index_scores(iq, iw, gather(index_k, chosen))
+        kl = _kl(probs, jnp.where(seen, chosen_index, _MIN), seen, head_axes)
     return context, kl
 
 
