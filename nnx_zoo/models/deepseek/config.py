@@ -481,23 +481,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # checkpoint: deepseek-ai/DeepSeek-V3.2-Exp). 671.9B (V3's 671.0B + 0.85B of indexers), 38.4B active; 683.5B
     # with the MTP layer, 685.4B counting the MTP layer's stored copies of embedding and head (the hub's "685B").
     "deepseek3.2-671b": dict(index_topk=2048, index_n_heads=64, index_head_dim=128),
-    # ~10M parameters: deepseek3-mini with a 4 x 32 indexer keeping 32 keys per query, so at the recipe's default
-    # --seq-len 64 the attention of the later half of each sequence is sparse.
-    "deepseek3.2-tiny": dict(
-        vocab_size=32000, hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
-        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=4, topk_group=2, routed_scaling_factor=1.0, num_nextn_predict_layers=1, index_topk=32,
-        index_n_heads=4, index_head_dim=32, **_SMALL_DEFAULTS,
-    ),
-    # ~26M parameters: deepseek3-small with an 8 x 32 indexer keeping 64 keys per query (sparse from --seq-len 128).
-    "deepseek3.2-small": dict(
-        vocab_size=32000, hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=6,
-        first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_nextn_predict_layers=1, index_topk=64,
-        index_n_heads=8, index_head_dim=32, **_SMALL_DEFAULTS,
-    ),
     # Moonshot's Kimi K2 (Base / Instruct, July 2025): the DeepSeek-V3 architecture with 384 routed experts top-8
     # and no group limit (n_group = topk_group = 1), 64 heads, one dense layer, routed scaling 2.827, a 163840
     # vocabulary, rope_theta 50000 with YaRN 32 over 4096 (beta_fast = beta_slow = 1), no MTP layers. Dims:
@@ -540,4 +523,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=0, **_SMALL_DEFAULTS,
     ),
 }
+# ~10M parameters: deepseek3-mini with a 4 x 32 indexer keeping 32 keys per query, so at the recipe's default
+# --seq-len 64 the attention of the later half of each sequence is sparse.
+PRESETS["deepseek3.2-tiny"] = dict(PRESETS["deepseek3-mini"], index_topk=32, index_n_heads=4, index_head_dim=32)
+# ~26M parameters: deepseek3-small with an 8 x 32 indexer keeping 64 keys per query (sparse from --seq-len 128).
+PRESETS["deepseek3.2-small"] = dict(PRESETS["deepseek3-small"], index_topk=64, index_n_heads=8, index_head_dim=32)
 DeepSeekV3Config.PRESETS = PRESETS  # preset(name) reads them; deepseek3-671b, deepseek3-mini, ...

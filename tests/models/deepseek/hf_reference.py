@@ -98,6 +98,46 @@ def hf_outputs(model: DeepseekV3ForCausalLM, ids: np.ndarray, attention_mask: np
     }
 
 
+def padded_inputs(batch: int, seq: int, vocab: int, padded: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Random token ids ``[batch, seq]`` and, with ``padded``, a mask whose row 0 is left-padded by three tokens."""
+    ids = np.random.default_rng(0).integers(0, vocab, (batch, seq)).astype(np.int32)
+    if not padded:
+        return ids, None
+    mask = np.ones((batch, seq), np.int32)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    return ids, mask
+
+
+def case_builder(cases: dict[str, dict[str, Any]], tmp_path_factory: Any, *, batch: int, seq: int,
+                 first_seed: int = 0) -> Any:
+    """``get(name) -> (checkpoint dir, HF model, HF outputs, ids, mask)`` for ``cases`` (name -> ``hf``: overrides
+    of ``make_hf_model``, ``padded``, ``legacy_rope``); each HF model is built, saved and run once."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in cache:
+            case = cases[name]
+            hf = make_hf_model(seed=first_seed + len(cache), **case["hf"])
+            ids, mask = padded_inputs(batch, seq, hf.config.vocab_size, case.get("padded", False))
+            path = save_hf(hf, tmp_path_factory.mktemp(name), legacy_rope=case.get("legacy_rope", False))
+            cache[name] = (path, hf, hf_outputs(hf, ids, mask), ids, mask)
+        return cache[name]
+
+    return get
+
+
+def load_recipe(name: str = "pretrain") -> Any:
+    """``recipes/<name>.py`` as a module (its ``main(argv)`` runs the recipe in this process)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location(name, root / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def rel_l2(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import DeepSeekV3
-from tests.models.deepseek.hf_reference import YARN, hf_outputs, make_hf_model, rel_l2, save_hf
+from tests.models.deepseek.hf_reference import YARN, case_builder, rel_l2
 
 YARN_NO_MSCALE = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16,
                   "beta_slow": 2}
@@ -59,16 +59,6 @@ CASES = {
 BATCH, SEQ = 2, 9
 
 
-def _inputs(padded: bool, vocab: int) -> tuple[np.ndarray, np.ndarray | None]:
-    ids = np.random.default_rng(0).integers(0, vocab, (BATCH, SEQ)).astype(np.int32)
-    if not padded:
-        return ids, None
-    mask = np.ones((BATCH, SEQ), np.int32)
-    mask[0, :3] = 0  # row 0 is left-padded by three tokens
-    ids[0, :3] = 0
-    return ids, mask
-
-
 @nnx.jit
 def forward(model: DeepSeekV3, ids: jax.Array, mask: jax.Array | None):
     return model.forward(ids, mask, with_hidden_states=True, with_routing=True)
@@ -76,19 +66,8 @@ def forward(model: DeepSeekV3, ids: jax.Array, mask: jax.Array | None):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """case name -> (checkpoint dir, HF outputs, inputs); each HF model is built and run once."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            case = CASES[name]
-            hf = make_hf_model(seed=len(cache), **case["hf"])
-            ids, mask = _inputs(case.get("padded", False), hf.config.vocab_size)
-            path = save_hf(hf, tmp_path_factory.mktemp(name), legacy_rope=case.get("legacy_rope", False))
-            cache[name] = (path, hf_outputs(hf, ids, mask), ids, mask)
-        return cache[name]
-
-    return get
+    """case name -> (checkpoint dir, HF model, HF outputs, ids, mask); each HF model is built and run once."""
+    return case_builder(CASES, tmp_path_factory, batch=BATCH, seq=SEQ)
 
 
 def assert_matches_hf(out, ref: dict, mask: np.ndarray | None) -> None:
@@ -112,7 +91,7 @@ def assert_matches_hf(out, ref: dict, mask: np.ndarray | None) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_hf(built, name):
-    path, ref, ids, mask = built(name)
+    path, _, ref, ids, mask = built(name)
     model = DeepSeekV3.from_pretrained(path, moe_impl="dense")
     out = forward(model, jnp.asarray(ids), None if mask is None else jnp.asarray(mask))
     assert_matches_hf(out, ref, mask)
@@ -120,7 +99,7 @@ def test_matches_hf(built, name):
 
 @pytest.mark.parametrize("name", ["qlora-yarn-legacy-interleaved", "v2-grouped-top4-e16-dense2"])
 def test_gmm_equals_dense_and_hf(built, name):
-    path, ref, ids, mask = built(name)
+    path, _, ref, ids, mask = built(name)
     dense = forward(DeepSeekV3.from_pretrained(path, moe_impl="dense"), jnp.asarray(ids), None)
     gmm = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm"), jnp.asarray(ids), None)
     np.testing.assert_array_equal(np.asarray(gmm.expert_indices), np.asarray(dense.expert_indices))
@@ -129,7 +108,7 @@ def test_gmm_equals_dense_and_hf(built, name):
 
 
 def test_scanned_equals_unscanned(built):
-    path, ref, ids, mask = built("left-padded-tied")
+    path, _, ref, ids, mask = built("left-padded-tied")
     args = (jnp.asarray(ids), jnp.asarray(mask))
     scanned = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm", scan_layers=True), *args)
     unrolled = forward(DeepSeekV3.from_pretrained(path, moe_impl="gmm", scan_layers=False), *args)

@@ -6,7 +6,6 @@ recipe on the V2 tiny preset.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from transformers import DeepseekV2ForCausalLM
 
 from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config, generate
 from nnx_zoo.sharding import abstract_module, iter_variables
-from tests.models.deepseek.hf_reference import make_hf_model, rel_l2, save_hf
+from tests.models.deepseek.hf_reference import load_recipe, make_hf_model, rel_l2, save_hf
 from tests.models.deepseek.test_generate import _forward, _prompts
 from tests.models.deepseek.test_mesh_matrix import Setup, assert_same, run
 
@@ -127,10 +126,7 @@ def test_expert_parallel_training_equals_one_device():
 
 
 def test_recipe_trains_the_v2_tiny_preset(tmp_path):
-    root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("pretrain", root / "recipes" / "pretrain.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe()
     run_dir = tmp_path / "run"
     args = ["--model", "deepseek2-tiny", "--model.num_hidden_layers", "1", "--model.first_k_dense_replace", "0",
             "--model.vocab_size", "256", "--batch", "8", "--seq-len", "16", "--steps", "2", "--no-progress",

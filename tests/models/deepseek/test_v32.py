@@ -21,43 +21,35 @@ from transformers import DeepseekV32ForCausalLM
 from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, generate
 from nnx_zoo.layers.attention import AttentionMask
 from nnx_zoo.models.deepseek import dsa
-from tests.models.deepseek.hf_reference import YARN, hf_outputs, make_hf_model, rel_l2, save_hf
+from tests.models.deepseek.hf_reference import (
+    YARN,
+    case_builder,
+    hf_outputs,
+    load_recipe,
+    make_hf_model,
+    padded_inputs,
+    rel_l2,
+    save_hf,
+)
 from tests.models.deepseek.test_parity import forward
 
 BATCH, SEQ = 2, 12
 CASES = {
     # 5 of up to 12 keys: every query past the fifth attends to a strict subset; row 0 left-padded by 3; YaRN.
-    "sparse-padded-yarn": dict(hf=dict(index_topk=5, rope_scaling=YARN), padded=True),
+    "sparse-padded-yarn": dict(hf=dict(arch="v32", index_topk=5, rope_scaling=YARN), padded=True),
     # index_topk 16 >= 12 keys: every visible key is chosen (so the dense path runs); all layers MoE.
-    "topk-covers-sequence": dict(hf=dict(index_topk=16, num_hidden_layers=2, first_k_dense_replace=0)),
+    "topk-covers-sequence": dict(hf=dict(arch="v32", index_topk=16, num_hidden_layers=2, first_k_dense_replace=0)),
 }
 
 
 def _inputs(padded: bool, vocab: int, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray | None]:
-    ids = np.random.default_rng(0).integers(0, vocab, (BATCH, seq)).astype(np.int32)
-    if not padded:
-        return ids, None
-    mask = np.ones((BATCH, seq), np.int32)
-    mask[0, :3] = 0
-    ids[0, :3] = 0
-    return ids, mask
+    return padded_inputs(BATCH, seq, vocab, padded)
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """case name -> (checkpoint dir, HF model, HF outputs, ids, mask); each HF model built and run once."""
-    cache: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name not in cache:
-            case = CASES[name]
-            hf = make_hf_model(seed=10 + len(cache), arch="v32", **case["hf"])
-            ids, mask = _inputs(case.get("padded", False), hf.config.vocab_size)
-            path = save_hf(hf, tmp_path_factory.mktemp(name))
-            cache[name] = (path, hf, hf_outputs(hf, ids, mask), ids, mask)
-        return cache[name]
-
-    return get
+    return case_builder(CASES, tmp_path_factory, batch=BATCH, seq=SEQ, first_seed=10)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -248,13 +240,7 @@ def test_a_v3_checkpoint_loads_with_new_indexers_for_the_warm_up(tmp_path):
 
 
 def test_recipe_trains_the_v32_tiny_preset_in_its_sparse_stage(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("pretrain", root / "recipes" / "pretrain.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe()
     run_dir = tmp_path / "run"
     args = ["--model", "deepseek3.2-tiny", "--model.num_hidden_layers", "1", "--model.first_k_dense_replace", "0",
             "--model.vocab_size", "256", "--model.index_topk", "4", "--indexer-stage", "sparse", "--batch", "8",
