@@ -1,7 +1,7 @@
 """The explicit-mesh matrix: shard mode x mesh x rule set x batch split, two optimizer steps each.
 
 Every case trains the same tiny DeepSeek-V3 (one dense layer, two scanned MoE layers, an MTP head whose layer is
-MoE too) for two Adam steps on 8 CPU devices and must give the losses and gradients of the single-device run
+MoE too) for two AdamW steps on 8 CPU devices and must give the losses and gradients of the single-device run
 (float32, relative 1e-5). Which rule sets run on which mesh is decided by ``plan()`` from data: a rule set is left
 out of a mesh only when the resolver rejects it there, or when it lays out every parameter and activation exactly
 as a rule set already in the list (it maps nothing new); each such pair is listed with its reason in ``SKIPPED``.
@@ -163,10 +163,10 @@ CASES, SKIPPED = plan()
 # Running two optimizer steps: one compiled step, called twice.
 
 
-# Plain Adam: a real optimizer state sharded like the parameters. (The trainer's AdamW with global-norm clipping
-# made each compile ~40% slower here; it runs under meshes in tests/train.) A small learning rate keeps Adam's
+# AdamW without the trainer's global-norm clipping: a real optimizer state sharded like the parameters. (The
+# clipping made each compile ~40% slower here; it runs under meshes in tests/train.) A small learning rate keeps Adam's
 # near-sign first update from amplifying float32 rounding in the second step's gradients.
-_TX = optax.adam(1e-3)
+_TX = optax.adamw(1e-3, weight_decay=0.1)
 
 
 def _with_optimizer(model: DeepSeekV3) -> tuple[DeepSeekV3, nnx.Optimizer]:
@@ -213,7 +213,7 @@ def _batch() -> dict[str, jax.Array]:
 
 
 def _train_step(graphdef, state, batch):
-    """One Adam step on the trainer's loss (with the MTP term): (new state, (cross-entropy, parameter grads))."""
+    """One AdamW step on the trainer's loss (with the MTP term): (new state, (cross-entropy, parameter grads))."""
     model, optimizer = nnx.merge(graphdef, state)
     model_graph, params, rest = nnx.split(model, nnx.Param, ...)
 
