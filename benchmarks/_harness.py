@@ -193,20 +193,16 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
 _CONTROL_FLOW = ("while", "call", "conditional")
 
 
-def profile_ops(compiled, call: Callable[[], object], steps: int = 3) -> dict:
-    """Per-HLO-instruction wall time of `call` (which runs `compiled`) from a jax.profiler trace.
-
-    XLA:CPU records one trace event per executed thunk, named after its HLO instruction; instructions inside a
-    scanned layer body are summed over iterations. Control-flow thunks (while/call) are skipped so nothing is
-    counted twice. Returns ms per step for every instruction with its source op_name, largest first.
-    """
+def trace_events(call: Callable[[], object], steps: int) -> tuple[list | None, float]:
+    """``(perfetto trace events, wall seconds per step)`` of ``steps`` calls of ``call`` under ``jax.profiler``
+    (after one untraced warm-up call); events None when no trace was written."""
     import glob
     import gzip
+    import json
     import tempfile
 
     import jax
 
-    meta = hlo_op_names(compiled.as_text())
     call()
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -216,9 +212,22 @@ def profile_ops(compiled, call: Callable[[], object], steps: int = 3) -> dict:
             wall = (time.perf_counter() - t0) / steps
         files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
         if not files:
-            return {"error": "no perfetto trace written"}
+            return None, wall
         events = json.load(gzip.open(files[0]))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return (events["traceEvents"] if isinstance(events, dict) else events), wall
+
+
+def profile_ops(compiled, call: Callable[[], object], steps: int = 3) -> dict:
+    """Per-HLO-instruction wall time of `call` (which runs `compiled`) from a jax.profiler trace.
+
+    XLA:CPU records one trace event per executed thunk, named after its HLO instruction; instructions inside a
+    scanned layer body are summed over iterations. Control-flow thunks (while/call) are skipped so nothing is
+    counted twice. Returns ms per step for every instruction with its source op_name, largest first.
+    """
+    meta = hlo_op_names(compiled.as_text())
+    events, wall = trace_events(call, steps)
+    if events is None:
+        return {"error": "no perfetto trace written"}
     total: dict[str, float] = {}
     count: dict[str, int] = {}
     for e in events:

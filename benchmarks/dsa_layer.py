@@ -245,28 +245,12 @@ def profile_by_line(compiled, call, steps: int = 1) -> dict:
     summed over loop iterations; thunks on both cores add up, so the op total can exceed the wall time) grouped by
     the source line in dsa.py / mla.py of each HLO op and by pass (``bwd``: under ``transpose``), largest first.
     Ops without any metadata are grouped by their result shape."""
-    import glob
-    import gzip
-    import json
-    import tempfile
-
-    import jax
-
     text = compiled.as_text()
     frames = _stack_frames(text)
     instrs = _instructions(text)
-    call()
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                call()
-            wall = (time.perf_counter() - t0) / steps
-        files = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        if not files:
-            return {"error": "no perfetto trace written"}
-        events = json.load(gzip.open(files[0]))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events, wall = h.trace_events(call, steps)
+    if events is None:
+        return {"error": "no perfetto trace written"}
     groups: dict[tuple[str, str], float] = collections.defaultdict(float)
     examples: dict[tuple[str, str], str] = {}
     for e in events:
