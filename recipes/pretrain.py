@@ -52,9 +52,6 @@ EXIT_CODES = """exit codes:
 
 SYNTHETIC_VOCAB = 256  # --synthetic-vocab's default; smaller model vocabularies use their own size
 
-# --indexer-stage: the values of a config's ``indexer_training`` (DeepSeek-V3.2's DSA indexer).
-INDEXER_STAGES = ("off", "dense_warmup", "sparse")
-
 # Config fields that change how the model computes, not what: free to change when resuming a run.
 HOW_FIELDS = frozenset({"moe_impl", "grouped_matmul_impl", "attention_impl", "batch_split_factor", "scan_layers",
                         "remat_policy"})
@@ -173,7 +170,7 @@ def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iter
     if "remat_policy" in fields:
         g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
     if "indexer_training" in fields:
-        g.add_argument("--indexer-stage", choices=INDEXER_STAGES,
+        g.add_argument("--indexer-stage", choices=getattr(config_cls, "INDEXER_STAGES", None),
                        help="how the sparse-attention indexer trains (shortcut for --model.indexer_training): "
                        "dense_warmup: dense attention, only the indexer trains (on its KL to the attention "
                        "distribution), the rest frozen; sparse: top-k attention, the indexer trains on its KL from "

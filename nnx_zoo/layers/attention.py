@@ -58,8 +58,9 @@ _BKND = ("activation_batch", "activation_kv_length", "activation_kv_heads", "act
 _QUERY_SIDE = ("activation_batch", "activation_length")
 _KEY_SIDE = ("activation_batch", "activation_kv_length")
 
-__all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "AttentionMask", "attention", "causal_mask",
-           "choose_attention_impl", "dense_mask", "dot_product_attention", "token_mask_of"]
+__all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "AttentionMask", "activation_spec",
+           "ambient_mesh", "attention", "causal_mask", "choose_attention_impl", "dense_mask", "dot_product_attention",
+           "token_mask_of", "vary_over"]
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
 
@@ -294,7 +295,7 @@ def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
     (each device's causal mask would need its own offset)."""
     if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"{q.dtype} inputs (cuDNN flash attention takes bfloat16/float16)"
-    if _ambient_mesh() is not None and axes_tuple(_activation_spec(_QUERY_SIDE, q.shape[:2])[1]):
+    if ambient_mesh() is not None and axes_tuple(activation_spec(_QUERY_SIDE, q.shape[:2])[1]):
         return "queries split over the sequence (context parallelism)"
     return None
 
@@ -339,7 +340,8 @@ def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
 
 
 # ------------------------------------------------------------------------------------------------- under a mesh
-def _ambient_mesh() -> jax.sharding.AbstractMesh | None:
+def ambient_mesh() -> jax.sharding.AbstractMesh | None:
+    """The ambient mesh a kernel runs ``shard_map`` over (None: no mesh, or already inside ``shard_map``)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):
         return None
@@ -347,7 +349,7 @@ def _ambient_mesh() -> jax.sharding.AbstractMesh | None:
 
 
 
-def _activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+def activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
     """The layout ``names`` resolve to (as ``shard`` would place them), each dim kept on the longest prefix of its
     mesh axes that divides it: ``shard_map`` needs whole shards (Auto meshes may otherwise pad)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -373,15 +375,15 @@ def _on_mesh(local: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax
     sequence passes ``q_offset + start`` to its kernel, so its causal mask is the global one."""
     q_offset = jnp.asarray(mask.q_offset, jnp.int32)
     masks = (mask.kv_valid, mask.query_segment_ids(q.shape[1]), mask.segment_ids)
-    mesh = _ambient_mesh()
+    mesh = ambient_mesh()
     if mesh is None:
         return local(q, k, v, q_offset, *masks)
-    q_spec = _activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
+    q_spec = activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
     kv_names = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
-    specs = [q_spec, _activation_spec(kv_names, k.shape), _activation_spec(kv_names, v.shape), PartitionSpec()]
-    mask_specs = [_activation_spec(_KEY_SIDE, masks[0].shape) if masks[0] is not None else None,
+    specs = [q_spec, activation_spec(kv_names, k.shape), activation_spec(kv_names, v.shape), PartitionSpec()]
+    mask_specs = [activation_spec(_KEY_SIDE, masks[0].shape) if masks[0] is not None else None,
                   PartitionSpec(*q_spec[:2]) if masks[1] is not None else None,
-                  _activation_spec(_KEY_SIDE, masks[2].shape) if masks[2] is not None else None]
+                  activation_spec(_KEY_SIDE, masks[2].shape) if masks[2] is not None else None]
     present = [i for i, m in enumerate(masks) if m is not None]
     args = [q, k, v, q_offset] + [masks[i] for i in present]
     specs += [mask_specs[i] for i in present]
@@ -396,13 +398,13 @@ def _on_mesh(local: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax
             local_masks[i] = m
         # Every input varies over every mesh axis in play, so the kernel's gradients (which do) have the
         # inputs' types; shard_map then sums the key/value gradients over the devices that shared them.
-        q, k, v, *local_masks = (_varying(a, every_axis) for a in (q, k, v, *local_masks))
-        return local(q, k, v, _varying(q_offset + start, every_axis), *local_masks)
+        q, k, v, *local_masks = (vary_over(a, every_axis) for a in (q, k, v, *local_masks))
+        return local(q, k, v, vary_over(q_offset + start, every_axis), *local_masks)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec)(*args)
 
 
-def _varying(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
+def vary_over(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
     """``a`` typed as varying over ``axes`` inside ``shard_map`` (those it does not vary over already)."""
     if a is None:
         return None

@@ -63,10 +63,10 @@ def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platfor
     qk_dim, v_dim = config.attention_head_dims
     choices = {"attention": choose_attention_impl(config.attention_impl, q_len=seq_len, k_len=seq_len,
                                                   platform=platform, segments=segments, qk_dim=qk_dim, v_dim=v_dim)}
-    index_topk = getattr(config, "index_topk", 0)
-    if index_topk and index_topk < seq_len and getattr(config, "indexer_training", "off") != "dense_warmup":
-        # DeepSeek-V3.2's sparse attention: the top-k keys gathered per query block, no score matrix
-        choices["attention"] = f"dsa-top{index_topk}"
+    sparse_keys = getattr(config, "sparse_attention_keys", None)
+    topk = sparse_keys(seq_len) if sparse_keys is not None else 0
+    if topk:  # a family's sparse attention: each query's top-k keys gathered, no score matrix
+        choices["attention"] = f"sparse-top{topk}"
     moe_impl = getattr(config, "moe_impl", None)
     if moe_impl is not None and getattr(config, "num_moe_layers", 0) > 0:
         from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl

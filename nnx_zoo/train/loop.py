@@ -50,8 +50,8 @@ class TrainConfig:
     accum_steps: int = 1
     mtp_weight: float = 0.3
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the model call, as pairs
-    # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off. Must be 0 for a model that trains only
-    # part of itself (model.trainable(), e.g. an indexer warm-up): balancing would move its frozen routers.
+    # aux-loss-free balancing step (DeepSeek-V3 used 0.001); 0 turns it off. The model applies it
+    # (update_routing_bias) and leaves frozen routers alone (e.g. in DeepSeek-V3.2's indexer warm-up).
     routing_bias_rate: float = 0.0
     # Tokens per device whose logits the output head + cross-entropy computes at a time (nnx_zoo.train.loss
     # chunked_head_cross_entropy): None = chunks of at most 512 MiB of float32 logits (a batch that fits is one

@@ -155,14 +155,14 @@ def loss_terms(
     expert_load = getattr(out, "expert_load", None)
     if expert_load is not None:
         metrics["expert_load"] = jax.lax.stop_gradient(expert_load)
-    for name in SEQUENCE_LOSSES:  # scalars, each a mean over this micro-batch's real sequences
-        value = getattr(out, name, None)
-        if value is not None:
-            sequences = real_sequences(batch)
-            step_sequences = sequences if counts is None else counts["sequences"]
+    present = {name: getattr(out, name) for name in SEQUENCE_LOSSES if getattr(out, name, None) is not None}
+    if present:  # scalars, each a mean over this micro-batch's real sequences
+        sequences = real_sequences(batch)
+        step_sequences = sequences if counts is None else counts["sequences"]
+        metrics["sequences"] = sequences
+        for name, value in present.items():
             total = total + value * step_tokens * sequences / jnp.maximum(step_sequences, 1.0)
             metrics[f"{name}_sum"] = value * sequences
-            metrics["sequences"] = sequences
     return total, metrics
 
 

@@ -81,6 +81,7 @@ class DeepSeekV3Config(FamilyConfig):
     """
 
     # config.json keys without which the model's shape is a guess (FamilyConfig.from_hf names the missing ones)
+    INDEXER_STAGES: ClassVar[tuple[str, ...]] = INDEXER_TRAINING  # indexer_training's values (--indexer-stage)
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
         "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -264,6 +265,14 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {self.topk_group * per_group} "
                      f"experts in the topk_group={self.topk_group} selected groups of {per_group}")
         return p
+
+    def sparse_attention_keys(self, seq_len: int) -> int:
+        """How many keys a query of a ``seq_len`` training sequence attends to when attention is sparse
+        (DeepSeek-V3.2's ``index_topk``), 0 when it is dense (no indexer, the top-k covers the sequence, or the
+        indexer's dense warm-up). ``nnx_zoo.layers.kernels.kernel_choices`` reports it."""
+        if self.index_topk and self.index_topk < seq_len and self.indexer_training != "dense_warmup":
+            return self.index_topk
+        return 0
 
     @property
     def hf_model_type(self) -> str:

@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.scipy.special import xlogy
 from jax.sharding import PartitionSpec
 
-from nnx_zoo.layers.attention import AttentionMask, _activation_spec, _ambient_mesh, _varying
+from nnx_zoo.layers.attention import AttentionMask, activation_spec, ambient_mesh, vary_over
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import LayerNorm
 from nnx_zoo.layers.rope import apply_rope
@@ -121,29 +121,27 @@ def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array,
     ``loss``: ``"off"`` (no KL), ``"sparse"`` (context and the KL over the selected keys) or ``"dense"`` (no
     context, None; the KL over all visible keys against dense attention, for the indexer's warm-up).
     """
-    mode = loss
-    if mode not in ("off", "sparse", "dense"):
+    if loss not in ("off", "sparse", "dense"):
         raise ValueError(f"loss must be 'off', 'sparse' or 'dense', got {loss!r}")
-    k_len = latent.shape[1]
-    kernel = functools.partial(_local, topk=min(topk, k_len), scale=scale, mode=mode)
+    kernel = functools.partial(_local, topk=min(topk, latent.shape[1]), scale=scale, mode=loss)
     q_offset = jnp.asarray(mask.q_offset, jnp.int32)
     q_seg = mask.query_segment_ids(q_latent.shape[1])
     masks = (mask.kv_valid, q_seg, mask.segment_ids)
-    mesh = _ambient_mesh()
+    mesh = ambient_mesh()
     if mesh is None:
         return kernel(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, *masks, head_axes=())
-    return _on_mesh(kernel, (q_latent, q_rope, index_q, index_w), (latent, k_rope, index_k), q_offset, masks, mode)
+    return _on_mesh(kernel, (q_latent, q_rope, index_q, index_w), (latent, k_rope, index_k), q_offset, masks, loss)
 
 
 def _on_mesh(kernel, queries, keys, q_offset, masks, mode):
     """``kernel`` on each device's queries inside ``shard_map``: queries keep their layout (batch, sequence and
     heads split as the rules say), keys whole along the sequence; a device holding queries ``[start, start + n)``
     passes ``q_offset + start``, so its causal mask is the global one."""
-    q_spec = _activation_spec(_Q_SIDE, queries[0].shape)
+    q_spec = activation_spec(_Q_SIDE, queries[0].shape)
     head_axes = axes_tuple(q_spec[2])
     index_spec = PartitionSpec(q_spec[0], q_spec[1], None, None)
     q_specs = [q_spec, q_spec, index_spec, PartitionSpec(q_spec[0], q_spec[1], None)]
-    k_specs = [_activation_spec(_K_SIDE, k.shape) for k in keys]
+    k_specs = [activation_spec(_K_SIDE, k.shape) for k in keys]
     row_spec = PartitionSpec(q_spec[0], q_spec[1])
     mask_specs = [k_specs[0][:2] if masks[0] is not None else None, row_spec if masks[1] is not None else None,
                   k_specs[0][:2] if masks[2] is not None else None]
@@ -160,9 +158,9 @@ def _on_mesh(kernel, queries, keys, q_offset, masks, mode):
         for i, m in zip(present, arrays[8:]):
             local_masks[i] = m
         start = jax.lax.axis_index(length_axes) * tensors[0].shape[1] if length_axes else 0
-        tensors = [_varying(a, every_axis) for a in tensors]
-        local_masks = [_varying(m, every_axis) for m in local_masks]
-        return kernel(*tensors, _varying(offset + start, every_axis), *local_masks, head_axes=head_axes)
+        tensors = [vary_over(a, every_axis) for a in tensors]
+        local_masks = [vary_over(m, every_axis) for m in local_masks]
+        return kernel(*tensors, vary_over(offset + start, every_axis), *local_masks, head_axes=head_axes)
 
     out_specs = (None if mode == "dense" else q_spec, None if mode == "off" else row_spec)
     mesh = jax.sharding.get_abstract_mesh()

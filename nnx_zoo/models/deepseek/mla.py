@@ -87,9 +87,8 @@ class MLA(nnx.Module):
         q_nope, q_rope, q_latent = self._queries(x, cos, sin)
         latent, k_rope = self.compress(x, cos, sin)
         stage = c.indexer_training
-        sparse = self.indexer is not None and c.index_topk < x.shape[1] and stage != "dense_warmup"
         kl = None
-        if sparse:
+        if c.sparse_attention_keys(x.shape[1]):
             loss = "sparse" if stage == "sparse" else "off"
             context, kl = self._sparse(x, q_nope, q_rope, q_latent, latent, k_rope, cos, sin, mask, loss)
             out = self._values(context)
