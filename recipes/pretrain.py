@@ -484,26 +484,14 @@ def trained_parameters(config: Any, model_cls: type) -> tuple[int, int]:
 
 
 def what_trains(config: Any, model_cls: type, extras: Extras, pretrained: bool) -> tuple[Extras, list[str]]:
-    """The lines that say what an indexer stage trains (a config with ``indexer_training``), and the extras
-    adjusted to it (no routing-bias balancing in the warm-up: the routers are frozen there)."""
-    trained, total = trained_parameters(config, model_cls)
-    lines = []
-    stage, topk = getattr(config, "indexer_training", None), getattr(config, "index_topk", 0)
-    if stage == "dense_warmup":
-        lines.append(f"indexer warm-up: dense attention, training the indexer only ({trained:,} parameters), the rest "
-                     f"frozen ({total - trained:,}); its loss is the KL to the attention distribution (metric "
-                     "indexer_loss); the language-model loss is measured, not trained"
-                     + ("" if pretrained else ". The model starts from a random initialization: a warm-up is meant "
-                        "to start from a trained dense model (--from-pretrained)"))
-    elif stage == "sparse":
-        lines.append(f"indexer sparse stage: each query attends to its top {topk} keys; the indexer trains on its KL "
-                     "over them from detached inputs (metric indexer_loss), the rest on the language-model loss")
-    elif stage == "off" and topk:
-        lines.append(f"indexer: each query attends to its top {topk} keys; the indexer is frozen "
-                     f"({total - trained:,} parameters; --indexer-stage off: no indexer loss)")
-    if stage == "dense_warmup" and extras.routing_bias_rate > 0:
-        lines.append(f"routing-bias balancing off (--routing-bias-rate {extras.routing_bias_rate:g} not used): the "
-                     "routers are frozen with the rest of the model in the indexer warm-up")
+    """The lines that say what this run trains when the model trains part of itself (the config's
+    ``training_notes``), and the extras adjusted to it: no routing-bias balancing when the stage freezes the
+    routers (the config's ``routers_train``)."""
+    notes = getattr(config, "training_notes", None)
+    lines = notes(*trained_parameters(config, model_cls), pretrained=pretrained) if notes is not None else []
+    if extras.routing_bias_rate > 0 and not getattr(config, "routers_train", True):
+        lines.append(f"routing-bias balancing off (--routing-bias-rate {extras.routing_bias_rate:g} not used): this "
+                     "training stage freezes the routers")
         extras = extras._replace(routing_bias_rate=0.0)
     return extras, lines
 

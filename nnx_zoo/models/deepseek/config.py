@@ -275,6 +275,30 @@ class DeepSeekV3Config(FamilyConfig):
         return 0
 
     @property
+    def routers_train(self) -> bool:
+        """Whether training moves the routers: not in the indexer's dense warm-up, which freezes all but the
+        indexers. Aux-loss-free balancing (``DeepSeekV3.update_routing_bias``) leaves frozen routers alone."""
+        return self.indexer_training != "dense_warmup"
+
+    def training_notes(self, trained: int, total: int, *, pretrained: bool) -> list[str]:
+        """What a run of this config trains, in words for its log (``recipes/pretrain.py`` prints them):
+        ``trained`` of ``total`` parameters by the indexer stage; nothing to say without an indexer."""
+        topk, stage = self.index_topk, self.indexer_training
+        if not topk:
+            return []
+        if stage == "dense_warmup":
+            return [f"indexer warm-up: dense attention, training the indexer only ({trained:,} parameters), the rest "
+                    f"frozen ({total - trained:,}); its loss is the KL to the attention distribution (metric "
+                    "indexer_loss); the language-model loss is measured, not trained"
+                    + ("" if pretrained else ". The model starts from a random initialization: a warm-up is meant "
+                       "to start from a trained dense model (--from-pretrained)")]
+        if stage == "sparse":
+            return [f"indexer sparse stage: each query attends to its top {topk} keys; the indexer trains on its KL "
+                    "over them from detached inputs (metric indexer_loss), the rest on the language-model loss"]
+        return [f"indexer: each query attends to its top {topk} keys; the indexer is frozen ({total - trained:,} "
+                "parameters; --indexer-stage off: no indexer loss)"]
+
+    @property
     def hf_model_type(self) -> str:
         """The transformers architecture this config is written as: ``deepseek_v32`` with an indexer, else the
         router's (``deepseek_v3`` / ``deepseek_v2``)."""

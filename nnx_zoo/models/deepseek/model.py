@@ -351,7 +351,7 @@ class DeepSeekV3(CausalLMBase):
         from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen.
         A router without a selection bias (DeepSeek-V2's softmax routers) has nothing to move, and in
         DeepSeek-V3.2's indexer warm-up the routers are frozen with the rest of the model: a no-op."""
-        if self.moe_layers is not None and self.config.indexer_training != "dense_warmup":
+        if self.moe_layers is not None and self.config.routers_train:
             self.moe_layers.mlp.balance_bias(expert_load, rate)
 
     def _mtp(self, token_embeddings: jax.Array, masks: jax.Array | None, segment_ids: jax.Array | None,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import DeepseekV32ForCausalLM
 
-from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, generate
+from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config, generate
 from nnx_zoo.layers.attention import AttentionMask
 from nnx_zoo.models.deepseek import dsa
 from tests.models.deepseek.hf_reference import (
@@ -241,7 +241,7 @@ def test_a_v3_checkpoint_loads_with_new_indexers_for_the_warm_up(tmp_path):
         DeepSeekV3.from_pretrained(tmp_path / "v32")
 
 
-def test_recipe_trains_the_v32_tiny_preset_in_its_sparse_stage(tmp_path):
+def test_recipe_trains_the_v32_tiny_preset_in_its_sparse_stage(tmp_path, capsys):
     recipe = load_recipe()
     run_dir = tmp_path / "run"
     args = ["--model", "deepseek3.2-tiny", "--model.num_hidden_layers", "1", "--model.first_k_dense_replace", "0",
@@ -252,3 +252,27 @@ def test_recipe_trains_the_v32_tiny_preset_in_its_sparse_stage(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["indexer_loss"]) and r["indexer_loss"] > 0 for r in rows)
+    assert "nnx_zoo: indexer sparse stage: each query attends to its top 4 keys" in capsys.readouterr().err
+
+
+def test_the_recipe_says_what_each_indexer_stage_trains():
+    """The config's words for its stage, with the trained / frozen counts of an abstract model; the warm-up
+    freezes the routers, so routing-bias balancing is switched off (and said so); the other stages keep it."""
+    recipe = load_recipe()
+    for stage in ("dense_warmup", "sparse", "off"):
+        config = DeepSeekV3Config.preset("deepseek3.2-tiny", indexer_training=stage)
+        trained, total = recipe.trained_parameters(config, DeepSeekV3)
+        extras, lines = recipe.what_trains(config, DeepSeekV3, recipe.Extras(0.0, 0.01), pretrained=False)
+        indexer = total - trained if stage == "off" else trained if stage == "dense_warmup" else None
+        assert trained < total if stage != "sparse" else trained == total
+        if stage == "dense_warmup":
+            assert lines[0].startswith(f"indexer warm-up: dense attention, training the indexer only ({indexer:,}")
+            assert "starts from a random initialization" in lines[0]
+            assert lines[1].startswith("routing-bias balancing off") and extras.routing_bias_rate == 0
+        else:
+            assert len(lines) == 1 and extras.routing_bias_rate == 0.01
+            assert lines[0].startswith("indexer sparse stage" if stage == "sparse" else "indexer: each query")
+            assert stage == "sparse" or f"the indexer is frozen ({indexer:,} parameters" in lines[0]
+    plain = DeepSeekV3Config.preset("deepseek3-tiny")
+    assert recipe.what_trains(plain, DeepSeekV3, recipe.Extras(0.0, 0.01), pretrained=False) == (
+        recipe.Extras(0.0, 0.01), [])
