@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ _KEY_SIDE = ("activation_batch", "activation_kv_length")
 
 __all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "AttentionMask", "activation_spec",
            "ambient_mesh", "attention", "causal_mask", "choose_attention_impl", "dense_mask", "dot_product_attention",
-           "token_mask_of", "vary_over"]
+           "run_per_query_shard", "token_mask_of", "vary_over"]
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
 
@@ -287,7 +288,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
         local = functools.partial(_cudnn_local, scale=scale)
     else:
         local = functools.partial(_tokamax_local, scale=scale)
-    return _merged_heads(_on_mesh(local, _grouped_queries(q, k, v), k, v, mask))
+    q = _grouped_queries(q, k, v)
+    q_spec = activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
+    kv_names = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
+    out = run_per_query_shard(local, queries=[(q, q_spec)], mask=mask, out_specs=q_spec,
+                              keys=[(k, activation_spec(kv_names, k.shape)), (v, activation_spec(kv_names, v.shape))])
+    return _merged_heads(out)
 
 
 def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
@@ -365,43 +371,54 @@ def activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> Partit
     return PartitionSpec(*entries)
 
 
-def _on_mesh(local: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
-             mask: AttentionMask) -> jax.Array:
-    """``local(q, k, v, q_offset, kv_valid, q_segment_ids, kv_segment_ids) -> [b, q, n, g, d_v]`` on grouped
-    queries ``q [b, q, n, g, d]``, run on each device's block inside ``shard_map`` when a mesh is ambient.
+def run_per_query_shard(kernel: Callable[..., Any], *, queries: Sequence[tuple[jax.Array, PartitionSpec]],
+                        keys: Sequence[tuple[jax.Array, PartitionSpec]], mask: AttentionMask, out_specs: Any,
+                        **kernel_kwargs: Any) -> Any:
+    """``kernel(*queries, *keys, q_offset, kv_valid, q_segment_ids, kv_segment_ids, **kernel_kwargs)`` on each
+    device's block of queries inside ``shard_map`` when a mesh is ambient (without one: once, on whole arrays).
 
-    Queries keep their layout (batch, sequence, heads split as the rules say), keys and values are whole along
-    the sequence (``activation_kv_length``). A device holding queries ``[start, start + local_q)`` of the
-    sequence passes ``q_offset + start`` to its kernel, so its causal mask is the global one."""
+    ``queries`` / ``keys``: ``(array, spec)`` pairs, each array ``[b, q or k, ...]`` laid out as its spec says.
+    Queries keep their layout (batch, sequence and heads split as the rules say); keys should be whole along the
+    sequence (``activation_kv_length``), so each device sees every key its queries may attend to. The three masks
+    come from ``mask`` and may each be None (the kernel is then given None): the query-side segment ids are split
+    like the first query, ``kv_valid`` and the key-side segment ids laid out as ``(activation_batch,
+    activation_kv_length)``. ``out_specs``: ``shard_map``'s, matching what ``kernel`` returns (None for an output
+    that is None).
+
+    A device holding queries ``[start, start + local_q)`` of the sequence passes ``q_offset + start`` to its
+    kernel, so its causal mask (and its query positions) are the global ones.
+    """
     q_offset = jnp.asarray(mask.q_offset, jnp.int32)
-    masks = (mask.kv_valid, mask.query_segment_ids(q.shape[1]), mask.segment_ids)
+    masks = (mask.kv_valid, mask.query_segment_ids(queries[0][0].shape[1]), mask.segment_ids)
+    arrays = [a for a, _ in (*queries, *keys)]
     mesh = ambient_mesh()
     if mesh is None:
-        return local(q, k, v, q_offset, *masks)
-    q_spec = activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
-    kv_names = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
-    specs = [q_spec, activation_spec(kv_names, k.shape), activation_spec(kv_names, v.shape), PartitionSpec()]
+        return kernel(*arrays, q_offset, *masks, **kernel_kwargs)
+    q_spec = queries[0][1]
     mask_specs = [activation_spec(_KEY_SIDE, masks[0].shape) if masks[0] is not None else None,
                   PartitionSpec(*q_spec[:2]) if masks[1] is not None else None,
                   activation_spec(_KEY_SIDE, masks[2].shape) if masks[2] is not None else None]
-    present = [i for i, m in enumerate(masks) if m is not None]
-    args = [q, k, v, q_offset] + [masks[i] for i in present]
-    specs += [mask_specs[i] for i in present]
+    present = [i for i, m in enumerate(masks) if m is not None]  # shard_map takes arrays, not None
+    specs = [s for _, s in (*queries, *keys)] + [PartitionSpec()] + [mask_specs[i] for i in present]
+    args = [*arrays, q_offset] + [masks[i] for i in present]
     args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
     length_axes = axes_tuple(q_spec[1])
     every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in axes_tuple(e)))
+    n = len(arrays)
 
-    def per_device(q, k, v, q_offset, *present_masks):
-        start = jax.lax.axis_index(length_axes) * q.shape[1] if length_axes else 0
+    def per_device(*local_args):
+        tensors, offset, present_masks = local_args[:n], local_args[n], local_args[n + 1:]
+        start = jax.lax.axis_index(length_axes) * tensors[0].shape[1] if length_axes else 0
         local_masks = [None, None, None]
         for i, m in zip(present, present_masks):
             local_masks[i] = m
         # Every input varies over every mesh axis in play, so the kernel's gradients (which do) have the
-        # inputs' types; shard_map then sums the key/value gradients over the devices that shared them.
-        q, k, v, *local_masks = (vary_over(a, every_axis) for a in (q, k, v, *local_masks))
-        return local(q, k, v, vary_over(q_offset + start, every_axis), *local_masks)
+        # inputs' types; shard_map then sums the key gradients over the devices that shared them.
+        tensors = [vary_over(a, every_axis) for a in tensors]
+        local_masks = [vary_over(m, every_axis) for m in local_masks]
+        return kernel(*tensors, vary_over(offset + start, every_axis), *local_masks, **kernel_kwargs)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=q_spec)(*args)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
 
 
 def vary_over(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:

@@ -40,13 +40,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.scipy.special import xlogy
 from jax.sharding import PartitionSpec
 
-from nnx_zoo.layers.attention import AttentionMask, activation_spec, ambient_mesh, vary_over
+from nnx_zoo.layers.attention import AttentionMask, activation_spec, run_per_query_shard
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import LayerNorm
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import axes_tuple
-from nnx_zoo.sharding.constrain import shard_to_spec
 
 _BLQ = ("activation_batch", "activation_length", "activation_q_lora")
 _BLID = ("activation_batch", "activation_length", None, None)  # indexer queries [b, s, index heads, width]
@@ -124,47 +123,18 @@ def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array,
     if loss not in ("off", "sparse", "dense"):
         raise ValueError(f"loss must be 'off', 'sparse' or 'dense', got {loss!r}")
     kernel = functools.partial(_local, topk=min(topk, latent.shape[1]), scale=scale, mode=loss)
-    q_offset = jnp.asarray(mask.q_offset, jnp.int32)
-    q_seg = mask.query_segment_ids(q_latent.shape[1])
-    masks = (mask.kv_valid, q_seg, mask.segment_ids)
-    mesh = ambient_mesh()
-    if mesh is None:
-        return kernel(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, *masks, head_axes=())
-    return _on_mesh(kernel, (q_latent, q_rope, index_q, index_w), (latent, k_rope, index_k), q_offset, masks, loss)
-
-
-def _on_mesh(kernel, queries, keys, q_offset, masks, mode):
-    """``kernel`` on each device's queries inside ``shard_map``: queries keep their layout (batch, sequence and
-    heads split as the rules say), keys whole along the sequence; a device holding queries ``[start, start + n)``
-    passes ``q_offset + start``, so its causal mask is the global one."""
-    q_spec = activation_spec(_Q_SIDE, queries[0].shape)
-    head_axes = axes_tuple(q_spec[2])
-    index_spec = PartitionSpec(q_spec[0], q_spec[1], None, None)
-    q_specs = [q_spec, q_spec, index_spec, PartitionSpec(q_spec[0], q_spec[1], None)]
-    k_specs = [activation_spec(_K_SIDE, k.shape) for k in keys]
-    row_spec = PartitionSpec(q_spec[0], q_spec[1])
-    mask_specs = [k_specs[0][:2] if masks[0] is not None else None, row_spec if masks[1] is not None else None,
-                  k_specs[0][:2] if masks[2] is not None else None]
-    present = [i for i, m in enumerate(masks) if m is not None]
-    specs = [*q_specs, *k_specs, PartitionSpec()] + [PartitionSpec(*mask_specs[i]) for i in present]
-    args = [*queries, *keys, q_offset] + [masks[i] for i in present]
-    args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
-    length_axes = axes_tuple(q_spec[1])
-    every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in axes_tuple(e)))
-
-    def per_device(*arrays):
-        *tensors, offset = arrays[:8]
-        local_masks = [None, None, None]
-        for i, m in zip(present, arrays[8:]):
-            local_masks[i] = m
-        start = jax.lax.axis_index(length_axes) * tensors[0].shape[1] if length_axes else 0
-        tensors = [vary_over(a, every_axis) for a in tensors]
-        local_masks = [vary_over(m, every_axis) for m in local_masks]
-        return kernel(*tensors, vary_over(offset + start, every_axis), *local_masks, head_axes=head_axes)
-
-    out_specs = (None if mode == "dense" else q_spec, None if mode == "off" else row_spec)
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
+    q_spec = activation_spec(_Q_SIDE, q_latent.shape)
+    row_spec = PartitionSpec(q_spec[0], q_spec[1])  # [b, q]: the KL
+    # The indexer's queries and head weights: every indexer head on every device (the top-k needs their sum).
+    index_q_spec, index_w_spec = PartitionSpec(*row_spec, None, None), PartitionSpec(*row_spec, None)
+    return run_per_query_shard(
+        kernel,
+        queries=[(q_latent, q_spec), (q_rope, q_spec), (index_q, index_q_spec), (index_w, index_w_spec)],
+        keys=[(k, activation_spec(_K_SIDE, k.shape)) for k in (latent, k_rope, index_k)],
+        mask=mask,
+        out_specs=(None if loss == "dense" else q_spec, None if loss == "off" else row_spec),
+        head_axes=axes_tuple(q_spec[2]),  # the KL sums attention over all heads: psum over the axes splitting them
+    )
 
 
 def _block_size(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:

@@ -177,6 +177,51 @@ def test_kernel_matches_dense_reference(monkeypatch, mode):
         assert rel_l2(g, w) < 1e-5, f"gradient {i}"
 
 
+def test_kernel_with_the_sequence_split_equals_one_device(monkeypatch):
+    """Queries split over the sequence (ep-as-cp: 'expert'), left padding and packed documents that cross the
+    split: the context, the KL and every gradient equal the one-device call (the mesh matrix has no segments)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_zoo.sharding import make_mesh, use_rules
+
+    monkeypatch.setattr(dsa, "_MAX_BLOCK", 4)  # 8 queries per device: 2 blocks each
+    b, s, h, c, r, hi, d, topk = 2, 16, 2, 8, 4, 4, 8, 5
+    rng = np.random.default_rng(1)
+    arrays = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in (
+        (b, s, h, c), (b, s, h, r), (b, s, hi, d), (b, s, hi), (b, s, c), (b, s, r), (b, s, d))]
+    valid = np.ones((b, s), bool)
+    valid[0, :3] = False
+    segments = np.zeros((b, s), np.int32)
+    segments[:, 5:] += 1
+    segments[1, 11:] += 1  # documents [0, 5), [5, 11), [11, 16) in row 1: two cross the split at 8
+    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, s, h, c), (b, s))]
+    real = jnp.asarray(valid, jnp.float32)
+
+    def run(xs, valid, segments):
+        def loss(xs):
+            context, kl = dsa.sparse_attention(*xs, AttentionMask(kv_valid=valid, segment_ids=segments), topk=topk,
+                                               scale=0.3, loss="sparse")
+            return jnp.sum(context * real[:, :, None, None] * weights[0]) + jnp.sum(kl * real * weights[1]), (
+                context, kl)
+
+        return jax.grad(loss, has_aux=True)(xs)
+
+    want = jax.jit(run)(arrays, jnp.asarray(valid), jnp.asarray(segments))
+    mesh = make_mesh({"fsdp": 2, "expert": 2}, shard_mode="explicit", devices=jax.devices()[:4])
+    with jax.set_mesh(mesh), use_rules("ep-as-cp"):
+        got = jax.jit(run)(*jax.device_put((arrays, jnp.asarray(valid), jnp.asarray(segments)),
+                                            NamedSharding(mesh, P())))
+    keep = valid.reshape(-1)
+    (got_grads, (got_context, got_kl)), (want_grads, (want_context, want_kl)) = got, want
+    np.testing.assert_allclose(np.asarray(got_kl).reshape(-1)[keep], np.asarray(want_kl).reshape(-1)[keep],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_context).reshape(b * s, -1)[keep],
+                               np.asarray(want_context).reshape(b * s, -1)[keep], rtol=1e-5, atol=1e-5)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert rel_l2(g, w) < 1e-5, f"gradient {i}"
+
+
 @pytest.mark.parametrize("rules", ["ep-as-cp"])  # the sequence split over 'expert' (default: the mesh matrix)
 def test_sparse_mla_keeps_its_input_sharding(rules):
     from flax import nnx
