@@ -231,7 +231,10 @@ def _kl(probs, index, visible, head_axes):
     p = jnp.where(visible, p, 0.0)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     log_q = jax.nn.log_softmax(jnp.where(visible, index, _MIN), axis=-1)
-    return jnp.sum(xlogy(p, p) - jnp.where(visible, p * log_q, 0.0), axis=-1)
+    kl = jnp.sum(xlogy(p, p) - jnp.where(visible, p * log_q, 0.0), axis=-1)
+    # Every head shard holds the same KL (the indexer is not split over heads), but typed as varying over the
+    # head axes: their mean makes it one value, and its gradient reaches each shard's indexer once in total.
+    return jax.lax.pmean(kl, head_axes) if head_axes else kl
 
 
 def mean_over_real_queries(kl: jax.Array, token_mask: jax.Array) -> jax.Array:

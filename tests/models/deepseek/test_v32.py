@@ -177,9 +177,12 @@ def test_kernel_matches_dense_reference(monkeypatch, mode):
         assert rel_l2(g, w) < 1e-5, f"gradient {i}"
 
 
-def test_kernel_with_the_sequence_split_equals_one_device(monkeypatch):
-    """Queries split over the sequence (ep-as-cp: 'expert'), left padding and packed documents that cross the
-    split: the context, the KL and every gradient equal the one-device call (the mesh matrix has no segments)."""
+@pytest.mark.parametrize("rules, sizes", [("ep-as-cp", {"fsdp": 2, "expert": 2}),
+                                          ("default", {"fsdp": 2, "tensor": 2})])
+def test_kernel_on_a_mesh_equals_one_device(monkeypatch, rules, sizes):
+    """Queries split over the sequence (ep-as-cp: 'expert') or the heads over 'tensor' (default), left padding and
+    packed documents that cross the split: the context, both KL modes (the sparse stage's and the warm-up's dense
+    one) and every gradient equal the one-device call (the mesh matrix has no segments and trains no indexer)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -195,29 +198,29 @@ def test_kernel_with_the_sequence_split_equals_one_device(monkeypatch):
     segments = np.zeros((b, s), np.int32)
     segments[:, 5:] += 1
     segments[1, 11:] += 1  # documents [0, 5), [5, 11), [11, 16) in row 1: two cross the split at 8
-    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, s, h, c), (b, s))]
+    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((b, s, h, c), (b, s), (b, s))]
     real = jnp.asarray(valid, jnp.float32)
 
     def run(xs, valid, segments):
         def loss(xs):
-            context, kl = dsa.sparse_attention(*xs, AttentionMask(kv_valid=valid, segment_ids=segments), topk=topk,
-                                               scale=0.3, loss="sparse")
-            return jnp.sum(context * real[:, :, None, None] * weights[0]) + jnp.sum(kl * real * weights[1]), (
-                context, kl)
+            mask = AttentionMask(kv_valid=valid, segment_ids=segments)
+            context, kl = dsa.sparse_attention(*xs, mask, topk=topk, scale=0.3, loss="sparse")
+            _, dense_kl = dsa.sparse_attention(*xs, mask, topk=topk, scale=0.3, loss="dense")
+            return jnp.sum(context * real[:, :, None, None] * weights[0]) + jnp.sum(kl * real * weights[1]) + (
+                jnp.sum(dense_kl * real * weights[2])), (context, kl, dense_kl)
 
         return jax.grad(loss, has_aux=True)(xs)
 
     want = jax.jit(run)(arrays, jnp.asarray(valid), jnp.asarray(segments))
-    mesh = make_mesh({"fsdp": 2, "expert": 2}, shard_mode="explicit", devices=jax.devices()[:4])
-    with jax.set_mesh(mesh), use_rules("ep-as-cp"):
+    mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:4])
+    with jax.set_mesh(mesh), use_rules(rules):
         got = jax.jit(run)(*jax.device_put((arrays, jnp.asarray(valid), jnp.asarray(segments)),
                                             NamedSharding(mesh, P())))
     keep = valid.reshape(-1)
-    (got_grads, (got_context, got_kl)), (want_grads, (want_context, want_kl)) = got, want
-    np.testing.assert_allclose(np.asarray(got_kl).reshape(-1)[keep], np.asarray(want_kl).reshape(-1)[keep],
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got_context).reshape(b * s, -1)[keep],
-                               np.asarray(want_context).reshape(b * s, -1)[keep], rtol=1e-5, atol=1e-5)
+    (got_grads, got_outputs), (want_grads, want_outputs) = got, want
+    for name, g, w in zip(("context", "sparse KL", "dense KL"), got_outputs, want_outputs):
+        np.testing.assert_allclose(np.asarray(g).reshape(b * s, -1)[keep], np.asarray(w).reshape(b * s, -1)[keep],
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
     for i, (g, w) in enumerate(zip(got_grads, want_grads)):
         assert rel_l2(g, w) < 1e-5, f"gradient {i}"
 
