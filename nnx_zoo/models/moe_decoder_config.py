@@ -2,9 +2,11 @@
 (``nnx_zoo.layers.sparse_moe``), shared by the MoE families on the dense core (Qwen3-MoE, Mixtral, GLM-4.5).
 
 A family names its own HF fields for the experts (Qwen3-MoE's ``num_experts`` / ``moe_intermediate_size``,
-Mixtral's ``num_local_experts`` with ``intermediate_size`` as the expert width) and answers four questions:
-``num_routed_experts``, ``expert_intermediate_size``, ``renormalize_topk`` and ``is_moe_layer(i)``; it may also
-name another router than softmax top-k (``router_kind``, ``router_options``) and shared experts
+Mixtral's ``num_local_experts`` with ``intermediate_size`` as the expert width) and answers four questions. Three
+are a name map, the class keyword ``experts=ExpertFields(...)``: which field holds ``num_routed_experts``,
+``expert_intermediate_size`` and ``renormalize_topk`` (or a constant, as Mixtral's always-renormalised top-k);
+the config then has those three as read-only attributes. The fourth, ``is_moe_layer(i)``, is a method. A family
+may also name another router than softmax top-k (``router_kind``, ``router_options``) and shared experts
 (``shared_expert_intermediate_size``). Everything else (validation, HF writing of the family's own fields,
 parameter counts, FLOPs) is here.
 """
@@ -12,12 +14,25 @@ parameter counts, FLOPs) is here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from nnx_zoo.layers.routers import ROUTERS
 from nnx_zoo.models.decoder_config import DecoderConfig, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
+
+
+class ExpertFields(NamedTuple):
+    """Which config field answers each of a family's expert questions: a string names the field (read per
+    instance), any other value is the answer itself, a constant of the family. Mixtral's, as its class keyword:
+
+    >>> experts=ExpertFields(num_routed_experts="num_local_experts", expert_intermediate_size="intermediate_size",
+    ...                      renormalize_topk=True)
+    """
+
+    num_routed_experts: str | int  # routed experts per MoE layer
+    expert_intermediate_size: str | int  # one routed expert's SwiGLU width
+    renormalize_topk: str | bool  # whether the k chosen weights are divided by their sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +63,36 @@ class MoEDecoderConfig(DecoderConfig):
     batch_split_factor: int = 1  # each MoE layer runs on this many micro-batches (nnx_zoo.layers.batch_split)
 
     # ---- what a family answers ----
+    EXPERT_FIELDS: ClassVar[ExpertFields | None] = None  # the class keyword experts=
+
+    def __init_subclass__(cls, *, experts: ExpertFields | None = None, **kwargs: Any) -> None:
+        """A family's class keywords: ``experts=ExpertFields(...)`` (each field it names must exist) and
+        ``DecoderConfig``'s."""
+        super().__init_subclass__(**kwargs)
+        if experts is None:
+            return
+        missing = [name for name in experts if isinstance(name, str) and not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"{cls.__name__}: experts={experts} names no field {', '.join(map(repr, missing))}")
+        cls.EXPERT_FIELDS = experts
+
+    def _expert_answer(self, question: str) -> Any:
+        if self.EXPERT_FIELDS is None:
+            raise NotImplementedError(f"{type(self).__name__} names no expert fields (class keyword experts=)")
+        answer = getattr(self.EXPERT_FIELDS, question)
+        return getattr(self, answer) if isinstance(answer, str) else answer
+
     @property
     def num_routed_experts(self) -> int:
-        raise NotImplementedError
+        return self._expert_answer("num_routed_experts")
 
     @property
     def expert_intermediate_size(self) -> int:
-        raise NotImplementedError
+        return self._expert_answer("expert_intermediate_size")
 
     @property
     def renormalize_topk(self) -> bool:
-        raise NotImplementedError
+        return self._expert_answer("renormalize_topk")
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` (from 0) has the sparse MoE MLP (else the dense SwiGLU)."""

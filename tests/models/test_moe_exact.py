@@ -7,8 +7,8 @@ and an unpadded one. Each case also checks the Switch load-balancing loss (``aux
 x transformers' ``outputs.aux_loss``, padded and not; GLM-4.5 has none in transformers, nor here) and goes both
 ways: transformers' ``save_pretrained``
 (per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
-transformers-5's fused expert layout loads too, every ``moe_impl`` path gives the same logits, and LoRA on the
-routed experts merges into the weights it adapted.
+transformers-5's fused expert layout loads too (each family; GLM-4.5's top-1 with tied embeddings), every
+``moe_impl`` path gives the same logits on it, and LoRA on the routed experts merges into the weights it adapted.
 """
 
 from __future__ import annotations
@@ -48,18 +48,20 @@ CASES = {
                                      topk_group=2, n_shared_experts=2, first_k_dense_replace=0, attention_bias=False,
                                      head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.25}),
-        # top-1, tied embeddings.
-        "e8-top1-tied": dict(num_experts_per_tok=1, tie_word_embeddings=True),  # fused layout: FUSED_CASES
     },
 }
+# The fused-layout test's settings per family (on top of dense_reference's tiny ones). GLM-4.5's is top-1 with tied
+# embeddings, once an exactness case here ("e8-top1-tied", its checkpoint fused): the fused test checks its logits
+# under every moe_impl (and LoRA), the other GLM-4.5 cases the export, aux loss and unpadded batch it also had.
+FUSED = {"qwen3_moe": dict(num_experts_per_tok=2), "mixtral": dict(num_experts_per_tok=2),
+         "glm4_moe": dict(num_experts_per_tok=1, tie_word_embeddings=True)}
+# LoRA (family-agnostic: one module tree, one lora_targets) runs on one family's fused model: GLM-4.5's, whose
+# attention has the most to merge into (q/k/v biases, partial rotary) and which has a dense layer before the MoE ones.
+LORA_FAMILY = "glm4_moe"
 GLM_FIELDS = ("first_k_dense_replace", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
               "use_qk_norm", "attention_bias", "rope_parameters")
 NO_AUX_LOSS = {"glm4_moe"}  # transformers computes no router aux loss for these
 TOL = 1e-5
-# Cases whose checkpoint is transformers-5's fused in-memory layout (the state dict written as is) rather than
-# what its save_pretrained writes: GLM-4.5's fused read is checked here instead of in the fused-layout test below,
-# which runs every moe_impl path (one expert engine for all routers) and LoRA for the other families.
-FUSED_CASES = {("glm4_moe", "e8-top1-tied")}
 
 
 def _hf_outputs(hf, ids: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, float]:
@@ -77,8 +79,7 @@ def test_logits_aux_loss_and_round_trips(tmp_path, family, case):
     seed = list(CASES[family]).index(case)
     hf = make_hf(family, seed=seed, **CASES[family][case])
     aux = {} if family in NO_AUX_LOSS else {"output_router_logits": True}
-    save = _save_fused if (family, case) in FUSED_CASES else save_hf
-    model = AutoModelForCausalLM.from_pretrained(save(hf, tmp_path / "hf"), **aux)
+    model = AutoModelForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), **aux)
     assert type(model) is MOE_FAMILIES[family][0]
     ids, mask = left_padded_batch(hf.config.vocab_size, seed=seed)
 
@@ -116,11 +117,12 @@ def _save_fused(hf, directory):
     return directory
 
 
-@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f not in {f for f, _ in FUSED_CASES}])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_fused_expert_layout_loads_and_every_moe_impl_agrees(tmp_path, family):
     """transformers-5's in-memory (fused) state dict written as a checkpoint loads to the same logits as the
-    per-expert one; ``moe_impl`` ``dense``, ``gmm`` and ``ep`` (no mesh: its local path) agree with transformers."""
-    hf = make_hf(family, seed=5, num_experts_per_tok=2)
+    per-expert one; ``moe_impl`` ``dense``, ``gmm`` and ``ep`` (no mesh: its local path) agree with transformers;
+    LoRA on the routed experts merges (``LORA_FAMILY``)."""
+    hf = make_hf(family, seed=5, **FUSED[family])
     fused = _save_fused(hf, tmp_path / "fused")
     ids, mask = left_padded_batch(hf.config.vocab_size, seed=2)
     want = _hf_outputs(hf, ids, mask)[0]
@@ -128,7 +130,8 @@ def test_fused_expert_layout_loads_and_every_moe_impl_agrees(tmp_path, family):
         model = AutoModelForCausalLM.from_pretrained(fused, moe_impl=impl)
         err = rel_err(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), want, keep=mask)
         assert err < TOL, (impl, err)
-    _lora_on_experts_merges(model, jnp.asarray(ids))
+    if family == LORA_FAMILY:
+        _lora_on_experts_merges(model, jnp.asarray(ids))
 
 
 def _lora_on_experts_merges(model, ids) -> None:
@@ -175,6 +178,12 @@ def test_refused_settings_are_named(tmp_path):
         Glm4MoEConfig.preset("glm4.5-tiny", output_router_logits=True)
     skipped = Glm4MoE.key_table(Glm4MoEConfig.preset("glm4.5-air")).skipped()
     assert skipped.search("model.layers.46.eh_proj.weight") and not skipped.search("model.layers.45.mlp.gate.weight")
+    # A family's expert map (class keyword experts=) must name fields it has: a misspelt one fails at class creation.
+    from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
+
+    with pytest.raises(TypeError, match="names no field 'num_expert'"):
+        class Misspelt(MoEDecoderConfig, experts=ExpertFields("num_expert", "intermediate_size", True)):
+            pass
 
 
 

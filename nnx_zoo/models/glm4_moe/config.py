@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import cpu_presets
-from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
+from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
 # GLM-4.5-Air (106B total, 12B active), the class defaults (published config.json values, as every preset's).
 GLM45_AIR: dict[str, Any] = dict(
@@ -42,7 +42,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4MoeForCausalLM", qk_norm=False,
-                    o_bias=False, presets=PRESETS, defaults=GLM45_AIR, hf_extras={"attention_dropout": 0.0}):
+                    o_bias=False, presets=PRESETS, defaults=GLM45_AIR, hf_extras={"attention_dropout": 0.0},
+                    experts=ExpertFields("n_routed_experts", "moe_intermediate_size", "norm_topk_prob")):
     """GLM-4.5 hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
 
     >>> cfg = Glm4MoEConfig.preset("glm4.5-air")
@@ -64,18 +65,6 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
     norm_topk_prob: bool = True
     use_qk_norm: bool = False
     mtp_layers_on_disk: int = 1  # HF num_nextn_predict_layers: model.layers.{num_hidden_layers + j}.*, skipped
-
-    @property
-    def num_routed_experts(self) -> int:
-        return self.n_routed_experts
-
-    @property
-    def expert_intermediate_size(self) -> int:
-        return self.moe_intermediate_size
-
-    @property
-    def renormalize_topk(self) -> bool:
-        return self.norm_topk_prob
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.first_k_dense_replace and self.n_routed_experts > 0

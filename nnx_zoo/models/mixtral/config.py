@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import cpu_presets
-from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
+from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
 # Mixtral-8x7B, the class defaults (published config.json values, as every preset's sizes).
 MIXTRAL_8X7B: dict[str, Any] = dict(
@@ -34,7 +34,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(MoEDecoderConfig, model_type="mixtral", architecture="MixtralForCausalLM", qk_norm=False,
                     presets=PRESETS, defaults=MIXTRAL_8X7B,
-                    hf_extras={"sliding_window": None, "router_jitter_noise": 0.0, "attention_dropout": 0.0}):
+                    hf_extras={"sliding_window": None, "router_jitter_noise": 0.0, "attention_dropout": 0.0},
+                    experts=ExpertFields("num_local_experts", "intermediate_size", True)):  # top-k always renormalised
     """Mixtral hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
 
     >>> cfg = MixtralConfig.preset("mixtral-8x7b")
@@ -46,18 +47,6 @@ class MixtralConfig(MoEDecoderConfig, model_type="mixtral", architecture="Mixtra
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' MixtralConfig default
 
     num_local_experts: int = 8
-
-    @property
-    def num_routed_experts(self) -> int:
-        return self.num_local_experts
-
-    @property
-    def expert_intermediate_size(self) -> int:
-        return self.intermediate_size
-
-    @property
-    def renormalize_topk(self) -> bool:
-        return True
 
     def is_moe_layer(self, index: int) -> bool:
         return True

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nnx_zoo.models.decoder_config import cpu_presets
-from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
+from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
 # Qwen3-30B-A3B, the class defaults (published config.json values, as every preset's sizes).
 QWEN3_30B_A3B: dict[str, Any] = dict(
@@ -37,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", qk_norm=True,
                      presets=PRESETS, defaults=QWEN3_30B_A3B,
-                     hf_extras={"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0}):
+                     hf_extras={"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0},
+                     experts=ExpertFields("num_experts", "moe_intermediate_size", "norm_topk_prob")):
     """Qwen3-MoE hyper-parameters (HF ``config.json`` names) and nnx_zoo run options.
 
     >>> cfg = Qwen3MoEConfig.preset("qwen3-moe-30b-a3b")
@@ -57,18 +58,6 @@ class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwe
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))  # JSON gives a list
         super().__post_init__()
-
-    @property
-    def num_routed_experts(self) -> int:
-        return self.num_experts
-
-    @property
-    def expert_intermediate_size(self) -> int:
-        return self.moe_intermediate_size
-
-    @property
-    def renormalize_topk(self) -> bool:
-        return self.norm_topk_prob
 
     def is_moe_layer(self, index: int) -> bool:
         return (index not in self.mlp_only_layers and self.num_experts > 0

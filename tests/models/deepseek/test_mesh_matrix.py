@@ -9,6 +9,11 @@ as a rule set already in the list (it maps nothing new); each such pair is liste
 ``moe_impl`` is ``ep`` wherever the rule set shards the expert dim over a mesh axis (so EP runs under Auto and
 Explicit meshes), ``dense`` elsewhere (where ``ep`` would be the local computation anyway).
 
+DeepSeek-V2's router on the same model (``V2_ROUTER``: softmax, group-limited top-k, routed scaling, no selection
+bias) runs on FSDP 8 and FSDP 4 x EP 2 under ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp``, both modes
+(``V2_CASES``, run by tests/models/deepseek/test_v2.py); in CI a V2 case stands in for the V3 case of the same
+mode, mesh, rule set and MoE path, which the plan then leaves out.
+
 Cost: compilation dominates (one train-step compile per case, ~10 s of CPU each). CI runs every kept (mesh, rule
 set) pair under both modes with the batch split alternating between pairs (see ``plan``); set
 ``NNX_ZOO_FULL_MATRIX=1`` for the whole product (96 cases: 100 passed in 28 min alone on this 2-core machine; the
@@ -120,6 +125,33 @@ class Case:
     def id(self) -> str:
         return f"{self.mode}-{_name(dict(self.sizes))}-{self.rules}-split{self.batch_split}-{self.moe_impl}"
 
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, int], ...], str, str]:
+        """What a case covers beyond the router and the batch split: (mode, mesh, rule set, MoE path)."""
+        return self.mode, self.sizes, self.rules, self.moe_impl
+
+
+# DeepSeek-V2's router (HF topk_method 'group_limited_greedy'): softmax over the 8 experts, the top 2 within the 2
+# of 4 groups holding the best single probabilities, raw probabilities times routed_scaling_factor, no selection
+# bias. (V3's tiny_config has one group: of this matrix, only these cases run a group limit under a mesh.)
+V2_ROUTER = (("topk_method", "group_limited_greedy"), ("n_group", 4), ("topk_group", 2), ("norm_topk_prob", False),
+             ("routed_scaling_factor", 2.5))
+V2_MESHES = ((("fsdp", 8),), (("fsdp", 4), ("expert", 2)))
+V2_RULES = ("default", "ep-as-cp", "shard-exp-on-fsdp")
+# CI: the five distinct (mesh, rule set) pairs (on FSDP 8, ep-as-cp maps nothing new: the plan skips it), each
+# once, both modes on each mesh; all but explicit ep-as-cp replace the V3 CI case of the same key (plan()).
+V2_CI_CASES = [Case(mode, sizes, rules, 1, impl) for sizes, rules, impl, mode in (
+    (V2_MESHES[0], "default", "dense", "auto"),
+    (V2_MESHES[0], "shard-exp-on-fsdp", "ep", "explicit"),
+    (V2_MESHES[1], "default", "ep", "auto"),
+    (V2_MESHES[1], "ep-as-cp", "ep", "explicit"),  # experts and the sequence split over 'expert'
+    (V2_MESHES[1], "shard-exp-on-fsdp", "ep", "auto"),
+)]
+V2_CASES = V2_CI_CASES if not FULL else [  # 12 cases: both meshes, the three rule sets, both modes
+    Case(mode, sizes, rules, 1, "ep" if _ep_axes(dict(sizes), rules) else "dense")
+    for sizes in V2_MESHES for rules in V2_RULES for mode in MODES
+]
+
 
 def plan(full: bool = FULL) -> tuple[list[Case], list[tuple[str, str, str]]]:
     """(cases to run, skipped (mesh, rule set, reason)). Deterministic: meshes, rule sets, modes in order.
@@ -127,8 +159,9 @@ def plan(full: bool = FULL) -> tuple[list[Case], list[tuple[str, str, str]]]:
     ``full``: every kept (mesh, rule set) pair under both modes and both batch splits (96 compiles). Otherwise
     (CI: compiles cost ~10 s of CPU each) every kept pair runs once, cycling through (auto, 1), (explicit, 1),
     (auto, 2), (explicit, 2) as (mode, batch split) in plan order, and a rule set kept on one mesh only runs there
-    under both modes: every mesh and every rule set runs under both modes, and each mode with both batch splits
-    (``test_plan_covers_every_mesh_rule_set_and_mode``).
+    under both modes, except the cases whose (mode, mesh, rule set, MoE path) a ``V2_CI_CASES`` case runs with
+    V2's router: with those, every mesh and every rule set runs under both modes, and each mode with both batch
+    splits (``test_plan_covers_every_mesh_rule_set_and_mode``).
     """
     kept, skipped = [], []
     for sizes in MESHES:
@@ -153,6 +186,9 @@ def plan(full: bool = FULL) -> tuple[list[Case], list[tuple[str, str, str]]]:
             if sum(r == rules for _, r, _ in kept) == 1:
                 runs.append((MODES[(i + 1) % 2], runs[0][1]))
         cases += [Case(mode, sizes, rules, split, impl) for mode, split in runs]
+    if not full:
+        v2 = {c.key for c in V2_CI_CASES}
+        cases = [c for c in cases if c.key not in v2]
     return cases, skipped
 
 
@@ -244,8 +280,8 @@ class Setup:
     config: tuple[tuple[str, object], ...] = ()  # tiny_config overrides (e.g. another router)
 
     @classmethod
-    def of(cls, case: Case) -> Setup:
-        return cls(case.rules, case.batch_split, case.moe_impl, case.sizes, case.mode)
+    def of(cls, case: Case, config: tuple[tuple[str, object], ...] = ()) -> Setup:
+        return cls(case.rules, case.batch_split, case.moe_impl, case.sizes, case.mode, config=config)
 
     def mesh(self):
         return make_mesh(dict(self.sizes), shard_mode=self.mode, devices=jax.devices()[: self.devices])
@@ -338,6 +374,13 @@ KEPT = {
 @pytest.mark.parametrize("full", [True, False])
 def test_plan_covers_every_mesh_rule_set_and_mode(full):
     cases, skipped = plan(full)
+    if not full:  # V2's cases stand in for V3's of the same key; the others (one here) add to them
+        assert not {c.key for c in cases} & {c.key for c in V2_CI_CASES}
+        v2_pairs = {(_name(dict(c.sizes)), c.rules, c.moe_impl) for c in V2_CI_CASES}
+        assert v2_pairs == {(mesh, rules, impl) for mesh, sets in KEPT.items() for rules, impl in sets.items()
+                            if mesh in ("fsdp8", "fsdp4+expert2") and rules in V2_RULES}
+        assert {(c.sizes, c.mode) for c in V2_CI_CASES} == {(m, mode) for m in V2_MESHES for mode in MODES}
+        cases = cases + V2_CI_CASES
     runs: dict[tuple[str, str, str], set[tuple[str, int]]] = {}
     for c in cases:
         runs.setdefault((_name(dict(c.sizes)), c.rules, c.moe_impl), set()).add((c.mode, c.batch_split))
