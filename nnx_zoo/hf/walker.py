@@ -113,15 +113,27 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
 
 # ---------------------------------------------------------------- loading
 def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, mesh: Mesh | None,
-                rules: Rules, allow_partial: bool = False) -> M:
+                rules: Rules, allow_partial: bool = False, given: Mapping[str, jax.Array] | None = None) -> M:
     """``abstract`` (an ``abstract_module``) with every Variable read from ``ckpt`` through ``table``, each
     placed on its resolved sharding over ``mesh`` (one device when ``mesh`` is None). ``allow_partial=True``
     resolves as ``create_sharded(..., allow_partial=True)`` does (a dimension that does not divide goes on the
-    longest dividing prefix of its mesh axes), so a loaded model sits where a created one would."""
+    longest dividing prefix of its mesh axes), so a loaded model sits where a created one would.
+
+    ``given``: values (dotted path -> array, already placed) of Variables the checkpoint does not hold, taken as
+    they are: the plan neither expects keys for them nor accepts any (``nnx_zoo.sharding.create_variables`` makes
+    such values for a part of a model without building the rest)."""
+    given = dict(given or {})
     graphdef, abstract_state = nnx.split(abstract)
     variables = dict(iter_variables(abstract_state))
+    unknown = sorted(set(given) - set(variables))
+    if unknown:
+        raise ValueError(f"given values for Variables the model does not have: {unknown}")
+    for p, value in given.items():
+        if tuple(value.shape) != tuple(variables[p].shape) or value.dtype != variables[p].dtype:
+            raise ValueError(f"{p}: given {value.dtype}{list(value.shape)}, the model has "
+                             f"{variables[p].dtype}{list(variables[p].shape)}")
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
-    plan = plan_load(ckpt, table, shapes)
+    plan = plan_load(ckpt, table, {p: shape for p, shape in shapes.items() if p not in given})
     checked: set[str] = set()
     nonfinite: list[str] = []
 
@@ -136,6 +148,9 @@ def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, me
 
     leaves = []
     for p, var in variables.items():
+        if p in given:
+            leaves.append(given[p])
+            continue
         sharding = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
                     else NamedSharding(mesh, variable_spec(p, var, rules, mesh, allow_partial=allow_partial)))
         leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], read))

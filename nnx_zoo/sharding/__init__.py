@@ -21,6 +21,7 @@ from nnx_zoo.sharding.constrain import (
 from nnx_zoo.sharding.create import (
     abstract_module,
     create_sharded,
+    create_variables,
     iter_variables,
     logical_names,
     state_shardings,
@@ -45,6 +46,7 @@ __all__ = [
     "abstract_module",
     "context_axes",
     "create_sharded",
+    "create_variables",
     "expand_rules",
     "current_rules",
     "declare_axis",

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import flax.errors
 import jax
 from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from nnx_zoo.sharding.resolve import Fallback, Resolution, ShardingError, resolve, unplaced_mesh_message
 from nnx_zoo.sharding.rules import Rules, get_rules
@@ -175,3 +175,36 @@ def create_sharded(
 
     leaves = jax.jit(init, out_shardings=shardings)()
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def create_variables(
+    make: Callable[[], nnx.Module],
+    select: Callable[[str], bool],
+    mesh: Mesh | None,
+    rules: Rules | str = "default",
+    *,
+    allow_partial: bool = False,
+) -> dict[str, jax.Array]:
+    """``path -> value`` of the Variables of ``make()`` whose dotted path ``select`` accepts, each born on its
+    resolved sharding (on the default device when ``mesh`` is None), and nothing else materialized: one jitted
+    initializer that returns only these, so XLA drops the computation of every other Variable. The values are
+    those ``create_sharded(make, mesh, rules)`` gives these Variables, bit for bit (the same jitted draws; ``make()``
+    run eagerly, as ``create`` without a mesh runs it, can round a float's last bit differently).
+
+    >>> new = create_variables(lambda: Model(config, rngs=nnx.Rngs(0)), lambda p: ".adapter." in p, mesh)
+    """
+    abstract = dict(iter_variables(abstract_module(make)))
+    paths = [p for p, v in abstract.items() if select(p) and jax.tree.leaves(v.get_value())]
+    if mesh is None:
+        shardings = [SingleDeviceSharding(jax.devices()[0])] * len(paths)
+    else:
+        rules = get_rules(rules)
+        shardings = [NamedSharding(mesh, variable_spec(p, abstract[p], rules, mesh, allow_partial=allow_partial))
+                     for p in paths]
+
+    def init() -> list[jax.Array]:
+        with nnx.use_eager_sharding(False):
+            variables = dict(iter_variables(make()))
+        return [variables[p].get_value() for p in paths]
+
+    return dict(zip(paths, jax.jit(init, out_shardings=shardings)(), strict=True))

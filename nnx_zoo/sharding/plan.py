@@ -10,8 +10,10 @@ Assumptions, each stated in the printed plan:
 - Activations in the compute ``dtype``; router logits and scores, the softmax probabilities and everything of the
   cross-entropy in float32. The attention kernel (``kernels["attention"]``): ``xla`` materializes its
   ``[batch, heads, q, k]`` scores; the others (``blockwise``, ``cudnn``, ``tokamax``) keep only the output and a
-  float32 log-sum-exp per query and head (their tiles are small and short-lived). All keys are local (context
-  parallelism splits queries only).
+  float32 log-sum-exp per query and head (their tiles are small and short-lived); ``sparse-top<k>`` (DeepSeek-V3.2)
+  attends each query to its ``k`` keys that a lightning indexer chooses, one block of queries at a time: no
+  ``[q, k]`` scores are kept, the chosen keys' indices are, and one block's indexer scores are the transient. All
+  keys are local (context parallelism splits queries only).
 - The loss: the whole batch's logits at once, or (``loss_chunk_tokens``, as the trainer's chunked head +
   cross-entropy does) that many tokens' logits at a time per device.
 - ``remat='none'`` keeps every intermediate of every layer for the backward pass; ``remat='full'`` keeps only each
@@ -37,13 +39,27 @@ the rest in two phases that do not overlap in time, so the peak is ``held + max(
 - one layer: its recomputation (``'full'``), its weights gathered, and the gradient of its largest weight at
   gathered size: each weight's gradient is reduce-scattered (or all-reduced) back to its shard as soon as it is
   computed, so one is whole at a time (measured on XLA's buffer assignment: adding every weight's gathered
-  gradient of the layer overshoots by the layer's weight size).
+  gradient of the layer overshoots by the layer's weight size); with sparse attention, one query block's scratch.
 
 Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
 the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
 - MLA attention: ``T*a*(3e + 3*q_lora + 3*kv_lora + 2*H*(nope+rope) + 2*H*v) + scores``: three RMSNorms keeping
   3 of their width each (input norm, query latent, kv latent); the concatenated roped query and key; values and
   the attention output.
+- MLA with DeepSeek-V3.2's sparse attention (``sparse-top<k>``; ``nnx_zoo.models.deepseek.dsa``, in MLA's
+  absorbed form: no per-head keys, values or scores are kept): ``T*a*(3e + 3*q_lora + 3*kv_lora + H*(nope+rope) +
+  rope + 2*H*kv_lora + H*v) + T*4*k``: the three norms; ``q_nope`` and the roped query; the shared rope key; the
+  absorbed queries ``[H, kv_lora]`` and the context ``[H, kv_lora]`` (the weighted sum of chosen latents); the
+  values; the chosen keys' int32 indices ``[T, k]`` (saved by name, ``dsa_chosen``). When the indexer's own loss
+  trains it (``indexer_training='sparse'``; ``I`` indexer heads of width ``D``): ``+ T*(a*(I*D + 4D) + 4I)``, its
+  queries, its key's LayerNorm and roped key, its float32 head weights (``+ T*4e`` for the float32 copy of a
+  bfloat16 input its weights read). These are what autodiff saves, term for term (the test compares them).
+  Scratch, one layer at a time (the one-layer phase), per block of ``r`` query rows (``sparse_block_rows``, dsa's
+  rule: at most 512, the block's estimated scratch under 64 MiB) against ``S`` keys: the larger of the block's
+  forward ``4*b*r*S*(2I + 1)`` (the indexer's float32 products per head and their relu, and the weighted scores;
+  the backward recomputes it under remat) and its backward ``4*b*r*k*(3*kv_lora + 2*rope [+ D])`` (the chosen
+  keys' gathered latents and rope keys with their cotangents, the gathered index keys when trained), plus the
+  blocks' copy of the indexer's queries ``T*(a*I*D + 4I)`` (three when trained: their float32 cotangents).
 - GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + scores`` (``K`` key/value heads of width ``d``): queries and
   keys before and after rope, values, attention output.
 - scores: ``xla``: ``b*H*s*S*(a + 10)`` over ``S`` keys: the scores (compute dtype), their float32
@@ -89,6 +105,7 @@ from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import Rules, get_rules
 
 REMATS = ("none", "full")
+SPARSE = "sparse-top"  # the attention kernel's name for top-k sparse attention: 'sparse-top2048'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +139,15 @@ class DecoderShapes:
     moe_impl: str = "gmm"  # the activation formula: 'gmm' (dropless grouped matmul, also 'ep') or 'dense'
     # What the MoE path gathers of its expert weights while a layer runs (EXPERT_GATHERS).
     expert_gather: str = "all"
-    # The attention kernel: 'xla' materializes the scores; 'blockwise', 'cudnn' and 'tokamax' do not.
+    # The attention kernel: 'xla' materializes the scores; 'blockwise', 'cudnn' and 'tokamax' do not;
+    # 'sparse-top<k>': DeepSeek-V3.2's sparse attention (each query's top-k keys by a lightning indexer).
     attention: str = "xla"
+    # The sparse attention's lightning indexer (``index_n_heads`` x ``index_head_dim``, the config's
+    # ``index_topk``), and whether its own loss trains it (``indexer_training='sparse'``: its tensors are kept).
+    index_topk: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    indexer_trained: bool = False
     grouped_matmul: str = "kernel"  # 'tiled': the portable grouped matmul (per-tile weight copies); else a kernel
     loss_chunk_tokens: int | None = None  # tokens whose logits the loss holds at once per device; None: all
 
@@ -140,6 +164,7 @@ class DecoderShapes:
         kernels = kernels or {}
         impl = kernels.get("moe") or get("moe_impl", "gmm")
         attention = kernels.get("attention") or get("attention_impl", "xla")
+        topk = int(attention[len(SPARSE):]) if attention.startswith(SPARSE) else 0
         return cls(
             hidden=config.hidden_size, vocab=config.vocab_size, heads=config.num_attention_heads,
             dense_layers=dense, moe_layers=layers - dense, mtp_layers=get("num_nextn_predict_layers"),
@@ -154,6 +179,9 @@ class DecoderShapes:
             expert_gather={"dense": "fsdp", "ep": "all-but-exp"}.get(impl, "all"),
             attention="xla" if attention == "auto" else attention, loss_chunk_tokens=loss_chunk_tokens,
             grouped_matmul=kernels.get("grouped_matmul") or get("grouped_matmul_impl", "kernel"),
+            index_topk=topk, index_heads=get("index_n_heads") if topk else 0,
+            index_dim=get("index_head_dim") if topk else 0,
+            indexer_trained=bool(topk) and get("indexer_training", "off") == "sparse",
         )
 
 
@@ -223,6 +251,8 @@ def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rule
 def attention_bytes(s: DecoderShapes, n: Local) -> int:
     """What one attention layer keeps for its backward pass (module docstring's formula)."""
     a, t, e, h = s.dtype_bytes, n.tokens, s.hidden, n.heads
+    if s.index_topk:
+        return sparse_attention_bytes(s, n)
     if s.attention == "xla":  # scores, float32 probabilities, the backward's float32 score gradients
         scores = n.batch * h * n.seq * n.keys * (a + 10)
     else:  # flash-style kernels: the float32 log-sum-exp per query row and head
@@ -236,6 +266,65 @@ def attention_bytes(s: DecoderShapes, n: Local) -> int:
         d = s.head_dim
         per_token = 3 * e + 2 * h * d + 4 * n.kv_heads * d + h * d
     return t * a * per_token + scores
+
+
+def sparse_attention_bytes(s: DecoderShapes, n: Local) -> int:
+    """What one MLA layer with DeepSeek-V3.2's sparse attention keeps for its backward (``nnx_zoo.models.deepseek.
+    dsa``): the three RMSNorms as in MLA; ``q_nope`` (for the gradient of ``kv_b_proj``'s key half), the roped
+    query, the absorbed queries ``[H, kv_lora]`` and the context ``[H, kv_lora]`` (the attention-weighted sum of
+    latents), the shared rope key and the values (``o_proj``'s input); no per-head keys or values and no scores:
+    the blocks recompute those. The chosen keys' indices, int32 ``[T, topk]``, are saved (``dsa_chosen``). When its
+    loss trains the indexer: its queries ``[index_heads, index_dim]``, its float32 head weights, its key's LayerNorm
+    (3 widths) and roped key, and (a bfloat16 model) the float32 copy of the layer input its weights read."""
+    a, t, e, h = s.dtype_bytes, n.tokens, s.hidden, n.heads
+    per_token = (3 * e + 3 * s.q_lora + 3 * s.kv_lora + h * (s.nope + s.rope) + s.rope + 2 * h * s.kv_lora
+                 + h * s.v_head)
+    kept = t * (a * per_token + 4 * s.index_topk)
+    if s.indexer_trained:
+        indexer = a * (s.index_heads * s.index_dim + 4 * s.index_dim) + 4 * s.index_heads
+        kept += t * (indexer + (4 * e if a != 4 else 0))
+    return kept
+
+
+def sparse_block_rows(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
+    """Query rows per block of the sparse attention: the rule of ``nnx_zoo.models.deepseek.dsa`` (``_block_size``;
+    ``tests/sharding/test_sharding_plan.py`` checks they agree), the largest power of two up to 512 rows whose
+    scratch (``sparse_row_bytes`` a row) stays under 64 MiB, at least 8."""
+    block = 512
+    while block > 8 and block * sparse_row_bytes(k_len, topk, heads, index_heads, width) > 64 * 2**20:
+        block //= 2
+    return min(block, q_len)
+
+
+def sparse_row_bytes(k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
+    """One query row's scratch in a sparse attention block as dsa sizes its blocks: the indexer's float32 scores
+    per head over all keys, the chosen keys' entries (``width = kv_lora + rope``), the scores and probabilities over
+    them, the context."""
+    return 4 * (index_heads * k_len + topk * (width + 2 * heads) + heads * width)
+
+
+def sparse_scratch_bytes(s: DecoderShapes, n: Local) -> int:
+    """The sparse attention's largest transient while one layer runs (its one-layer phase), one block of ``rows``
+    query rows at a time (``sparse_block_rows``), the larger of two moments:
+    - the block's forward (which the backward recomputes under remat): the indexer's float32 ``[b, rows,
+      index_heads, S]`` products against all ``S`` keys and their relu (two tiles: XLA does not fuse the relu into
+      the matmul), and the head-weighted, masked scores ``[b, rows, S]``;
+    - the block's backward: the chosen keys' entries gathered, float32 ``[b, rows, topk, kv_lora + rope]``, and
+      their cotangents (the latent's from the scores and from the context, the rope key's), and when the loss
+      trains the indexer the chosen keys' gathered index keys ``[b, rows, topk, index_dim]``.
+    Beside them the blocks' inputs: the indexer's queries and head weights split into blocks, a copy ``[T,
+    index_heads, index_dim]`` (+ float32 ``[T, index_heads]``); when its loss trains the indexer, the backward's
+    float32 cotangents of those (the loop's accumulator and its copy) add two more of that size."""
+    if not s.index_topk:
+        return 0
+    a, ih, d, topk = s.dtype_bytes, s.index_heads, s.index_dim, s.index_topk
+    rows = n.batch * sparse_block_rows(n.seq, n.keys, topk, n.heads, ih, s.kv_lora + s.rope)
+    forward = 4 * rows * n.keys * (2 * ih + 1)
+    backward = 4 * rows * topk * (3 * s.kv_lora + 2 * s.rope + (d if s.indexer_trained else 0))
+    queries = n.tokens * (a * ih * d + 4 * ih)
+    if s.indexer_trained:
+        queries += 2 * n.tokens * 4 * ih * (d + 1)
+    return max(forward, backward) + queries
 
 
 # What a SwiGLU ``silu(gate) * up`` keeps per token, in widths. A looped stack (a scan) stores every residual
@@ -402,6 +491,7 @@ PART_PHASES = {
     "gathered weights, one-layer stacks": "output head",
     "one layer recomputed": "one layer", "cotangents, one layer": "one layer",
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
+    "sparse attention, one block": "one layer",
 }
 
 
@@ -442,7 +532,11 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
         layers = {"layer inputs": sum(count for count, _ in looped) * layer_input,
                   "one layer recomputed": max((size for _, size in looped), default=0),
                   "one-layer stacks, kept whole": sum(size for count, size in stacks if count == 1)}
-    return {**layers, "embeddings and logits": output_bytes(s, n), **({"mtp heads": mtp} if mtp else {})}
+    # The sparse attention's scratch is live while one layer's attention runs (its blocks, recomputed in the
+    # backward); a layer at a time, under either remat.
+    scratch = sparse_scratch_bytes(s, n)
+    return {**layers, **({"sparse attention, one block": scratch} if scratch else {}),
+            "embeddings and logits": output_bytes(s, n), **({"mtp heads": mtp} if mtp else {})}
 
 
 def weight_parts(report: ShardingReport, expert_gather: str) -> dict[str, int]:
@@ -504,7 +598,9 @@ class MemoryPlan:
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
             f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention {s.attention} "
-            + ("(scores materialized)" if s.attention == "xla" else "(no score matrix)") + ", logits of "
+            + ("(scores materialized)" if s.attention == "xla" else
+               f"(each query's {s.index_topk} chosen keys, the indexer's scores a block of queries at a time)"
+               if s.index_topk else "(no score matrix)") + ", logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             f"  parameters                  {_human(self.param_bytes)}",
             f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
@@ -549,11 +645,18 @@ def memory_plan(
     shard); ``seq_len`` is the whole sequence (context parallelism splits it). Divisibility fallbacks as in
     ``sharding_report`` (``allow_partial``). ``kernels``: the implementations that will run, as
     ``nnx_zoo.layers.kernels.kernel_choices`` gives them for the target platform (``{"attention": "cudnn", "moe":
-    "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``).
+    "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``,
+    and a config's sparse attention, ``sparse_attention_keys(seq_len)``, as ``sparse-top<k>``).
     ``loss_chunk_tokens``: the trainer's chunked loss holds that many tokens' logits at a time per device
     (``nnx_zoo.train.loss.default_chunk_tokens``); None: the whole batch's logits at once.
     """
     rules = get_rules(rules)
+    # Without a kernel named: a config's sparse attention (DeepSeek-V3.2) runs whatever its attention_impl says,
+    # as kernel_choices reports it.
+    sparse_keys = getattr(config, "sparse_attention_keys", None)
+    topk = sparse_keys(seq_len) if sparse_keys is not None and not (kernels or {}).get("attention") else 0
+    if topk:
+        kernels = {**(kernels or {}), "attention": f"{SPARSE}{topk}"}
     batch_shards = _shards("activation_batch", rules, mesh)
     if batch_per_device is None:
         batch_per_device = max(1, -(-(global_batch or batch_shards) // batch_shards))

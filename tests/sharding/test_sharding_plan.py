@@ -13,7 +13,11 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.layers.attention import causal_mask
 from nnx_zoo.layers.kernels import kernel_choices
+from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
+from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.sharding import (
     RULE_SETS,
     ShardingError,
@@ -27,9 +31,13 @@ from nnx_zoo.sharding import (
 )
 from nnx_zoo.sharding.plan import (
     PART_PHASES,
+    DecoderShapes,
+    Local,
     activation_peak,
+    attention_bytes,
     gathered_weight_bytes,
     memory_plan,
+    sparse_block_rows,
     tiled_grouped_matmul_bytes,
 )
 from nnx_zoo.sharding.resolve import resolve
@@ -158,15 +166,26 @@ CASES = [  # (mesh, layers, first dense layers, remat, moe_impl, vocab); small m
     ({"fsdp": 4, "expert": 2}, 4, 2, "none", "dense", 512),
 ]
 # Long sequences, one device, where the attention kernel decides the memory: (preset, layers, remat, attention,
-# batch x seq, vocab, loss chunk tokens). Measured estimate / XLA: the einsum path's quadratic scores in the
-# recomputed layer 0.90 at the a + 10 bytes per score the plan uses (a + 12: 1.01; without the score gradients,
-# a + 4: 0.56). Blockwise attention with tiled gmm, one-layer stacks: 0.92. Blockwise in a looped stack under
-# remat none with the chunked loss, its logits 256 tokens at a time: 1.09 (XLA 183 MiB; counting every token's
+# batch x seq, vocab, loss chunk tokens, config overrides). Measured estimate / XLA: the einsum path's quadratic
+# scores in the recomputed layer 0.90 at the a + 10 bytes per score the plan uses (a + 12: 1.01; without the score
+# gradients, a + 4: 0.56). Blockwise attention with tiled gmm, one-layer stacks: 0.92. Blockwise in a looped stack
+# under remat none with the chunked loss, its logits 256 tokens at a time: 1.09 (XLA 183 MiB; counting every token's
 # logits instead: 4.7; the whole-logits loss takes 839 MiB, estimated at 1.02).
+# DeepSeek-V3.2's sparse attention, its indexer trained by its own loss, one layer's scratch the larger phase: at 1,024
+# positions (top 64 keys, a 16 x 32 indexer) one query block's forward, the indexer's float32 score tiles against all
+# keys, 1.06 (XLA 100.1 MiB; one tile counted instead of two: 0.74); at 2,048 (top 512, a 4 x 32 indexer) its
+# backward, the chosen keys' gathered latents and their cotangents, 1.01 (146.1 MiB; without it: 0.58). Counted as
+# the old flash-style kernel (a log-sum-exp per row, no indexer): 0.42 and 0.39. Not tested (a compile each), with
+# either phase larger: untrained indexers, 1,024-4,096 positions, a looped stack under remat full and none, 0.94-1.09;
+# bfloat16 0.90-0.94; two rows 0.94. The small terms (the chosen indices, the indexer's key) are held to what
+# autodiff saves instead (test_sparse_attention_keeps_what_autodiff_saves).
 LONG = [
-    ("llama3-tiny", 3, "full", "xla", (1, 2048), 4096, None),
-    ("deepseek3-mini", 2, "full", "blockwise", (2, 1024), 4096, None),
-    ("llama3-tiny", 3, "none", "blockwise", (1, 2048), 32000, 256),
+    ("llama3-tiny", 3, "full", "xla", (1, 2048), 4096, None, {}),
+    ("deepseek3-mini", 2, "full", "blockwise", (2, 1024), 4096, None, {}),
+    ("llama3-tiny", 3, "none", "blockwise", (1, 2048), 32000, 256, {}),
+    ("deepseek3.2-tiny", 2, "full", "sparse-top64", (1, 1024), 4096, 256, dict(index_n_heads=16,
+                                                                              indexer_training="sparse")),
+    ("deepseek3.2-tiny", 2, "full", "sparse-top512", (1, 2048), 512, 256, dict(indexer_training="sparse")),
 ]
 
 
@@ -182,8 +201,11 @@ def _xla_temp(model: nnx.Module, mesh, batch: int, seq: int, chunk: int | None) 
             total, count = token_cross_entropy(model(ids), ids, mask)
         else:
             with model.sharding_scope():
-                hidden = model.forward(ids, with_logits=False).final_hidden
-                total, count = chunked_head_cross_entropy(hidden, model.output_head(), ids, mask, chunk_tokens=chunk)
+                out = model.forward(ids, with_logits=False)
+                total, count = chunked_head_cross_entropy(out.final_hidden, model.output_head(), ids, mask,
+                                                          chunk_tokens=chunk)
+            if getattr(out, "indexer_loss", None) is not None:  # as the trainer adds a sparse indexer's own loss
+                return total / count + out.indexer_loss
         return total / count
 
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
@@ -225,10 +247,14 @@ def test_activation_estimate_within_tolerance_of_xla(sizes, layers, first_dense,
         assert gathered_weight_bytes(plan.report, "all") > gathered_weight_bytes(plan.report, "fsdp")
 
 
-@pytest.mark.parametrize(("preset", "layers", "remat", "attention", "shape", "vocab", "chunk"), LONG)
+@pytest.mark.parametrize(("preset", "layers", "remat", "attention", "shape", "vocab", "chunk", "extra"), LONG)
 def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, layers, remat, attention, shape, vocab,
-                                                                     chunk):
-    overrides = dict(num_hidden_layers=layers, remat_policy=remat, attention_impl=attention, vocab_size=vocab)
+                                                                     chunk, extra):
+    overrides = dict(num_hidden_layers=layers, remat_policy=remat, vocab_size=vocab, **extra)
+    if attention.startswith("sparse-top"):  # DeepSeek-V3.2: the indexer's top-k decides, not attention_impl
+        overrides["index_topk"] = int(attention.removeprefix("sparse-top"))
+    else:
+        overrides["attention_impl"] = attention
     if preset.startswith("deepseek"):
         overrides.update(first_k_dense_replace=1, moe_impl="gmm", num_nextn_predict_layers=0)
     config = AutoConfig.preset(preset, **overrides)
@@ -244,6 +270,66 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
                        loss_chunk_tokens=chunk)
     estimate = plan.activation_bytes(remat)
     assert 0.85 <= estimate / xla <= 1.15, (estimate, xla, plan.activations[remat])
+    if attention.startswith("sparse-top"):  # its indexer's scratch is the one-layer phase, above the head's
+        parts = plan.activations[remat]
+        assert parts["sparse attention, one block"] > parts["embeddings and logits"]
+        assert "chosen keys" in plan.table()
+        # Not told the attention kernel, the plan asks the config: the same sparse attention.
+        others = {k: v for k, v in kernels.items() if k != "attention"}
+        assert memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch, kernels=others,
+                           loss_chunk_tokens=chunk).activation_bytes(remat) == estimate
+
+
+def test_the_plans_sparse_attention_blocks_are_dsas():
+    from nnx_zoo.models.deepseek.dsa import _block_size
+
+    shapes = [  # (queries, keys, top-k, heads, indexer heads, latent + rope width): V3.2 671B, its context-parallel
+        # and tensor-parallel shares, the test's tiny ones
+        (4096, 4096, 2048, 128, 64, 576), (4096, 32768, 2048, 16, 64, 576), (1024, 1024, 256, 4, 8, 48),
+        (64, 64, 32, 4, 4, 48), (4096, 4096, 256, 4, 8, 48)]
+    for shape in shapes:
+        assert sparse_block_rows(*shape) == _block_size(*shape), shape
+
+
+def _saved_per_token(config: DeepSeekV3Config) -> float:
+    """Bytes per token that autodiff saves for the backward of one input norm + MLA layer (the plan's attention):
+    the residuals of ``jax.vjp`` at two lengths, differenced (the weights and constants cancel)."""
+    norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    graphdef, state = nnx.split((norm, MLA(config, rngs=nnx.Rngs(0))))
+
+    def saved(seq: int) -> int:
+        cos, sin = rope_cos_sin(jnp.arange(seq)[None], rope_frequencies(config.qk_rope_head_dim, 1e4)[0])
+
+        def layer(state: nnx.State, x: jax.Array) -> jax.Array:
+            norm, attn = nnx.merge(graphdef, state)
+            out, kl = attn.attend(norm(x), cos, sin, causal_mask(seq))
+            return out.sum() + (0.0 if kl is None else kl.sum())
+
+        x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.float32)
+        residuals = jax.eval_shape(lambda s, x: jax.tree.leaves(jax.vjp(layer, s, x)[1]), state, x)
+        return sum(math.prod(r.shape) * r.dtype.itemsize for r in residuals)
+
+    return (saved(256) - saved(128)) / 128
+
+
+@pytest.mark.parametrize("stage", ["off", "sparse"])
+def test_sparse_attention_keeps_what_autodiff_saves(stage):
+    # The plan's per-layer count of DeepSeek-V3.2's sparse attention against the residuals of its vjp: growing the
+    # chosen keys, the indexer, the latent and the heads changes both by the same bytes per token, to the byte
+    # (the indexer's tensors only when its loss trains it). The absolute counts differ by what the formulas leave
+    # out and no dimension here changes: the norms' per-row statistics, rope's cos/sin, the block positions, and
+    # (trained) stop_gradient's copies of the layer input and query latent, which XLA does not make.
+    def plan_per_token(config: DeepSeekV3Config) -> int:
+        shapes = DecoderShapes.from_config(config, kernel_choices(config, seq_len=128, platform="cpu"))
+        assert shapes.index_topk == config.index_topk and shapes.indexer_trained == (stage == "sparse")
+        one = Local(batch=1, seq=1, keys=128, heads=config.num_attention_heads, kv_heads=0, mlp=0, moe_mlp=0,
+                    vocab=0, experts=0, shared_mlp=0)
+        return attention_bytes(shapes, one)
+
+    small = DeepSeekV3Config.preset("deepseek3.2-tiny", index_topk=32, indexer_training=stage)
+    large = small.with_overrides(index_topk=96, index_n_heads=8, index_head_dim=48, kv_lora_rank=64,
+                                 num_attention_heads=8)
+    assert plan_per_token(large) - plan_per_token(small) == _saved_per_token(large) - _saved_per_token(small)
 
 
 def test_the_plans_tiled_grouped_matmul_rules_are_the_kernels():

@@ -37,7 +37,7 @@ from nnx_zoo.hf import (
 from nnx_zoo.hf.table import Shape
 from nnx_zoo.models.causal_lm import pretrained_overrides
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
-from nnx_zoo.sharding import abstract_module, get_rules
+from nnx_zoo.sharding import abstract_module, create_variables, get_rules
 from nnx_zoo.sharding.rules import Rules
 
 __all__ = ["CheckpointMismatchError", "canonical_slots", "dequantize_fp8", "iter_hf_keys", "key_table",
@@ -173,16 +173,20 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
 
 def _with_new_indexers(cls: type, ckpt: SafetensorsCheckpoint, config: DeepSeekV3Config, mesh: Mesh | None,
                        rules: Rules, allow_partial: bool) -> Any:
-    """The checkpoint's weights in a model with freshly initialized lightning indexers (the checkpoint has none)."""
+    """The checkpoint's weights in a model with freshly initialized lightning indexers (the checkpoint has none),
+    holding one model's weights at a time."""
     warnings.warn(f"{ckpt.directory} holds no lightning-indexer weights: the indexers (index_topk="
                   f"{config.index_topk}) start from a random init; train them first (indexer_training="
                   "'dense_warmup'), or each query attends to the keys an untrained indexer picks", stacklevel=3)
-    dense = config.with_overrides(index_topk=0, indexer_training="off")
-    abstract = abstract_module(lambda: cls(dense, rngs=nnx.Rngs(0), rules=rules, allow_partial=allow_partial or None))
-    loaded = load_module(ckpt, key_table(dense), abstract, mesh=mesh, rules=rules, allow_partial=allow_partial)
-    model = cls.create(config, mesh=mesh, rules=rules, allow_partial=allow_partial)
-    nnx.update(model, nnx.state(loaded))
-    return model
+    def make() -> Any:  # as DeepSeekV3.create(config) builds it (seed 0)
+        return cls(config, rngs=nnx.Rngs(0), rules=rules, allow_partial=allow_partial or None)
+
+    # Only the indexers are initialized (the values create(config) gives them: on a mesh to the bit, without one to
+    # a float's last bit) and nothing else is built; every other weight is read from the files straight into its
+    # place: one model in memory, not two.
+    indexers = create_variables(make, lambda path: ".indexer." in path, mesh, rules, allow_partial=allow_partial)
+    return load_module(ckpt, key_table(config), abstract_module(make), mesh=mesh, rules=rules,
+                       allow_partial=allow_partial, given=indexers)
 
 
 def save_pretrained(model: Any, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:

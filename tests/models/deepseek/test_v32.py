@@ -9,7 +9,10 @@ padding and packed documents, gives the reference's context, indexer KL and grad
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +21,11 @@ import pytest
 import torch
 from transformers import DeepseekV32ForCausalLM
 
+import nnx_zoo
 from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config, generate
 from nnx_zoo.layers.attention import AttentionMask
 from nnx_zoo.models.deepseek import dsa
+from nnx_zoo.sharding import iter_variables, make_mesh
 from tests.models.deepseek.hf_reference import (
     YARN,
     case_builder,
@@ -258,21 +263,69 @@ def test_sparse_mla_keeps_its_input_sharding(rules):
         assert spec[1] == "expert"
 
 
+def _peak_live_bytes(load):
+    """``(load(), the most bytes of JAX arrays alive beyond those alive before)``, sampled each time a function of
+    nnx_zoo returns while ``load`` runs (every array the package allocates is in hand by then)."""
+    root = str(Path(nnx_zoo.__file__).parent)
+
+    def live() -> int:
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    gc.collect()
+    base = peak = live()
+
+    def sample(frame, event, arg):
+        nonlocal peak
+        if event == "return" and frame.f_code.co_filename.startswith(root):
+            peak = max(peak, live())
+
+    sys.setprofile(sample)
+    try:
+        result = load()
+    finally:
+        sys.setprofile(None)
+    return result, peak - base
+
+
+def _indexers(model) -> dict[str, jax.Array]:
+    return {p: v[...] for p, v in iter_variables(model) if ".indexer." in p}
+
+
 def test_a_v3_checkpoint_loads_with_new_indexers_for_the_warm_up(tmp_path):
     """``index_topk`` given for a DeepSeek-V3 checkpoint (no indexer weights; DeepSeek started V3.2 from V3.1):
     every weight it has is loaded, the indexers start from a random init with a warning, and while the top-k
-    covers the sequence the logits are the V3 model's. A V3.2 checkpoint missing its indexers is still refused."""
+    covers the sequence the logits are the V3 model's. One model is built, not a V3 one beside it: the indexers
+    alone are initialized (as ``create`` initializes them) and the rest read into place. A V3.2 checkpoint missing
+    its indexers is still refused."""
     from nnx_zoo.hf import CheckpointMismatchError
 
     hf = make_hf_model(seed=3, num_hidden_layers=2)
     path = save_hf(hf, tmp_path / "v3")
     ids, _ = _inputs(False, hf.config.vocab_size)
+    small = dict(index_n_heads=4, index_head_dim=32)  # indexers of 2% of this tiny model, not most of it
     with pytest.warns(UserWarning, match="no lightning-indexer weights"):
-        model = DeepSeekV3.from_pretrained(path, moe_impl="dense", index_topk=SEQ)
+        model, peak = _peak_live_bytes(
+            lambda: DeepSeekV3.from_pretrained(path, moe_impl="dense", index_topk=SEQ, **small))
     assert model.config.index_topk == SEQ and model.moe_layers.attn.indexer is not None
+    # At most one model's bytes alive while loading (measured 1.06x); loading the V3 model and then creating the
+    # V3.2 one beside it, as this loader once did, held 1.83x.
+    model_bytes = sum(v[...].nbytes for _, v in iter_variables(model))
+    assert peak < 1.25 * model_bytes, (peak, model_bytes)
     v3 = DeepSeekV3.from_pretrained(path, moe_impl="dense")
-    np.testing.assert_array_equal(np.asarray(model.moe_layers.attn.q_b_proj.kernel[...]),
-                                  np.asarray(v3.moe_layers.attn.q_b_proj.kernel[...]))
+    loaded = dict(iter_variables(model))
+    for p, v in iter_variables(v3):  # every weight outside the indexers is the checkpoint's
+        np.testing.assert_array_equal(np.asarray(loaded.pop(p)[...]), np.asarray(v[...]), err_msg=p)
+    assert loaded and all(".indexer." in p for p in loaded)
+    # The indexers: on a mesh, exactly what create(config) gives them, where it places them; without one, the same
+    # values (create() without a mesh initializes eagerly, unjitted: within a float32's last bit of these).
+    mesh = make_mesh({"fsdp": 4, "expert": 2})
+    with pytest.warns(UserWarning, match="no lightning-indexer weights"):
+        on_mesh = DeepSeekV3.from_pretrained(path, moe_impl="dense", index_topk=SEQ, mesh=mesh, **small)
+    created = _indexers(DeepSeekV3.create(on_mesh.config, mesh=mesh))
+    for p, value in _indexers(on_mesh).items():
+        assert value.sharding == created[p].sharding, p
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(created[p]), err_msg=p)
+        np.testing.assert_array_equal(np.asarray(loaded[p][...]), np.asarray(created[p]), err_msg=p)
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), np.asarray(v3(jnp.asarray(ids))), rtol=1e-6,
                                atol=1e-6)
     model.save_pretrained(tmp_path / "v32")  # then its indexer weights are taken out of the files
