@@ -286,20 +286,24 @@ def sparse_attention_bytes(s: DecoderShapes, n: Local) -> int:
     return kept
 
 
-def sparse_block_rows(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
-    """Query rows per block of the sparse attention: the rule of ``nnx_zoo.models.deepseek.dsa`` (``_block_size``;
-    ``tests/sharding/test_sharding_plan.py`` checks they agree), the largest power of two up to 512 rows whose
-    scratch (``sparse_row_bytes`` a row) stays under 64 MiB, at least 8."""
-    block = 512
-    while block > 8 and block * sparse_row_bytes(k_len, topk, heads, index_heads, width) > 64 * 2**20:
+SPARSE_BLOCK_BYTES = 64 * 2**20  # the largest scratch one block of sparse-attention queries may take
+SPARSE_MAX_ROWS = 512
+
+
+def sparse_block_rows(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int, *,
+                      max_rows: int = SPARSE_MAX_ROWS) -> int:
+    """Query rows per block of the sparse attention, the one rule that ``nnx_zoo.models.deepseek.dsa`` runs and
+    the plan counts: the largest power of two up to ``max_rows`` whose scratch (``sparse_row_bytes`` a row) stays
+    under ``SPARSE_BLOCK_BYTES``, at least 8."""
+    block = max_rows
+    while block > 8 and block * sparse_row_bytes(k_len, topk, heads, index_heads, width) > SPARSE_BLOCK_BYTES:
         block //= 2
     return min(block, q_len)
 
 
 def sparse_row_bytes(k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
-    """One query row's scratch in a sparse attention block as dsa sizes its blocks: the indexer's float32 scores
-    per head over all keys, the chosen keys' entries (``width = kv_lora + rope``), the scores and probabilities over
-    them, the context."""
+    """One query row's scratch in a sparse attention block: the indexer's float32 scores per head over all keys,
+    the chosen keys' entries (``width = kv_lora + rope``), the scores and probabilities over them, the context."""
     return 4 * (index_heads * k_len + topk * (width + 2 * heads) + heads * width)
 
 

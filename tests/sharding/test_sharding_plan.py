@@ -37,7 +37,6 @@ from nnx_zoo.sharding.plan import (
     attention_bytes,
     gathered_weight_bytes,
     memory_plan,
-    sparse_block_rows,
     tiled_grouped_matmul_bytes,
 )
 from nnx_zoo.sharding.resolve import resolve
@@ -278,17 +277,6 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
         others = {k: v for k, v in kernels.items() if k != "attention"}
         assert memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch, kernels=others,
                            loss_chunk_tokens=chunk).activation_bytes(remat) == estimate
-
-
-def test_the_plans_sparse_attention_blocks_are_dsas():
-    from nnx_zoo.models.deepseek.dsa import _block_size
-
-    shapes = [  # (queries, keys, top-k, heads, indexer heads, latent + rope width): V3.2 671B, its context-parallel
-        # and tensor-parallel shares, the test's tiny ones
-        (4096, 4096, 2048, 128, 64, 576), (4096, 32768, 2048, 16, 64, 576), (1024, 1024, 256, 4, 8, 48),
-        (64, 64, 32, 4, 4, 48), (4096, 4096, 256, 4, 8, 48)]
-    for shape in shapes:
-        assert sparse_block_rows(*shape) == _block_size(*shape), shape
 
 
 def _saved_per_token(config: DeepSeekV3Config) -> float:

@@ -46,6 +46,7 @@ from nnx_zoo.layers.norm import LayerNorm
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.sharding import axes_tuple
+from nnx_zoo.sharding.plan import SPARSE_MAX_ROWS, sparse_block_rows
 
 _BLQ = ("activation_batch", "activation_length", "activation_q_lora")
 _BLID = ("activation_batch", "activation_length", None, None)  # indexer queries [b, s, index heads, width]
@@ -54,9 +55,7 @@ _BLD = ("activation_batch", "activation_length", None)  # indexer keys [b, s, wi
 _Q_SIDE = ("activation_batch", "activation_length", "activation_heads", None)  # absorbed queries [b, s, h, c]
 _K_SIDE = ("activation_batch", "activation_kv_length", None)  # per-token entries [b, keys, c]
 _MIN = float(jnp.finfo(jnp.float32).min)
-# The largest per-block scratch (indexer scores per head, gathered entries, scores) a block may take, in bytes.
-_BLOCK_BYTES = 64 * 2**20
-_MAX_BLOCK = 512
+_MAX_BLOCK = SPARSE_MAX_ROWS  # query rows per block at most (tests shrink it)
 
 
 class LightningIndexer(nnx.Module):
@@ -138,12 +137,8 @@ def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array,
 
 
 def _block_size(q_len: int, k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
-    """Query rows per block: a power of two up to ``_MAX_BLOCK`` whose scratch stays under ``_BLOCK_BYTES``."""
-    per_row = 4 * (index_heads * k_len + topk * (width + 2 * heads) + heads * width)
-    block = _MAX_BLOCK
-    while block > 8 and block * per_row > _BLOCK_BYTES:
-        block //= 2
-    return min(block, q_len)
+    """Query rows per block: the memory plan's rule (``sparse_block_rows``: its scratch stays under 64 MiB)."""
+    return sparse_block_rows(q_len, k_len, topk, heads, index_heads, width, max_rows=_MAX_BLOCK)
 
 
 def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, kv_valid, q_seg, kv_seg, *,
