@@ -74,7 +74,8 @@ def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platfor
 
         moe = default_moe_impl(platform) if moe_impl == "auto" else moe_impl
         choices["moe"] = moe
-        if moe == "gmm":
+        # ep computes its own experts by the platform's dropless path: a grouped matmul where that is gmm.
+        if moe == "gmm" or (moe == "ep" and default_moe_impl(platform) == "gmm"):
             choices["grouped_matmul"] = choose_grouped_matmul_impl(config.grouped_matmul_impl, platform)
     return choices
 

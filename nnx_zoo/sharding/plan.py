@@ -136,7 +136,10 @@ class DecoderShapes:
     top_k: int = 0
     moe_intermediate: int = 0
     shared_intermediate: int = 0
-    moe_impl: str = "gmm"  # the activation formula: 'gmm' (dropless grouped matmul, also 'ep') or 'dense'
+    moe_impl: str = "gmm"  # the MoE path: 'gmm' (dropless grouped matmul), 'dense' or 'ep'
+    # Expert parallelism's dropless computation on a device's own experts (``nnx_zoo.layers.moe``'s
+    # ``_ep_dropless``, the platform's default path): 'gmm' (a grouped matmul) or 'dense' (every local expert).
+    ep_local: str = "gmm"
     # What the MoE path gathers of its expert weights while a layer runs (EXPERT_GATHERS).
     expert_gather: str = "all"
     # The attention kernel: 'xla' materializes the scores; 'blockwise', 'cudnn' and 'tokamax' do not;
@@ -159,23 +162,27 @@ class DecoderShapes:
         ``auto`` counts as ``xla`` attention (scores materialized: the upper bound) and the ``gmm`` MoE path."""
         get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
         layers = get("num_hidden_layers")
-        experts = get("n_routed_experts") or get("num_experts")
-        dense = get("first_k_dense_replace") if experts else layers
+        # The MoE questions every MoE family's config answers (the causal-LM contract's names, not HF's, which
+        # differ by family: Mixtral's experts are `num_local_experts` wide `intermediate_size`).
+        experts = get("num_routed_experts")
+        moe_layers = get("num_moe_layers") if experts else 0
         kernels = kernels or {}
         impl = kernels.get("moe") or get("moe_impl", "gmm")
         attention = kernels.get("attention") or get("attention_impl", "xla")
         topk = int(attention[len(SPARSE):]) if attention.startswith(SPARSE) else 0
         return cls(
             hidden=config.hidden_size, vocab=config.vocab_size, heads=config.num_attention_heads,
-            dense_layers=dense, moe_layers=layers - dense, mtp_layers=get("num_nextn_predict_layers"),
+            dense_layers=layers - moe_layers, moe_layers=moe_layers, mtp_layers=get("num_nextn_predict_layers"),
             intermediate=get("intermediate_size"), dtype_bytes=jnp.dtype(get("dtype", "float32")).itemsize,
             kv_lora=get("kv_lora_rank"), q_lora=get("q_lora_rank"), nope=get("qk_nope_head_dim"),
             rope=get("qk_rope_head_dim"), v_head=get("v_head_dim"),
             kv_heads=get("num_key_value_heads", config.num_attention_heads),
             head_dim=get("head_dim") or config.hidden_size // config.num_attention_heads,
-            experts=experts, top_k=get("num_experts_per_tok"), moe_intermediate=get("moe_intermediate_size"),
-            shared_intermediate=get("moe_intermediate_size") * get("n_shared_experts"),
-            moe_impl="gmm" if impl in ("auto", "ep") else impl,
+            experts=experts, top_k=get("num_experts_per_tok"), moe_intermediate=get("expert_intermediate_size"),
+            shared_intermediate=get("shared_expert_intermediate_size"),
+            moe_impl="gmm" if impl == "auto" else impl,
+            # kernel_choices names the grouped matmul for ep where its local path runs one (GPU/TPU), not on CPU.
+            ep_local="gmm" if "grouped_matmul" in kernels or "moe" not in kernels else "dense",
             expert_gather={"dense": "fsdp", "ep": "all-but-exp"}.get(impl, "all"),
             attention="xla" if attention == "auto" else attention, loss_chunk_tokens=loss_chunk_tokens,
             grouped_matmul=kernels.get("grouped_matmul") or get("grouped_matmul_impl", "kernel"),
@@ -200,6 +207,9 @@ class Local:
     experts: int  # the dense MoE path's [tokens, experts, width] split (the tokens' axes come first)
     shared_mlp: int
     ep_experts: int = 0  # experts on each device under expert parallelism (the weights' ``exp`` rule)
+    # Expert parallelism gathers the tokens over the EP axes that split them (batch or sequence): each device
+    # computes its experts on this many devices' tokens.
+    ep_token_gather: int = 1
 
     @property
     def tokens(self) -> int:
@@ -219,6 +229,19 @@ def _joint_shards(names: tuple[str, ...], dim: int, rules: Rules, mesh: Mesh | A
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return math.prod(sizes[a] for a in axes)
+
+
+def _ep_token_gather(rules: Rules, mesh: Mesh | AbstractMesh) -> int:
+    """Shards of the EP axes (``exp``'s) that also split the tokens (``activation_batch``, ``activation_length``):
+    what ``ep`` all-gathers the tokens over (``nnx_zoo.layers.moe._ep_shard``)."""
+    def axes(spec: Any) -> tuple[str, ...]:
+        return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+
+    ep = axes(logical_to_mesh_axes(("exp",), rules, mesh)[0])
+    tokens = [a for spec in logical_to_mesh_axes(("activation_batch", "activation_length"), rules, mesh)
+              for a in axes(spec)]
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return math.prod(sizes[a] for a in ep if a in tokens)
 
 
 def _split(size: int, parts: int) -> int:
@@ -245,6 +268,7 @@ def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rule
         experts=_split(s.experts, _joint_shards(("activation_tokens", "activation_exp"), 1, rules, mesh)),
         shared_mlp=_split(s.shared_intermediate, _shards("activation_mlp", rules, mesh)),
         ep_experts=_split(s.experts, _shards("exp", rules, mesh)),
+        ep_token_gather=_ep_token_gather(rules, mesh) if s.moe_impl == "ep" else 1,
     )
 
 
@@ -350,7 +374,9 @@ def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
     swiglu = SWIGLU_KEPT[looped]
     a, t, e = s.dtype_bytes, n.tokens, s.hidden
     router = t * 4 * (2 * s.experts + 2 * s.top_k)
-    if s.moe_impl == "dense":
+    if s.moe_impl == "ep":
+        experts = ep_expert_bytes(s, n, looped)
+    elif s.moe_impl == "dense":
         # Every token through every expert: the SwiGLU's [T, E, I] and the combine-weighted product; the
         # flattened [T, e] tokens, the float32 one-hot of the top-k ids times their weights [T, k, E] and the
         # [T, E] combine weights.
@@ -362,6 +388,25 @@ def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
             experts += tiled_grouped_matmul_bytes(t * s.top_k, s.experts, e, n.moe_mlp, a)
     shared = t * a * (e + swiglu * n.shared_mlp) if s.shared_intermediate else 0
     return t * a * 3 * e + router + experts + shared
+
+
+def ep_expert_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
+    """Expert parallelism's routed experts on one device: the tokens gathered over the EP axes that split them
+    (``g = ep_token_gather`` devices' ``T``), their routing, and the partial sums before the scatter back, then
+    its own ``E_l`` experts, whole, over the gathered tokens by the local dropless path (``ep_local``): the
+    grouped matmul's ``g*T*k*a*(2e + w*I)`` as ``gmm``, or every local expert's SwiGLU ``g*T*(E_l*a*(w+1)*I +
+    4*k*E_l + a*E_l)`` as the dense path."""
+    swiglu, a, e, k = SWIGLU_KEPT[looped], s.dtype_bytes, s.hidden, s.top_k
+    tokens = n.tokens * n.ep_token_gather
+    gathered = tokens * (2 * a * e + 8 * k) if n.ep_token_gather > 1 else 0
+    if s.ep_local == "dense":
+        local = tokens * (n.ep_experts * a * (swiglu + 1) * s.moe_intermediate + 4 * k * n.ep_experts
+                          + a * n.ep_experts)
+    else:
+        local = tokens * k * a * (2 * e + swiglu * s.moe_intermediate)
+        if s.grouped_matmul == "tiled" and not looped:
+            local += tiled_grouped_matmul_bytes(tokens * k, n.ep_experts, e, s.moe_intermediate, a)
+    return gathered + local
 
 
 def tiled_grouped_matmul_bytes(rows: int, groups: int, k: int, n: int, dtype_bytes: int) -> int:

@@ -323,6 +323,20 @@ class DeepSeekV3Config(FamilyConfig):
     def num_dense_layers(self) -> int:
         return self.first_k_dense_replace
 
+    # The MoE questions every MoE family's config answers (``MoEDecoderConfig``'s names), in DeepSeek's fields.
+    @property
+    def num_routed_experts(self) -> int:
+        return self.n_routed_experts
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """Width of the shared-experts SwiGLU of each MoE layer (DeepSeek fuses its shared experts into one)."""
+        return self.n_shared_experts * self.moe_intermediate_size
+
     @property
     def num_moe_layers(self) -> int:
         return self.num_hidden_layers - self.first_k_dense_replace

@@ -133,9 +133,9 @@ class DeepSeekMoE(SparseMoE):
         c = config
         self.config = c
         super().__init__(
-            c.hidden_size, num_experts=c.n_routed_experts, experts_per_token=c.num_experts_per_tok,
-            expert_hidden=c.moe_intermediate_size, renormalize=c.norm_topk_prob,
-            shared_hidden=c.moe_intermediate_size * c.n_shared_experts, router=_shared_router(c.router),
+            c.hidden_size, num_experts=c.num_routed_experts, experts_per_token=c.num_experts_per_tok,
+            expert_hidden=c.expert_intermediate_size, renormalize=c.norm_topk_prob,
+            shared_hidden=c.shared_expert_intermediate_size, router=_shared_router(c.router),
             n_group=c.n_group or 1, topk_group=c.topk_group or 1, routed_scaling_factor=c.routed_scaling_factor,
             moe_impl=c.moe_impl, grouped_matmul_impl=c.grouped_matmul_impl, capacity_factor=c.moe_capacity_factor,
             dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
