@@ -73,7 +73,10 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   dropless grouped matmul (``gmm``/``ep``) ``T*k*a*(2e + w*I)`` (the dispatched copy of each token, expert
   outputs, the SwiGLU), or the dense reference path ``T*(E*a*(w+1)*I + a*e + 4*k*E + a*E)`` (the SwiGLU and
   the combine-weighted product over every expert, the flattened tokens, the one-hot top-k weights, the combine
-  weights); shared experts ``T*a*(e + w*I_s)``. Under ``'none'`` a looped MoE stack also keeps every layer's
+  weights); shared experts ``T*a*(e + w*I_s)``. Expert parallelism (``ep``) runs a device's ``E_l`` experts
+  whole on the tokens of the ``g`` devices its EP axes split them over (all-gathered: ``g*T*(2*a*e + 8k)`` with
+  the partial sums), by the platform's dropless path: the grouped matmul's term for ``g*T`` tokens (GPU/TPU), or
+  the dense path's over the ``E_l`` local experts (CPU). Under ``'none'`` a looped MoE stack also keeps every layer's
   gathered gate/up expert weights (``kept_expert_weight_bytes``), and the one-layer phase adds one layer's
   cotangents (their own buffers: the intermediates they would reuse sit in the stacked residuals).
 - embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``L*V*(a + 8 [+4 when a != 4])``: the

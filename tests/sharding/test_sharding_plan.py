@@ -246,6 +246,67 @@ def test_activation_estimate_within_tolerance_of_xla(sizes, layers, first_dense,
         assert gathered_weight_bytes(plan.report, "all") > gathered_weight_bytes(plan.report, "fsdp")
 
 
+# The MoE families on the shared MoE layer, 8 x 64 tokens at vocab 512 (one layer's phase the larger one): Mixtral
+# names its experts `num_local_experts` of width `intermediate_size` (read by HF names, the plan saw a dense model:
+# 0.46 here, and --plan on the GPU platform crashed); GLM-4.5 adds shared experts and a dense first layer; `ep`
+# all-gathers the tokens over the EP axes that split them and runs its experts by the platform's dropless path:
+# every local expert on CPU (Mixtral here with 16 experts, 8 per device, top-2: counted as gmm without the gather,
+# 0.70; as a grouped matmul over the gathered tokens, 0.66), a grouped matmul on GPU ("ep-gmm": that path forced
+# here, with its tiled kernel).
+MOE_FAMILIES = [  # (preset, mesh, layers, remat, moe_impl, config overrides)
+    ("mixtral-tiny", {"fsdp": 4, "expert": 2}, 4, "none", "ep", dict(num_local_experts=16)),
+    ("glm4.5-tiny", {"fsdp": 4, "expert": 2}, 4, "none", "dense", {}),
+    ("qwen3-moe-tiny", {"fsdp": 4, "expert": 2}, 4, "none", "ep-gmm", {}),
+]
+
+
+@pytest.mark.parametrize(("preset", "sizes", "layers", "remat", "impl", "extra"), MOE_FAMILIES)
+def test_moe_families_estimate_within_tolerance_of_xla(preset, sizes, layers, remat, impl, extra, monkeypatch):
+    import nnx_zoo.layers.moe as moe
+
+    if impl == "ep-gmm":  # ep's local experts by the grouped matmul, as on GPU (the tiled kernel here)
+        monkeypatch.setattr(moe, "default_moe_impl", lambda platform=None: "gmm")
+    config = AutoConfig.preset(preset, num_hidden_layers=layers, remat_policy=remat, vocab_size=512,
+                               moe_impl=impl.removesuffix("-gmm"), **extra)
+    devices = math.prod(sizes.values())
+    mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:devices])
+    batch, seq = 8, 64
+    with jax.set_mesh(mesh), use_rules("default"):
+        model = create_sharded(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
+                               "default")
+        xla = _xla_temp(model, mesh, batch, seq, None)
+    kernels = kernel_choices(config, seq_len=seq, platform="cpu")
+    if impl == "ep-gmm":  # what kernel_choices reports on a GPU, with the grouped matmul that ran
+        kernels["grouped_matmul"] = "tiled"
+    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch // devices,
+                       kernels=kernels)
+    assert (plan.shapes.experts, plan.shapes.moe_intermediate, plan.shapes.moe_layers) == (
+        config.num_routed_experts, config.expert_intermediate_size, config.num_moe_layers)
+    assert 0.90 <= plan.activation_bytes(remat) / xla <= 1.10, (plan.activation_bytes(remat), xla,
+                                                               plan.activations[remat])
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_every_preset_plans(platform):
+    """``--plan`` on every preset of every family (abstract, nothing allocated), on each platform's kernels: the MoE
+    families' experts are read by the contract's names, not one family's HF names."""
+    from nnx_zoo.models.registry import preset_names
+
+    mesh = make_abstract_mesh({"fsdp": 8})
+    for name in [n for names in preset_names().values() for n in names]:
+        config = AutoConfig.preset(name)
+        plan = memory_plan(lambda c=config: AutoModelForCausalLM.model_class(c)(c, rngs=nnx.Rngs(0)), config, mesh,
+                           "default", seq_len=4096, batch_per_device=1,
+                           kernels=kernel_choices(config, seq_len=4096, platform=platform))
+        shapes = plan.shapes
+        assert shapes.moe_layers == getattr(config, "num_moe_layers", 0), name
+        assert shapes.dense_layers + shapes.moe_layers == config.num_hidden_layers, name
+        if shapes.moe_layers:
+            assert (shapes.experts, shapes.moe_intermediate) == (config.num_routed_experts,
+                                                                 config.expert_intermediate_size), name
+        assert 0 < plan.activation_bytes("full") < plan.activation_bytes("none"), name
+
+
 @pytest.mark.parametrize(("preset", "layers", "remat", "attention", "shape", "vocab", "chunk", "extra"), LONG)
 def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, layers, remat, attention, shape, vocab,
                                                                      chunk, extra):
