@@ -31,6 +31,7 @@ TINY = [
     "--batch", "8", "--seq-len", "16", "--no-progress", "--warmup-steps", "1",
 ]
 EXIT_DIVERGED, EXIT_STOPPED = 3, 75
+pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")  # relaunched runs load their compiled programs
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from nnx_zoo.train import Checkpointer
 
 SCRIPT = Path(__file__).with_name("run_toy.py")
+pytestmark = pytest.mark.usefixtures("subprocess_compile_cache")  # relaunched runs load their compiled programs
 
 
 def launch(run_dir, *args):
