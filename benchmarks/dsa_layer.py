@@ -28,7 +28,8 @@ fraction of 16k); ``v32`` is the real layer (hidden 7168, 128 heads, indexer 64 
 ``dsa_layer.{json,md}`` (``dsa_layer_gpu`` on a GPU) to ``--out-dir`` after every context, so a run cut short keeps
 its rows; a context that fails (out of memory) is recorded as an error. On a GPU (``bash benchmarks/gpu_run.sh
 --cases dsa``): by an AOT compile on the CPU the V3.2 layer's DSA gradient needs ~95 GiB of temp at 64k, and
-``dsa._BLOCK_BYTES`` (64 MiB) gives 8-row query blocks at these dims; ``--block-bytes`` overrides it.
+``nnx_zoo.sharding.plan.SPARSE_BLOCK_BYTES`` (64 MiB, the one block rule dsa runs) gives 8-row query blocks at
+these dims; ``--block-bytes`` overrides it.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", default=None, help="only rewrite the markdown of this results JSON")
     p.add_argument("--memory-only", action="store_true", help="compile and report memory; time nothing")
     p.add_argument("--profile", type=int, nargs="*", default=[], help="contexts to profile the DSA program at")
-    p.add_argument("--block-bytes", type=int, default=None, help="override dsa._BLOCK_BYTES (tuning)")
+    p.add_argument("--block-bytes", type=int, default=None, help="override plan.SPARSE_BLOCK_BYTES (tuning)")
     p.add_argument("--max-block", type=int, default=None, help="override dsa._MAX_BLOCK (tuning)")
     p.add_argument("--quick", action="store_true", help="smoke run: contexts 256 512, tiny dims, top-k 64")
     p.add_argument("--out-dir", default=None)
@@ -314,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from nnx_zoo.layers.attention import choose_attention_impl
     from nnx_zoo.models.deepseek import dsa as dsa_module
+    from nnx_zoo.sharding import plan as plan_module
 
     platform = jax.default_backend() if a.platform == "auto" else a.platform
     platform = "gpu" if platform in ("gpu", "cuda", "rocm") else "cpu"
@@ -328,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = a.dtype or dtype
     xla_memory = platform == "cpu" if a.xla_memory is None else a.xla_memory
     if a.block_bytes:
-        dsa_module._BLOCK_BYTES = a.block_bytes
+        plan_module.SPARSE_BLOCK_BYTES = a.block_bytes
     if a.max_block:
         dsa_module._MAX_BLOCK = a.max_block
     log(f"platform {platform} ({jax.devices()[0].device_kind}), dims {dims} {DIMS[dims]}, top-k {topk}, {dtype}, "
-        f"contexts {contexts}, _BLOCK_BYTES {dsa_module._BLOCK_BYTES}, _MAX_BLOCK {dsa_module._MAX_BLOCK}")
+        f"contexts {contexts}, SPARSE_BLOCK_BYTES {plan_module.SPARSE_BLOCK_BYTES}, _MAX_BLOCK {dsa_module._MAX_BLOCK}")
 
     dense_cfg, dsa_cfg = configs(DIMS[dims], topk, dtype, a.dense_impl)
     xla_cfg = configs(DIMS[dims], topk, dtype, "xla")[0]
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"benchmark": "dsa_layer", "argv": sys.argv[1:] if argv is None else list(argv),
                    "environment": env, "platform": platform, "device": jax.devices()[0].device_kind,
                    "dims": DIMS[dims], "dims_name": dims, "topk": topk, "dtype": dtype,
-                   "block_bytes": dsa_module._BLOCK_BYTES, "max_block": dsa_module._MAX_BLOCK, "complete": final,
+                   "block_bytes": plan_module.SPARSE_BLOCK_BYTES, "max_block": dsa_module._MAX_BLOCK, "complete": final,
                    "rows": rows, "profiles": {str(k): v for k, v in profiles.items()}}
         if profiles:
             here = Path(dsa_module.__file__)
@@ -429,7 +431,8 @@ def markdown(r: dict) -> str:
            f"{d['kv_lora_rank']}, nope/rope/v {d['qk_nope_head_dim']}/{d['qk_rope_head_dim']}/{d['v_head_dim']}; "
            f"indexer {d['index_n_heads']} heads x {d['index_head_dim']}, top-k {r['topk']}; {r['dtype']} compute, "
            f"float32 parameters; batch 1, causal; forward + backward (grad w.r.t. parameters and input of the "
-           f"mean output). dsa.py blocks: _BLOCK_BYTES {r['block_bytes'] // MIB} MiB, _MAX_BLOCK {r['max_block']}. "
+           f"mean output). dsa.py blocks: SPARSE_BLOCK_BYTES {r['block_bytes'] // MIB} MiB, "
+           f"_MAX_BLOCK {r['max_block']}. "
            f"Load average at the end {', '.join(f'{x:.1f}' for x in env['loadavg_end'])}. Times: median over "
            f"rounds; DSA / dense: median of per-round ratios (min-max).", ""]
     if r.get("merged_from"):
