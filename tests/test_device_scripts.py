@@ -1,0 +1,36 @@
+"""The scripts a session runs on a lent GPU start and write their results on the CPU: device time is scarce (a
+few minutes a session), so a script broken by a refactor must fail here, not there. Each runs its cheapest
+smoke shape; what they measure is checked on the GPU."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"device_script_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dsa_layer_benchmark_compiles_both_layers(tmp_path):
+    dsa_layer = _script("dsa_layer")
+    assert dsa_layer.main(["--platform", "cpu", "--quick", "--memory-only", "--contexts", "256", "--out-dir",
+                           str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "dsa_layer_quick.json").read_text())["rows"]
+    assert [r["seq"] for r in rows] == [256] and rows[0]["dsa_sparse"], rows
+    assert rows[0]["dsa"]["temp_bytes"] > 0 and rows[0]["dense"]["temp_bytes"] > 0, rows
+
+
+def test_the_gpu_train_step_benchmark_runs_its_grouped_matmul_case(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_train_step.py"), "--smoke", "--cases", "gmm",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_train_step_smoke.json").read_text())["gmm"]
+    assert {r["ran"] for r in rows} >= {"tiled", "xla"} and all(r["seconds"] > 0 for r in rows), rows
