@@ -562,8 +562,10 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
 
     layer_input = n.tokens * s.dtype_bytes * s.hidden
     # An MTP head: its inputs (embedding, hidden, their norms), one MoE layer (remat like the stacks) and logits.
-    mtp_layer = moe_layer(False) if remat == "none" or s.mtp_layers == 1 else layer_input
-    mtp = s.mtp_layers * (mtp_layer + n.tokens * s.dtype_bytes * 4 * s.hidden + output_bytes(s, n))
+    mtp = 0
+    if s.mtp_layers:
+        mtp_layer = moe_layer(False) if remat == "none" or s.mtp_layers == 1 else layer_input
+        mtp = s.mtp_layers * (mtp_layer + n.tokens * s.dtype_bytes * 4 * s.hidden + output_bytes(s, n))
     if remat == "none":
         layers = {"dense layers": s.dense_layers * dense_layer(s.dense_layers > 1),
                   "moe layers": s.moe_layers * moe_layer(s.moe_layers > 1)}
