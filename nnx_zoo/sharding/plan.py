@@ -17,7 +17,8 @@ Assumptions, each stated in the printed plan:
 - The loss: the whole batch's logits at once, or (``loss_chunk_tokens``, as the trainer's chunked head +
   cross-entropy does) that many tokens' logits at a time per device.
 - ``remat='none'`` keeps every intermediate of every layer for the backward pass; ``remat='full'`` keeps only each
-  layer's input and recomputes one layer at a time, so its peak adds one layer's intermediates once. The other
+  layer's input and recomputes one layer at a time, so its peak adds one layer's intermediates once, and the
+  cotangents of its MLP's backward, which runs while they are all live (``mlp_cotangent_bytes``). The other
   policies (``dots_saveable``, ...) lie between; the plan shows the two ends. A stack of one layer is no loop once
   compiled: XLA merges its recomputation with its forward, so it keeps that layer whole even under ``'full'``.
 
@@ -40,6 +41,9 @@ the rest in two phases that do not overlap in time, so the peak is ``held + max(
   gathered size: each weight's gradient is reduce-scattered (or all-reduced) back to its shard as soon as it is
   computed, so one is whole at a time (measured on XLA's buffer assignment: adding every weight's gathered
   gradient of the layer overshoots by the layer's weight size); with sparse attention, one query block's scratch.
+  Under ``'full'``, the MLP's (or MoE's) cotangents beside the recomputed layer (below), less two of the layer's
+  largest gathered weight: they peak once the down projection's gathered weight (as large as the gate's and up's,
+  which stay) and its gradient are gone (measured on XLA's buffer assignment, FSDP 4 x EP 2: neither is live there).
 
 Per-layer formulas (``T`` tokens on the device = per-device batch ``b`` x local sequence ``s``; ``a`` bytes of
 the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their tensor-parallel split):
@@ -61,14 +65,18 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   keys' gathered latents and rope keys with their cotangents, the gathered index keys when trained), plus the
   blocks' copy of the indexer's queries ``T*(a*I*D + 4I)`` (three when trained: their float32 cotangents).
 - GQA attention: ``T*a*(3e + 2*H*d + 4*K*d + H*d) + scores`` (``K`` key/value heads of width ``d``): queries and
-  keys before and after rope, values, attention output.
+  keys before and after rope, values, attention output; with a per-head query and key RMSNorm (``qk_norm``,
+  Qwen3) ``+ T*a*3*(H + K)*d``, each keeping 3 of its width like the layer's norms.
 - scores: ``xla``: ``b*H*s*S*(a + 10)`` over ``S`` keys: the scores (compute dtype), their float32
   probabilities and the backward's float32 score gradients (measured on XLA's buffers at float32, seq 1024-2048:
   11.9-15.8 bytes per score; ``a + 10`` is the middle);
   the flash-style kernels: ``b*H*s*4``, the float32 log-sum-exp per query row.
 - dense SwiGLU MLP: ``T*a*(3e + w*I)``: the norm's 3; ``w = 6`` in a looped stack under ``'none'`` (gate, up,
   sigmoid(gate), 1 - sigmoid(gate), silu(gate), product: every residual autodiff saves is a stacked buffer),
-  ``w = 4`` in a layer compiled whole (XLA fuses the sigmoid terms): ``SWIGLU_KEPT``.
+  ``w = 4`` in a layer compiled whole (XLA fuses the sigmoid terms): ``SWIGLU_KEPT``. Its backward under
+  ``'full'`` (one layer at a time) adds ``T*a*4*I`` beside those: the product's, up's and gate's cotangents and
+  a transposed copy of the gate's for its weight gradient's matmul (``SWIGLU_COTANGENTS`` + 1; measured on XLA's
+  buffer assignment: 8 ``[T, I]`` live at the backward's peak, where 4 were counted).
 - MoE: ``T*a*3e + T*4*(2E + 2k)`` (float32 router logits and scores, top-k ids and weights) plus the experts:
   dropless grouped matmul (``gmm``/``ep``) ``T*k*a*(2e + w*I)`` (the dispatched copy of each token, expert
   outputs, the SwiGLU), or the dense reference path ``T*(E*a*(w+1)*I + a*e + 4*k*E + a*E)`` (the SwiGLU and
@@ -78,7 +86,10 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   the partial sums), by the platform's dropless path: the grouped matmul's term for ``g*T`` tokens (GPU/TPU), or
   the dense path's over the ``E_l`` local experts (CPU). Under ``'none'`` a looped MoE stack also keeps every layer's
   gathered gate/up expert weights (``kept_expert_weight_bytes``), and the one-layer phase adds one layer's
-  cotangents (their own buffers: the intermediates they would reuse sit in the stacked residuals).
+  cotangents (their own buffers: the intermediates they would reuse sit in the stacked residuals). Under
+  ``'full'`` the experts' backward adds their SwiGLU cotangents: ``T*E*a*3*I`` on the dense path (batched
+  einsums, no transposed copy), ``T*k*a*4*I`` with ``gmm``, with ``ep`` the same over its ``g*T`` tokens
+  (``g*T*E_l*a*3*I`` by its dense local path), shared experts ``T*a*4*I_s``.
 - embeddings and output: ``T*a*3e`` (embedding, final norm in and out) + ``L*V*(a + 8 [+4 when a != 4])``: the
   logits of ``L`` tokens (all ``T``, or one chunk of ``loss_chunk_tokens``), their float32 log-softmax and its
   gradient (and the float32 copy of bf16 logits). An MTP head adds a MoE layer, ``T*a*4e`` for its inputs and its
@@ -134,6 +145,7 @@ class DecoderShapes:
     v_head: int = 0
     kv_heads: int = 0
     head_dim: int = 0
+    qk_norm: bool = False  # grouped-query attention RMS-normalizes each query and key head (Qwen3)
     # MoE
     experts: int = 0
     top_k: int = 0
@@ -181,6 +193,7 @@ class DecoderShapes:
             rope=get("qk_rope_head_dim"), v_head=get("v_head_dim"),
             kv_heads=get("num_key_value_heads", config.num_attention_heads),
             head_dim=get("head_dim") or config.hidden_size // config.num_attention_heads,
+            qk_norm=bool(getattr(config, "qk_norm", False)) and not get("kv_lora_rank"),
             experts=experts, top_k=get("num_experts_per_tok"), moe_intermediate=get("expert_intermediate_size"),
             shared_intermediate=get("shared_expert_intermediate_size"),
             moe_impl="gmm" if impl == "auto" else impl,
@@ -292,6 +305,8 @@ def attention_bytes(s: DecoderShapes, n: Local) -> int:
     else:
         d = s.head_dim
         per_token = 3 * e + 2 * h * d + 4 * n.kv_heads * d + h * d
+        if s.qk_norm:  # each head's RMSNorm keeps 3 of its width, as the layer's norms do
+            per_token += 3 * (h + n.kv_heads) * d
     return t * a * per_token + scores
 
 
@@ -369,6 +384,29 @@ SWIGLU_KEPT = {True: 6, False: 4}  # looped -> widths kept
 def mlp_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
     """A dense SwiGLU MLP block: its RMSNorm's 3 ``[T, e]`` and the SwiGLU's ``[T, I]`` (``SWIGLU_KEPT``)."""
     return n.tokens * s.dtype_bytes * (3 * s.hidden + SWIGLU_KEPT[looped] * n.mlp)
+
+
+# The cotangents that the backward of one recomputed SwiGLU holds beside its recomputed intermediates (remat
+# 'full'): the product's, up's and gate's, [T, I] each; a plain [T, e] x [e, I] matmul's weight gradient reads a
+# transposed copy of the gate's (one more width); the dense MoE path's batched einsums need none.
+SWIGLU_COTANGENTS = 3
+
+
+def mlp_cotangent_bytes(s: DecoderShapes, n: Local, moe: bool) -> int:
+    """What the backward of one recomputed MLP (``moe``: MoE) block holds beside the layer's recomputed
+    intermediates under remat 'full' (``SWIGLU_COTANGENTS``, and the transposed copy of a plain matmul's)."""
+    a, t, c = s.dtype_bytes, n.tokens, SWIGLU_COTANGENTS
+    if not moe:
+        return t * a * (c + 1) * n.mlp
+    shared = t * a * (c + 1) * n.shared_mlp if s.shared_intermediate else 0
+    if s.moe_impl == "dense":
+        return t * n.experts * a * c * n.moe_mlp + shared
+    tokens = t * n.ep_token_gather if s.moe_impl == "ep" else t
+    experts = n.ep_experts if s.moe_impl == "ep" else s.experts
+    if s.moe_impl == "ep" and s.ep_local == "dense":
+        return tokens * experts * a * c * s.moe_intermediate + shared
+    width = s.moe_intermediate if s.moe_impl == "ep" else n.moe_mlp
+    return tokens * s.top_k * a * (c + 1) * width + shared
 
 
 def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
@@ -571,21 +609,23 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
                   "moe layers": s.moe_layers * moe_layer(s.moe_layers > 1)}
         if s.moe_layers > 1:  # a looped stack keeps every layer's gathered experts (a one-layer stack's: below)
             layers["expert weights, every layer"] = s.moe_layers * kept_expert_weight_bytes(s, n)
-        # The backward of a looped layer makes a cotangent for each intermediate it reads, at its size. Under
-        # 'full' they take the buffers of the recomputed intermediates as those die; here those sit in the
-        # stacked residuals, so one layer's cotangents (a layer compiled whole: XLA fuses the elementwise ones)
-        # need room of their own (measured: the one-layer phase, not the per-layer slope, was short by this).
+        # The backward of a looped layer makes a cotangent for each intermediate it reads, at its size. The
+        # intermediates sit in the stacked residuals, so one layer's cotangents (a layer compiled whole: XLA
+        # fuses the elementwise ones) need room of their own (measured: the one-layer phase, not the per-layer
+        # slope, was short by this). Under 'full' the MLP's cotangents too (mlp_cotangent_bytes, below).
         looped = [size(False) for count, size in ((s.dense_layers, dense_layer), (s.moe_layers, moe_layer))
                   if count > 1]
         layers["cotangents, one layer"] = max(looped, default=0)
     else:
         # A stack of one layer is no loop once compiled: XLA merges its recomputation with the forward (CSE), so
         # it keeps that layer's intermediates as if remat were off.
-        stacks = [(s.dense_layers, dense_layer(False)), (s.moe_layers, moe_layer(False))]
-        looped = [(count, size) for count, size in stacks if count > 1]
-        layers = {"layer inputs": sum(count for count, _ in looped) * layer_input,
-                  "one layer recomputed": max((size for _, size in looped), default=0),
-                  "one-layer stacks, kept whole": sum(size for count, size in stacks if count == 1)}
+        stacks = [(s.dense_layers, dense_layer(False), mlp_cotangent_bytes(s, n, False)),
+                  (s.moe_layers, moe_layer(False), mlp_cotangent_bytes(s, n, True))]
+        looped = [(count, size, cot) for count, size, cot in stacks if count > 1]
+        _, size, cot = max(looped, key=lambda stack: stack[1] + stack[2], default=(0, 0, 0))
+        layers = {"layer inputs": sum(count for count, _, _ in looped) * layer_input,
+                  "one layer recomputed": size, "cotangents, one layer": cot,
+                  "one-layer stacks, kept whole": sum(size for count, size, _ in stacks if count == 1)}
     # The sparse attention's scratch is live while one layer's attention runs (its blocks, recomputed in the
     # backward); a layer at a time, under either remat.
     scratch = sparse_scratch_bytes(s, n)
@@ -721,5 +761,9 @@ def memory_plan(
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
     weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
     activations = {remat: {**activation_breakdown(shapes, local, remat), **weights} for remat in REMATS}
+    # Under 'full' the MLP's cotangents peak after its down projection's gathered weight and gradient are gone
+    # (the largest of the layer, like its gate's and up's): they take those two buffers first.
+    full = activations["full"]
+    full["cotangents, one layer"] = max(0, full["cotangents, one layer"] - 2 * weights["gathered gradient, one weight"])
     return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=batch_per_device * batch_shards,
                       seq_len=seq_len, activations=activations)
