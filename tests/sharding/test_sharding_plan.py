@@ -142,11 +142,13 @@ def test_create_sharded_is_strict_unless_asked_and_then_warns():
 # The estimate is of the gradient computation's temporaries: what the backward keeps plus the transient gathered
 # weights and gradients, held parts + the larger of the output-head and one-layer phases (plan.py's docstring).
 # XLA's temp bytes of the compiled gradient (parameters are arguments, gradients outputs) are the same quantity.
-# Measured estimate / XLA (KiB): 1 device none 45528/47348 = 0.96; FSDP 8 looped full, vocab 512, 2815/2553 =
-# 1.10 (one-layer phase); FSDP 4 x EP 2 one-layer stacks full gmm 9161/9797 = 0.94; FSDP 4 x EP 2 looped none
-# dense, vocab 512, 8849/8975 = 0.99 (the layers dominate). Not tested (each a compile, ~15 s): FSDP 8 looped
-# full 5600/5389 = 1.04 (head phase), looped none 11990/11527 = 1.04, vocab 512 9205/8975 = 1.03, 3 + 3 layers
-# 12464/12213 = 1.02 (one layer more per stack: XLA +1134 dense / +2104 MoE, the estimate +1128 / +2131).
+# Measured estimate / XLA (KiB): 1 device none 45528/47348 = 0.96 (now 0.99); FSDP 8 looped full, vocab 512, 1.14
+# (one-layer phase; the score term counts 14 bytes a score, about 8 are live then); FSDP 4 x EP 2 one-layer stacks
+# full gmm 9161/9797 = 0.94 (now 1.00); FSDP 4 x EP 2 looped none dense, vocab 512, 8849/8975 = 0.99 (now 1.04; the
+# layers dominate). Not
+# tested (each a compile, ~15 s): FSDP 8 looped full 5600/5389 = 1.04 (head phase), looped none 11990/11527 = 1.04,
+# vocab 512 9205/8975 = 1.03, 3 + 3 layers 12464/12213 = 1.02 (one layer more per stack: XLA +1134 dense / +2104 MoE,
+# the estimate +1128 / +2131).
 # Under none a looped stack stores every residual autodiff saves (6 [T, I] per SwiGLU, 7 [T, E, I] on the dense
 # MoE path, the gathered expert weights of every layer); compiled whole, XLA fuses some away (4), and the
 # estimate before it counted 4 everywhere and no expert weights: 0.63-0.90 on the looped none cases.
