@@ -145,10 +145,9 @@ def test_create_sharded_is_strict_unless_asked_and_then_warns():
 # Measured estimate / XLA (KiB): 1 device none 45528/47348 = 0.96 (now 0.99); FSDP 8 looped full, vocab 512, 1.14
 # (one-layer phase; the score term counts 14 bytes a score, about 8 are live then); FSDP 4 x EP 2 one-layer stacks
 # full gmm 9161/9797 = 0.94 (now 1.00); FSDP 4 x EP 2 looped none dense, vocab 512, 8849/8975 = 0.99 (now 1.04; the
-# layers dominate). Not
-# tested (each a compile, ~15 s): FSDP 8 looped full 5600/5389 = 1.04 (head phase), looped none 11990/11527 = 1.04,
-# vocab 512 9205/8975 = 1.03, 3 + 3 layers 12464/12213 = 1.02 (one layer more per stack: XLA +1134 dense / +2104 MoE,
-# the estimate +1128 / +2131).
+# layers dominate). Not tested (each a compile, ~15 s): FSDP 8 looped full 5600/5389 = 1.04 (head phase), looped none
+# 11990/11527 = 1.04, vocab 512 9205/8975 = 1.03, 3 + 3 layers 12464/12213 = 1.02 (one layer more per stack: XLA +1134
+# dense / +2104 MoE, the estimate +1128 / +2131).
 # Under none a looped stack stores every residual autodiff saves (6 [T, I] per SwiGLU, 7 [T, E, I] on the dense
 # MoE path, the gathered expert weights of every layer); compiled whole, XLA fuses some away (4), and the
 # estimate before it counted 4 everywhere and no expert weights: 0.63-0.90 on the looped none cases.
@@ -182,7 +181,7 @@ CASES = [  # (mesh, layers, first dense layers, remat, moe_impl, vocab); small m
 # autodiff saves instead (test_sparse_attention_keeps_what_autodiff_saves).
 # One device, a looped stack under remat full, small vocab (the one-layer phase): the MLP's backward holds its
 # cotangents beside the recomputed layer (8 [T, I] live, not 4), and Qwen3's per-head q/k norms keep 3 widths each:
-# 1.03 (without the cotangents 0.83, without the q/k norms 0.88, before both 0.67).
+# 1.03 (without the cotangents 0.83, without the q/k norms 0.88, before both 0.67), held to 0.95-1.10.
 LONG = [
     ("llama3-tiny", 3, "full", "xla", (1, 2048), 4096, None, {}),
     ("deepseek3-mini", 2, "full", "blockwise", (2, 1024), 4096, None, {}),
@@ -335,7 +334,8 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
     plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch, kernels=kernels,
                        loss_chunk_tokens=chunk)
     estimate = plan.activation_bytes(remat)
-    assert 0.85 <= estimate / xla <= 1.15, (estimate, xla, plan.activations[remat])
+    low, high = (0.95, 1.10) if preset == "qwen3-tiny" else (0.85, 1.15)  # the one-layer phase, modelled to 3%
+    assert low <= estimate / xla <= high, (estimate, xla, plan.activations[remat])
     if attention.startswith("sparse-top"):  # its indexer's scratch is the one-layer phase, above the head's
         parts = plan.activations[remat]
         assert parts["sparse attention, one block"] > parts["embeddings and logits"]
