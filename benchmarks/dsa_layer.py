@@ -91,7 +91,7 @@ def build_layers(dense_cfg, dsa_cfg):
     dsa = MLA(dsa_cfg, rngs=nnx.Rngs(1))
     nnx.update(dsa, nnx.state(dense, nnx.Param))
     shared = jax.tree.leaves(nnx.state(dense, nnx.Param))
-    same = jax.tree.leaves(nnx.state(dsa, nnx.Param).filter(lambda path, _: "indexer" not in path))
+    same = jax.tree.leaves(nnx.state(dsa, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))))
     assert len(shared) == len(same) and all(np.array_equal(a, b) for a, b in zip(shared, same)), "weights differ"
     return dense, dsa
 
