@@ -277,11 +277,13 @@ def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
                    help="learning-rate schedule after warmup: cosine decay, warmup-stable-decay, or constant")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled (AdamW) weight decay")
     g.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clipping threshold")
-    g.add_argument("--mtp-weight", type=float, default=0.3,
-                   help="weight of the multi-token-prediction loss (models with MTP heads)")
-    g.add_argument("--routing-bias-rate", type=float, default=1e-3,
-                   help="aux-loss-free balancing of MoE models: router bias step after each update (0: off; "
-                   "default %(default)s)")
+    g.add_argument("--mtp-weight", type=float, default=None,
+                   help=f"weight of the multi-token-prediction loss (models with MTP heads; default {MTP_WEIGHT}; "
+                   "a model without them refuses a weight above 0)")
+    g.add_argument("--routing-bias-rate", type=float, default=None,
+                   help="aux-loss-free balancing of MoE models whose router selects on a bias: router bias step "
+                   f"after each update (0: off; default {ROUTING_BIAS_RATE}; a model without such a router refuses "
+                   "a rate above 0)")
     g.add_argument("--loss-chunk-tokens", type=int, default=None,
                    help="tokens per device whose logits the output head + cross-entropy computes at a time (default: "
                    "chunks of at most 512 MiB of float32 logits, one chunk on an Auto mesh splitting the tokens; "
@@ -443,6 +445,10 @@ def model_config(args: argparse.Namespace, source: ModelSource) -> Any:
     return config
 
 
+MTP_WEIGHT = 0.3  # --mtp-weight's default for models with MTP heads (DeepSeek-V3's 0.3, then 0.1 in its report)
+ROUTING_BIAS_RATE = 1e-3  # --routing-bias-rate's default for routers that select on a bias (DeepSeek-V3's gamma)
+
+
 class Extras(NamedTuple):
     """The training extras a model has and the run uses: MTP heads, expert-load balancing."""
 
@@ -457,13 +463,26 @@ class Extras(NamedTuple):
 
 
 def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> Extras:
-    """What the model says it has (config fields, model methods), switched on as far as the flags allow. The
-    sequence-wise balance loss needs nothing here: a model whose config asks for it returns it."""
+    """What the model says it has (config fields, model methods), switched on as far as the flags allow: by
+    default (a flag not given) where the model has it; a weight or rate above 0 given for a model without it is an
+    error, not a setting silently dropped. The sequence-wise balance loss needs nothing here: a model whose config
+    asks for it returns it."""
     has_mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
-    can_balance = (getattr(config, "num_moe_layers", 0) > 0 and hasattr(model_cls, "update_routing_bias")
+    moe = getattr(config, "num_moe_layers", 0) > 0
+    can_balance = (moe and hasattr(model_cls, "update_routing_bias")
                    and getattr(config, "has_routing_bias", True))  # a softmax top-k router has no bias to move
-    return Extras(mtp_weight=args.mtp_weight if has_mtp else 0.0,
-                  routing_bias_rate=args.routing_bias_rate if can_balance else 0.0)
+    name = type(config).__name__
+    if not has_mtp and (args.mtp_weight or 0) > 0:
+        raise ValueError(f"--mtp-weight {args.mtp_weight:g}: this {name} has no multi-token-prediction heads "
+                         "(num_nextn_predict_layers 0); leave the flag out")
+    if not can_balance and (args.routing_bias_rate or 0) > 0:
+        why = ("has no MoE layers" if not moe else "routes without a selection bias (aux-loss-free balancing "
+               "moves one); balance it with its own loss if its config has one (--model.output_router_logits, "
+               "--model.seq_aux_loss_alpha)")
+        raise ValueError(f"--routing-bias-rate {args.routing_bias_rate:g}: this {name} {why}; leave the flag out")
+    mtp = MTP_WEIGHT if args.mtp_weight is None else args.mtp_weight
+    rate = ROUTING_BIAS_RATE if args.routing_bias_rate is None else args.routing_bias_rate
+    return Extras(mtp_weight=mtp if has_mtp else 0.0, routing_bias_rate=rate if can_balance else 0.0)
 
 
 def trained_parameters(config: Any, model_cls: type) -> tuple[int, int]:

@@ -169,10 +169,9 @@ def test_from_pretrained_on_a_non_checkpoint_says_what_a_checkpoint_is(tmp_path,
 def test_training_extras_follow_what_the_config_has():
     from nnx_zoo import AutoConfig, AutoModelForCausalLM
 
-    args = argparse.Namespace(mtp_weight=0.3, routing_bias_rate=1e-3)
-
-    def extras(preset: str, **overrides) -> tuple:
+    def extras(preset: str, mtp_weight=None, routing_bias_rate=None, **overrides) -> tuple:
         config = AutoConfig.preset(preset, **overrides)
+        args = argparse.Namespace(mtp_weight=mtp_weight, routing_bias_rate=routing_bias_rate)  # None: not given
         e = recipe.training_extras(config, AutoModelForCausalLM.model_class(config), args)
         return e.mtp_weight, e.routing_bias_rate, e.model_kwargs
 
@@ -186,6 +185,15 @@ def test_training_extras_follow_what_the_config_has():
     # All layers dense: no experts to balance.
     assert extras("deepseek3-tiny", num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0)[:2] \
         == (0.0, 0.0)
+    # Given, a weight or rate is used where the model has the thing, refused (not dropped) where it has not.
+    assert extras("glm4.5-tiny", routing_bias_rate=0.01)[1] == 0.01
+    assert extras("deepseek3-tiny", mtp_weight=0.1, num_nextn_predict_layers=1)[0] == 0.1
+    assert extras("qwen3-moe-tiny", mtp_weight=0, routing_bias_rate=0)[:2] == (0.0, 0.0)  # off is always fine
+    for preset, flag, why in [("qwen3-moe-tiny", "routing_bias_rate", "routes without a selection bias"),
+                              ("llama3-tiny", "routing_bias_rate", "has no MoE layers"),
+                              ("mixtral-tiny", "mtp_weight", "has no multi-token-prediction heads")]:
+        with pytest.raises(ValueError, match=why):
+            extras(preset, **{flag: 0.01})
 
 
 def test_help_lists_every_family_preset_and_plan_works_for_a_dense_family(capsys):
