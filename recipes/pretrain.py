@@ -136,6 +136,10 @@ def _field_parser(annotation: Any) -> Callable[[str], Any]:
     return parse
 
 
+MTP_WEIGHT = 0.3  # --mtp-weight's default for models with MTP heads (DeepSeek-V3's 0.3, then 0.1 in its report)
+ROUTING_BIAS_RATE = 1e-3  # --routing-bias-rate's default for routers that select on a bias (DeepSeek-V3's gamma)
+
+
 def build_parser(model_config_cls: type, presets: Iterable[str] = (), *, entry: Entry = GENERIC,
                  model_defaults: Any = None, defaults_from: str = "preset") -> argparse.ArgumentParser:
     """The recipe's command line with ``--model.<field>`` for every field of ``model_config_cls``; ``--help``
@@ -443,10 +447,6 @@ def model_config(args: argparse.Namespace, source: ModelSource) -> Any:
             "--model.max_position_embeddings"
         )
     return config
-
-
-MTP_WEIGHT = 0.3  # --mtp-weight's default for models with MTP heads (DeepSeek-V3's 0.3, then 0.1 in its report)
-ROUTING_BIAS_RATE = 1e-3  # --routing-bias-rate's default for routers that select on a bias (DeepSeek-V3's gamma)
 
 
 class Extras(NamedTuple):

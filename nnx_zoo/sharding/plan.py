@@ -115,7 +115,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from nnx_zoo.sharding.axes import STACK_AXES, placed_like
 from nnx_zoo.sharding.report import ShardingReport, _human, sharding_report
-from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
+from nnx_zoo.sharding.resolve import ShardingError, axes_tuple, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import Rules, get_rules
 
 REMATS = ("none", "full")
@@ -233,16 +233,14 @@ class Local:
 
 
 def _shards(name: str, rules: Rules, mesh: Mesh | AbstractMesh) -> int:
-    spec = logical_to_mesh_axes((name,), rules, mesh)[0]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    axes = axes_tuple(logical_to_mesh_axes((name,), rules, mesh)[0])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return math.prod(sizes[a] for a in axes)
 
 
 def _joint_shards(names: tuple[str, ...], dim: int, rules: Rules, mesh: Mesh | AbstractMesh) -> int:
     """Shards of dim ``dim`` of an array with logical ``names``: an axis an earlier dim takes is not reused."""
-    spec = logical_to_mesh_axes(names, rules, mesh)[dim]
-    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    axes = axes_tuple(logical_to_mesh_axes(names, rules, mesh)[dim])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return math.prod(sizes[a] for a in axes)
 
@@ -250,12 +248,9 @@ def _joint_shards(names: tuple[str, ...], dim: int, rules: Rules, mesh: Mesh | A
 def _ep_token_gather(rules: Rules, mesh: Mesh | AbstractMesh) -> int:
     """Shards of the EP axes (``exp``'s) that also split the tokens (``activation_batch``, ``activation_length``):
     what ``ep`` all-gathers the tokens over (``nnx_zoo.layers.moe._ep_shard``)."""
-    def axes(spec: Any) -> tuple[str, ...]:
-        return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-
-    ep = axes(logical_to_mesh_axes(("exp",), rules, mesh)[0])
+    ep = axes_tuple(logical_to_mesh_axes(("exp",), rules, mesh)[0])
     tokens = [a for spec in logical_to_mesh_axes(("activation_batch", "activation_length"), rules, mesh)
-              for a in axes(spec)]
+              for a in axes_tuple(spec)]
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return math.prod(sizes[a] for a in ep if a in tokens)
 
@@ -399,14 +394,14 @@ def mlp_cotangent_bytes(s: DecoderShapes, n: Local, moe: bool) -> int:
     if not moe:
         return t * a * (c + 1) * n.mlp
     shared = t * a * (c + 1) * n.shared_mlp if s.shared_intermediate else 0
+    if s.moe_impl == "ep":  # its local experts, whole, over the gathered tokens (ep_expert_bytes)
+        tokens, width = t * n.ep_token_gather, s.moe_intermediate
+        if s.ep_local == "dense":
+            return tokens * n.ep_experts * a * c * width + shared
+        return tokens * s.top_k * a * (c + 1) * width + shared
     if s.moe_impl == "dense":
         return t * n.experts * a * c * n.moe_mlp + shared
-    tokens = t * n.ep_token_gather if s.moe_impl == "ep" else t
-    experts = n.ep_experts if s.moe_impl == "ep" else s.experts
-    if s.moe_impl == "ep" and s.ep_local == "dense":
-        return tokens * experts * a * c * s.moe_intermediate + shared
-    width = s.moe_intermediate if s.moe_impl == "ep" else n.moe_mlp
-    return tokens * s.top_k * a * (c + 1) * width + shared
+    return t * s.top_k * a * (c + 1) * n.moe_mlp + shared
 
 
 def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
