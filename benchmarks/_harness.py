@@ -190,6 +190,50 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def hlo_op_sources(hlo_text: str, prefer: str = "nnx_zoo", plumbing: tuple[str, ...] = ("spec.py", "linear.py")
+                   ) -> dict[str, tuple[str, str]]:
+    """HLO instruction name -> (its source ``op_name``, ``file:line``), from ``compiled.as_text()``'s metadata and
+    its stack-frame tables (``stack_frame_id``). The line is the innermost frame whose file path contains
+    ``prefer`` and whose file is not ``plumbing`` (the einsum and linear helpers every layer calls): where the
+    model's code asked for the op; else the innermost frame; "?" when there is none."""
+    import re
+
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section, tables[line] = line, {}
+        elif section and (m := re.match(r"(\d+) (.*)", line)):
+            tables[section][int(m.group(1))] = m.group(2)
+        elif not line.strip() or line.startswith("%") or line.startswith("ENTRY"):
+            section = None
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+
+    def field(text: str, name: str) -> int:
+        m = re.search(rf"\b{name}=(\d+)", text)
+        return int(m.group(1)) if m else 0
+
+    def frames(frame_id: int):  # innermost first
+        seen = set()
+        while frame_id and frame_id not in seen and frame_id in tables.get("StackFrames", {}):
+            seen.add(frame_id)
+            frame = tables["StackFrames"][frame_id]
+            loc = tables.get("FileLocations", {}).get(field(frame, "file_location_id"), "")
+            yield files.get(field(loc, "file_name_id"), "?"), field(loc, "line")
+            frame_id = field(frame, "parent_frame_id") - 1  # printed one above the parent's id; 0: none
+
+    out = {}
+    pattern = re.compile(r'\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"([^}]*)\}')
+    for line in hlo_text.splitlines():
+        if m := pattern.match(line):
+            chain = list(frames(field(m.group(3), "stack_frame_id")))
+            ours = [f for f in chain if prefer in f[0]]
+            file, lineno = next((f for f in ours if Path(f[0]).name not in plumbing),
+                                ours[0] if ours else chain[0] if chain else ("?", 0))
+            out[m.group(1)] = (m.group(2), f"{Path(file).name}:{lineno}" if chain else "?")
+    return out
+
+
 _CONTROL_FLOW = ("while", "call", "conditional")
 
 

@@ -74,6 +74,7 @@ class Shapes:
                            (1, 8192, 16, 16, 192, 128)])
         self.gmm = (512, 8, 64, 32) if smoke else (4 * 2048 * 6, 64, 2048, 1408)  # rows, groups, k, n
         self.steps, self.skip = (4, 1) if smoke else (12, 4)
+        self.profile_steps = 2 if smoke else 3
 
 
 # ------------------------------------------------------------------------------------- the recipe, as a user runs it
@@ -227,6 +228,88 @@ def gmm_worker(shape: tuple[int, ...], impls: list[str], rounds: int) -> list[di
     return results
 
 
+# --------------------------------------------------------------------------------------------- where the time goes
+def profile_worker(preset: str, batch: int, seq: int, overrides: str, steps: int) -> dict:
+    """The recipe's train step (``train_step``: AdamW, clip 1.0, bf16 compute, remat full) traced under
+    ``jax.profiler``: device time per step summed by the source line each executed kernel's HLO op came from, and
+    by a coarse part of the model. XLA's command buffers (CUDA graphs) are off for this process so that every
+    kernel is traced on its own."""
+    import jax
+    from _harness import hlo_op_sources, trace_events
+    from flax import nnx
+
+    from nnx_zoo import AutoConfig, AutoModelForCausalLM
+    from nnx_zoo.train.optim import OptimizerConfig, make_optimizer
+    from nnx_zoo.train.step import train_step
+
+    config = AutoConfig.preset(preset, **{"dtype": "bfloat16", "remat_policy": "full", **json.loads(overrides)})
+    model = AutoModelForCausalLM.create(config, seed=0)
+    optimizer = make_optimizer(OptimizerConfig(), model, total_steps=1000)
+    ids = jax.random.randint(jax.random.key(0), (batch, seq), 0, config.vocab_size)
+    data = {"input_ids": ids, "targets": jax.numpy.roll(ids, -1, axis=1),
+            "loss_mask": jax.numpy.ones(ids.shape, jax.numpy.float32).at[:, -1].set(0.0)}
+    graphdef, state = nnx.split((model, optimizer))
+    del model, optimizer
+
+    def step(state, data):
+        m, o = nnx.merge(graphdef, state)
+        metrics = train_step(m, o, data)
+        return nnx.state((m, o)), metrics["loss"]
+
+    compiled = jax.jit(step, donate_argnums=0).lower(state, data).compile()
+    where = hlo_op_sources(compiled.as_text())  # HLO instruction -> (op_name, file:line)
+    live = [state]
+
+    def call():
+        live[0], loss = compiled(live[0], data)
+        return jax.block_until_ready(loss)
+
+    events, wall = trace_events(call, steps)
+    if events is None:
+        return {"error": "no perfetto trace written"}
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    by_line: dict[str, float] = {}
+    by_part: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    total = 0.0
+    for e in events:
+        if e.get("ph") != "X" or (gpu_pids and e.get("pid") not in gpu_pids):
+            continue
+        op = str(e.get("args", {}).get("hlo_op", e.get("name", "")))
+        if op not in where and not gpu_pids:
+            continue  # (CPU smoke run: only events named after an HLO instruction are ops)
+        if op.split(".")[0] in ("while", "call", "conditional"):
+            continue
+        ms = e.get("dur", 0.0) / 1e3 / steps
+        total += ms
+        op_name, line = where.get(op, ("", "?"))
+        by_line[line] = by_line.get(line, 0.0) + ms
+        by_part[_part(line, op_name)] = by_part.get(_part(line, op_name), 0.0) + ms
+        kernels[str(e.get("name", ""))[:80]] = kernels.get(str(e.get("name", ""))[:80], 0.0) + ms
+
+    def top(d: dict, n: int) -> dict:
+        return {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+
+    return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total, "traced_gpu": bool(gpu_pids),
+            "parts_ms": top(by_part, 20), "lines_ms": top(by_line, 30), "kernels_ms": top(kernels, 20)}
+
+
+def _part(line: str, op_name: str) -> str:
+    """A coarse part of the train step for one kernel, from its source file."""
+    file = line.split(":")[0]
+    parts = {"grouped_matmul.py": "experts: grouped matmuls", "moe.py": "experts: sort, gather, matmuls, combine",
+             "sparse_moe.py": "experts: router", "routers.py": "experts: router", "attention.py": "attention",
+             "embed.py": "embedding + lm_head matmuls", "loss.py": "lm_head chunks + cross-entropy",
+             "norm.py": "norms", "scan.py": "layer scan (slices, stacking)", "rope.py": "rope",
+             "step.py": "step: gradient sums, clip, AdamW", "optim.py": "step: gradient sums, clip, AdamW"}
+    if file in parts:
+        return parts[file]
+    if "optax" in op_name or file.startswith(("transform", "clipping", "alias", "update", "numerics")):
+        return "step: gradient sums, clip, AdamW"
+    return f"other ({file})"
+
+
 # --------------------------------------------------------------------------------------------- the cases
 def llama_case(s: Shapes, timeout_s: float) -> list[dict]:
     preset, batch, seq = s.llama
@@ -262,6 +345,8 @@ def qwen3moe_case(s: Shapes, timeout_s: float) -> list[dict]:
         name = "transformers + torch.compile" if compiled else "transformers eager"
         rows.append({"name": name, **_worker(["torch", preset, batch, seq, s.steps, s.skip, int(compiled),
                                               json.dumps(cut)], timeout_s)})
+    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", preset, batch, seq, json.dumps(cut),
+                                                               s.profile_steps], timeout_s)})
     return rows
 
 
@@ -287,8 +372,11 @@ def _worker(args: list[object], timeout_s: float) -> dict | list[dict]:
     cmd = [sys.executable, __file__, "--worker", *map(str, args)]
     if _SMOKE[0]:
         cmd.append("--smoke")
+    env = _env()
+    if args[0] == "profile":  # every kernel traced on its own, not inside a CUDA graph
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_env())
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = done.stdout.strip().splitlines()
@@ -303,6 +391,8 @@ def run_worker(argv: list[str], smoke: bool) -> None:
     if kind == "torch":
         result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])),
                               *rest[6:])
+    elif kind == "profile":
+        result = profile_worker(rest[0], int(rest[1]), int(rest[2]), rest[3], int(rest[4]))
     elif kind == "attention":
         variants = [(impl, bool(segments)) for impl, segments in json.loads(rest[1])]
         result = attention_worker(tuple(json.loads(rest[0])), variants, 3 if smoke else 10)
@@ -360,6 +450,13 @@ def markdown(results: dict) -> str:
                 rows.append([case, r["name"], _fmt(r.get("tokens_per_s"), "{:,.0f}"), _fmt(r.get("mfu"), "{:.1%}"),
                              _fmt(r.get("peak_memory_gib"), "{:.1f}"), r.get("kernels", ""), r.get("error", "")])
         out += [markdown_table(["case", "run", "tokens/s", "MFU", "peak GiB", "kernels", "error"], rows), ""]
+        for case in ("llama", "moe", "qwen3moe"):
+            for r in results.get(case, []):
+                if "parts_ms" in r:
+                    out += [f"## {case}: where the step's time goes (device ms per step; wall "
+                            f"{r['wall_ms_per_step']:.1f} ms, traced kernels {r['kernel_ms_per_step']:.1f} ms)", ""]
+                    for key, title in (("parts_ms", "part"), ("lines_ms", "source line"), ("kernels_ms", "kernel")):
+                        out += [markdown_table([title, "ms"], [[k, f"{v:.2f}"] for k, v in r[key].items()]), ""]
     if "attention" in results:
         rows = [[r["shape"], r["impl"] + (" + segments" if r["segments"] else ""), r.get("ran", ""),
                  _fmt(r.get("seconds"), "{:.3f}", 1e3), r.get("error", "")] for r in results["attention"]]
