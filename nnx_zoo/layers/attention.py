@@ -153,6 +153,11 @@ def tokamax_available() -> bool:
     return kernels.tokamax() is not None
 
 
+def _tokamax_missing() -> str:
+    """Not installed, or installed and failing to import (with its error)."""
+    return kernels.tokamax_unavailable() or "tokamax does not import"
+
+
 def _warn_once(message: str) -> None:
     kernels.warn_once(message, AttentionFallbackWarning)
 
@@ -177,7 +182,7 @@ def _cudnn_refusal(q_len: int, k_len: int, platform: str, segments: bool, paddin
 def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool) -> str | None:
     """Why tokamax's attention cannot serve a call (None: it can)."""
     if not tokamax_available():
-        return "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
+        return _tokamax_missing()
     if platform not in ("gpu", "tpu"):
         return f"its kernels run on GPUs and TPUs (platform {platform!r})"
     return _mask_refusal(q_len, k_len, segments, padding)
@@ -244,7 +249,7 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
         if tokamax_no is None:
             return "tokamax"
         if not tokamax_available() and portable == "blockwise":
-            _warn_once(f"tokamax is not installed (pip install 'nnx-zoo[gpu]'): attention uses {portable!r}")
+            _warn_once(f"{_tokamax_missing()}: attention uses {portable!r}")
     return portable
 
 

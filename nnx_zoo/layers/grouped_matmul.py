@@ -115,12 +115,11 @@ def choose_grouped_matmul_impl(requested: str, platform: str | None = None) -> s
         if platform == "gpu" and _pallas_triton_available():
             return "pallas_triton"
         if platform == "gpu":  # (XLA:TPU's own ragged dot is a kernel; XLA:GPU's is the dense expansion)
-            kernels.warn_once("grouped_matmul: no GPU grouped-matmul kernel (tokamax is not installed and this jax "
-                              "lacks the Pallas-Triton ragged_dot); using the 'tiled' path")
+            kernels.warn_once(f"grouped_matmul: no GPU grouped-matmul kernel ({kernels.tokamax_unavailable()}, and "
+                              "this jax lacks the Pallas-Triton ragged_dot); using the 'tiled' path")
         return portable
-    if requested == "tokamax" and kernels.tokamax() is None:
-        kernels.warn_once(f"grouped_matmul: tokamax is not installed; using the {portable!r} path "
-                          "(pip install 'nnx-zoo[gpu]' for its kernels)")
+    if requested == "tokamax" and (why := kernels.tokamax_unavailable()):
+        kernels.warn_once(f"grouped_matmul: {why}; using the {portable!r} path")
         return portable
     if requested == "pallas_triton" and not (platform == "gpu" and _pallas_triton_available()):
         why = "needs an NVIDIA GPU" if platform != "gpu" else f"this jax lacks {_PALLAS_TRITON_MODULE}"
@@ -257,7 +256,8 @@ _tiled_vjp.defvjp(
 
 # ------------------------------------------------------------------------------------------------ dispatching
 def _pallas_triton_available() -> bool:
-    """Whether this jax ships the Pallas-Triton lowering of ``ragged_dot`` (jax 0.10.2's wheel does not)."""
+    """Whether this jax ships the Pallas-Triton lowering of ``ragged_dot`` (the public wheels through 0.11.2 have its
+    config flag but not the module: on an H100 with jax 0.11.2 ``pallas_triton`` ran ``tiled``)."""
     try:
         return importlib.util.find_spec(_PALLAS_TRITON_MODULE) is not None
     except ModuleNotFoundError:

@@ -42,6 +42,27 @@ def tokamax() -> ModuleType | None:
         return None
 
 
+def tokamax_unavailable() -> str | None:
+    """Why the ``tokamax`` kernels cannot run, for a fallback's warning (None: tokamax imports). An installed
+    tokamax that fails to import (tokamax 0.0.13+ imports xprof's tools, which need ``fire``) is told apart from a
+    missing one, with the import's own error.
+
+    >>> tokamax_unavailable()  # without the gpu extra
+    "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
+    """
+    try:
+        importlib.import_module("tokamax")
+        return None
+    except ModuleNotFoundError as e:
+        if e.name == "tokamax":
+            return "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
+        error: Exception = e
+    except Exception as e:  # noqa: BLE001 - any import failure means the kernels cannot run
+        error = e
+    return (f"tokamax is installed but does not import ({type(error).__name__}: {error}); reinstall it with its "
+            "dependencies (pip install 'nnx-zoo[gpu]')")
+
+
 def warn_once(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """One warning line per distinct message per process (a traced function may be traced many times)."""
     if message not in _WARNED:

@@ -8,6 +8,7 @@ float32 on CPU; values and gradients within 1e-5 relative (the test session runs
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import types
 import warnings
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from nnx_zoo import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.layers import RoutedExperts, kernels
+from nnx_zoo.layers import attention as attn_module
 from nnx_zoo.layers import grouped_matmul as gm_module
 from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl, default_tile, grouped_matmul
 from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_shardings
@@ -435,3 +437,18 @@ def test_ep_with_grouped_local_experts_equals_dense(sizes, mode, rules, monkeypa
     with jax.set_mesh(mesh):
         got = jax.device_get(loss(experts, x, weights, "ep"))
     _assert_same(got, want)
+
+
+def test_a_broken_tokamax_install_is_told_apart_from_a_missing_one(tmp_path, monkeypatch, fresh_warnings):
+    """tokamax 0.0.13+ imports xprof's tools, which need `fire`: an install without it must not be reported as
+    'not installed' (a GPU run fell back to the portable kernel with that misleading line)."""
+    (tmp_path / "tokamax").mkdir()
+    (tmp_path / "tokamax" / "__init__.py").write_text("import fire_missing_for_this_test\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tokamax", raising=False)
+    says = "tokamax is installed but does not import.*No module named 'fire_missing_for_this_test'"
+    with pytest.warns(RuntimeWarning, match=says):
+        assert choose_grouped_matmul_impl("tokamax", "gpu") == "tiled"
+    assert re.match(says, attn_module._tokamax_refusal(8, 8, "gpu", False, False))
+    monkeypatch.setitem(sys.modules, "tokamax", None)
+    assert kernels.tokamax_unavailable() == "tokamax is not installed (pip install 'nnx-zoo[gpu]')"
