@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -34,3 +37,23 @@ def test_the_gpu_train_step_benchmark_runs_its_grouped_matmul_case(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_train_step_smoke.json").read_text())["gmm"]
     assert {r["ran"] for r in rows} >= {"tiled", "xla"} and all(r["seconds"] > 0 for r in rows), rows
+
+
+def test_the_gpu_profile_maps_each_op_to_the_line_that_asked_for_it(tmp_path, monkeypatch):
+    """`_harness.hlo_op_sources` walks the HLO's stack-frame tables (whose printed parent ids are one above the
+    parent's): past a helper file to its caller, or the innermost frame when the helper is not skipped."""
+    harness = _script("_harness")
+    (tmp_path / "plumb_helper.py").write_text("import jax.numpy as jnp\n\n\ndef sine(x):\n    return jnp.sin(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import plumb_helper
+
+    def caller(x):
+        return plumb_helper.sine(x) * 2.0
+
+    caller_line = caller.__code__.co_firstlineno + 1
+    text = jax.jit(caller).lower(jnp.ones(4)).compile().as_text()
+    for plumbing, want in ((("plumb_helper.py",), f"test_device_scripts.py:{caller_line}"),
+                           ((), "plumb_helper.py:5")):
+        lines = {line for op_name, line in harness.hlo_op_sources(text, prefer="", plumbing=plumbing).values()
+                 if op_name.endswith("/sin")}
+        assert lines == {want}, (plumbing, lines)
