@@ -146,7 +146,8 @@ def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_
 # ------------------------------------------------------------------------------------- subprocess helpers
 def launch(run_dir: Path, *args: str, devices: int = 1, **env_vars: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_ZOO_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT), **env_vars)
     return subprocess.Popen([sys.executable, str(RECIPE), *TINY, "--run-dir", str(run_dir), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -23,7 +23,8 @@ ARGS = [
 
 def launch(run_dir: Path, devices: int, **env_vars: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NNX_ZOO_")}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env.update(XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT), **env_vars)
     return subprocess.Popen([sys.executable, str(RECIPE), *ARGS, "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
