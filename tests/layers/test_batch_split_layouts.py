@@ -69,7 +69,9 @@ def test_batch_split_restores_any_input_layout(layout):
         (y, (per_row, total)), (want, (want_per_row, want_total)) = run(x, rows)
     assert jax.typeof(y).sharding == jax.typeof(x).sharding
     assert y.sharding.is_equivalent_to(x.sharding, 3)  # the concrete arrays too
-    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6)
+    # Split and unsplit are two programs (a decoder layer each) whose float32 results round apart: under the suite's
+    # -O0 codegen (conftest.py) one value of 1,024 differed by 2.4e-7 (1.07e-6 relative). The sums below keep 1e-5.
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(per_row), np.asarray(want_per_row), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(total), float(want_total), rtol=1e-5)
 
