@@ -12,12 +12,14 @@ Cases (each in its own subprocess, so one case's memory or an out-of-memory erro
   ``recipes/pretrain.py --model llama3.2-1b --model.dtype bfloat16 --remat full`` as a user runs it (its own
   ``metrics.jsonl``; the process is killed after the timed steps, which skips the end-of-run checkpoint), against
   transformers' ``LlamaForCausalLM`` from the same config (sdpa attention, bf16 autocast, f32 parameters, fused
-  AdamW, clip 1.0), eager and under ``torch.compile``.
+  AdamW, clip 1.0), eager and under ``torch.compile``. Then the recipe's train step is profiled (below).
 - ``moe``: the ``deepseek2-lite`` preset cut to 4 layers, batch 4 x 2048, the recipe with ``moe_impl`` ``gmm``
   (each grouped-matmul kernel: ``auto``, ``tokamax``, ``pallas_triton``, ``tiled``) and ``dense``.
 - ``qwen3moe``: the ``qwen3-moe-30b-a3b`` preset (128 experts, top-8, GQA 32/4, q/k norm) cut to 2 layers, batch
   4 x 2048: the recipe as a user runs it (``moe_impl`` ``auto``: ``gmm`` with the best grouped-matmul kernel)
-  against transformers' ``Qwen3MoeForCausalLM`` on the same cut config, eager and under ``torch.compile``.
+  against transformers' ``Qwen3MoeForCausalLM`` on the same cut config, eager and under ``torch.compile``; then
+  the profile. The profile (``llama`` and ``qwen3moe``): the recipe's ``train_step`` traced under ``jax.profiler``,
+  device time per step by part of the model, by the source line each kernel's HLO op came from, and by kernel.
 - ``attention``: forward + backward of one attention call (GQA 32/8 heads, head dim 64, causal; and MLA 16 heads,
   192/128) for each ``attention_impl`` against ``cudnn`` at b4 s2048 and b1 s8192; the packed-document case
   (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
@@ -302,7 +304,8 @@ def _part(line: str, op_name: str) -> str:
              "sparse_moe.py": "experts: router", "routers.py": "experts: router", "attention.py": "attention",
              "embed.py": "embedding + lm_head matmuls", "loss.py": "lm_head chunks + cross-entropy",
              "norm.py": "norms", "scan.py": "layer scan (slices, stacking)", "rope.py": "rope",
-             "step.py": "step: gradient sums, clip, AdamW", "optim.py": "step: gradient sums, clip, AdamW"}
+             "step.py": "step: gradient sums, clip, AdamW", "optim.py": "step: gradient sums, clip, AdamW",
+             "causal_lm.py": "lm_head matmuls (in the loss's chunks)", "mlp.py": "dense MLP"}
     if file in parts:
         return parts[file]
     if "optax" in op_name or file.startswith(("transform", "clipping", "alias", "update", "numerics")):
@@ -318,6 +321,8 @@ def llama_case(s: Shapes, timeout_s: float) -> list[dict]:
         name = "transformers + torch.compile" if compiled else "transformers eager"
         rows.append({"name": name, **_worker(["torch", preset, batch, seq, s.steps, s.skip, int(compiled)],
                                              timeout_s)})
+    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", preset, batch, seq, "{}", s.profile_steps],
+                                                               timeout_s)})
     return rows
 
 
