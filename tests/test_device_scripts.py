@@ -57,3 +57,11 @@ def test_the_gpu_profile_maps_each_op_to_the_line_that_asked_for_it(tmp_path, mo
         lines = {line for op_name, line in harness.hlo_op_sources(text, prefer="", plumbing=plumbing).values()
                  if op_name.endswith("/sin")}
         assert lines == {want}, (plumbing, lines)
+
+
+def test_the_gpu_profile_worker_attributes_the_train_step_to_model_code():
+    result = _script("gpu_train_step").profile_worker("llama3-tiny", 1, 32, '{"num_hidden_layers": 1}', 1)
+    assert result["kernel_ms_per_step"] > 0, result
+    assert {"attention", "dense MLP", "step: gradient sums, clip, AdamW"} <= set(result["parts_ms"]), result
+    known = sum(ms for line, ms in result["lines_ms"].items() if line != "?")
+    assert known > 0.9 * sum(result["lines_ms"].values()), result  # nearly every op is traced to a source line
