@@ -14,7 +14,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import jax, flax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'torch', torch.__version__, 'transformers', transformers.__version__, jax.devices())"
-python3 -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))" || echo "tokamax: not importable"
+if ! python3 -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))"; then
+  # A carried tokamax that does not import would make every kernel fall back: stop before spending device time.
+  if compgen -G ".whl/tokamax-*.whl" > /dev/null && [ "${ALLOW_NO_TOKAMAX:-0}" != 1 ]; then
+    echo "gpu_run.sh: tokamax was carried in .whl but does not import (the error is above), so every kernel would" \
+         "fall back: add what it lacks to benchmarks/gpu_wheels.sh, or set ALLOW_NO_TOKAMAX=1 to run anyway" >&2
+    exit 3
+  fi
+  echo "tokamax: not importable"
+fi
 
 # Take `dsa` out of `--cases ...`; the rest goes to gpu_train_step.py (which runs every case when --cases is absent).
 args=() dsa=0 in_cases=0 other_cases=0 had_cases=0 smoke=""
