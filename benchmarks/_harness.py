@@ -9,12 +9,14 @@ latter cancels slow drifts of machine load that hit both contenders of a round a
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import gc
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -190,51 +192,103 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
     return out
 
 
+_SECTION_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
+_INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ')
+_META = re.compile(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"(?:[^}]*?stack_frame_id=(\d+))?')
+_CALLS = re.compile(r'calls=%([\w.\-]+)')
+_COMPUTATION = re.compile(r'^%?([\w.\-]+) .*\{$')
+
+
+def stack_frames(hlo: str) -> dict[int, tuple[str, str, int, int]]:
+    """A compiled HLO text's stack-frame tables: frame id -> (file path, function, line, parent frame id; 0: none)."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        m = _SECTION_ROW.match(line) if current is not None else None
+        if m:
+            current[int(m.group(1))] = m.group(2) if m.group(2) is not None else m.group(3)
+        elif current is not None and line.strip():
+            current = None
+
+    def fields(text: str) -> dict[str, int]:
+        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
+
+    frames = {}
+    for fid, text in tables.get("StackFrames", {}).items():
+        f = fields(text)
+        loc = fields(tables["FileLocations"][f["file_location_id"]])
+        frames[fid] = (tables["FileNames"][loc["file_name_id"]], tables["FunctionNames"][loc["function_name_id"]],
+                       loc["line"], f.get("parent_frame_id", 1) - 1)  # printed one above the id (0 = no parent)
+    return frames
+
+
+def innermost_frame(frames: dict, frame: int | None, wanted: Callable[[str], bool]) -> tuple[str, str, int] | None:
+    """(file path, function, line) of the innermost frame of ``frame``'s stack whose file ``wanted`` accepts (where
+    the code of interest asked for an op), else of its innermost frame; None for an op without a stack."""
+    seen, first = set(), None
+    while frame and frame in frames and frame not in seen:
+        seen.add(frame)
+        file, function, line, parent = frames[frame]
+        first = first or (file, function, line)
+        if wanted(file):
+            return file, function, line
+        frame = parent
+    return first
+
+
+def hlo_instructions(hlo: str) -> dict[str, dict]:
+    """Every HLO instruction: its shape, op_name, stack frame and the computation it calls (a fusion's body).
+    Instructions without metadata (some fusions) take their body's: its root's, else its first with metadata."""
+    instrs, bodies, current = {}, collections.defaultdict(list), None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        meta = _META.search(line)
+        calls = _CALLS.search(line)
+        info = {"shape": m.group(2), "op_name": meta.group(2) if meta else None,
+                "frame": int(meta.group(3)) if meta and meta.group(3) else None,
+                "calls": calls.group(1) if calls else None, "root": line.lstrip().startswith("ROOT")}
+        instrs[m.group(1)] = info
+        if current:
+            bodies[current].append(info)
+    for info in instrs.values():
+        if info["op_name"] is None and info["calls"] in bodies:
+            body = sorted(bodies[info["calls"]], key=lambda i: not i["root"])
+            donor = next((i for i in body if i["op_name"]), None)
+            if donor:
+                info["op_name"], info["frame"] = donor["op_name"], donor["frame"]
+    return instrs
+
+
 def hlo_op_sources(hlo_text: str, prefer: str = "nnx_zoo", plumbing: tuple[str, ...] = ("spec.py", "linear.py")
                    ) -> dict[str, tuple[str, str]]:
-    """HLO instruction name -> (its source ``op_name``, ``file:line``), from ``compiled.as_text()``'s metadata and
-    its stack-frame tables (``stack_frame_id``). The line is the innermost frame whose file path contains
-    ``prefer`` and whose file is not ``plumbing`` (the einsum and linear helpers every layer calls): where the
-    model's code asked for the op; else the innermost frame; "?" when there is none."""
-    import re
+    """HLO instruction name -> (its source ``op_name``, ``file:line``) for every instruction with metadata (its own
+    or its fusion body's, `hlo_instructions`). The line is the innermost frame whose file path contains ``prefer``
+    and whose file is not ``plumbing`` (the einsum and linear helpers every layer calls): where the model's code
+    asked for the op; else the innermost frame; "?" when there is none."""
+    frames = stack_frames(hlo_text)
 
-    tables: dict[str, dict[int, str]] = {}
-    section = None
-    for line in hlo_text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section, tables[line] = line, {}
-        elif section and (m := re.match(r"(\d+) (.*)", line)):
-            tables[section][int(m.group(1))] = m.group(2)
-        elif not line.strip() or line.startswith("%") or line.startswith("ENTRY"):
-            section = None
-    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
-
-    def field(text: str, name: str) -> int:
-        m = re.search(rf"\b{name}=(\d+)", text)
-        return int(m.group(1)) if m else 0
-
-    def frames(frame_id: int):  # innermost first
-        seen = set()
-        while frame_id and frame_id not in seen and frame_id in tables.get("StackFrames", {}):
-            seen.add(frame_id)
-            frame = tables["StackFrames"][frame_id]
-            loc = tables.get("FileLocations", {}).get(field(frame, "file_location_id"), "")
-            yield files.get(field(loc, "file_name_id"), "?"), field(loc, "line")
-            frame_id = field(frame, "parent_frame_id") - 1  # printed one above the parent's id; 0: none
+    def wanted(path: str) -> bool:
+        return prefer in path and Path(path).name not in plumbing
 
     out = {}
-    pattern = re.compile(r'\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"([^}]*)\}')
-    for line in hlo_text.splitlines():
-        if m := pattern.match(line):
-            chain = list(frames(field(m.group(3), "stack_frame_id")))
-            ours = [f for f in chain if prefer in f[0]]
-            file, lineno = next((f for f in ours if Path(f[0]).name not in plumbing),
-                                ours[0] if ours else chain[0] if chain else ("?", 0))
-            out[m.group(1)] = (m.group(2), f"{Path(file).name}:{lineno}" if chain else "?")
+    for name, info in hlo_instructions(hlo_text).items():
+        if info["op_name"] is None:
+            continue
+        found = innermost_frame(frames, info["frame"], wanted)
+        out[name] = (info["op_name"], f"{Path(found[0]).name}:{found[2]}" if found else "?")
     return out
 
 
-_CONTROL_FLOW = ("while", "call", "conditional")
+CONTROL_FLOW = ("while", "call", "conditional")  # ops whose trace events span the ops they run
 
 
 def trace_events(call: Callable[[], object], steps: int) -> tuple[list | None, float]:
@@ -276,7 +330,7 @@ def profile_ops(compiled, call: Callable[[], object], steps: int = 3) -> dict:
     count: dict[str, int] = {}
     for e in events:
         name = e.get("name")
-        if e.get("ph") != "X" or name not in meta or name.split(".")[0] in _CONTROL_FLOW:
+        if e.get("ph") != "X" or name not in meta or name.split(".")[0] in CONTROL_FLOW:
             continue
         total[name] = total.get(name, 0.0) + e.get("dur", 0.0)
         count[name] = count.get(name, 0) + 1

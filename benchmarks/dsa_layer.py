@@ -163,82 +163,10 @@ def block_rows(seq: int, dsa_cfg) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the profile
-_META = re.compile(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"(?:[^}]*?stack_frame_id=(\d+))?')
-_SECTION_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
-
-
-def _stack_frames(hlo: str) -> dict[int, tuple[str, str, int, int]]:
-    """The compiled HLO text's stack-frame tables: frame id -> (file, function, line, parent frame id; 0: none)."""
-    tables: dict[str, dict[int, str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            current = tables.setdefault(line, {})
-            continue
-        m = _SECTION_ROW.match(line) if current is not None else None
-        if m:
-            current[int(m.group(1))] = m.group(2) if m.group(2) is not None else m.group(3)
-        elif current is not None and line.strip():
-            current = None
-    def fields(text: str) -> dict[str, int]:
-        return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", text)}
-
-    frames = {}
-    for fid, text in tables.get("StackFrames", {}).items():
-        f = fields(text)
-        loc = fields(tables["FileLocations"][f["file_location_id"]])
-        frames[fid] = (Path(tables["FileNames"][loc["file_name_id"]]).name,
-                       tables["FunctionNames"][loc["function_name_id"]], loc["line"],
-                       f.get("parent_frame_id", 1) - 1)  # printed one above the id (0 = no parent)
-    return frames
-
-
 def _where(frames: dict, frame: int | None) -> str:
     """The innermost frame in dsa.py or mla.py of a stack (else the innermost frame), as ``file:line function``."""
-    seen, first = set(), None
-    while frame and frame in frames and frame not in seen:
-        seen.add(frame)
-        file, function, line, parent = frames[frame]
-        first = first or f"{file}:{line} {function}"
-        if file in ("dsa.py", "mla.py"):
-            return f"{file}:{line} {function}"
-        frame = parent
-    return first or "?"
-
-
-_INSTR = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ')
-_CALLS = re.compile(r'calls=%([\w.\-]+)')
-_COMPUTATION = re.compile(r'^%?([\w.\-]+) .*\{$')
-_CONTROL_FLOW = ("while", "call", "conditional")
-
-
-def _instructions(hlo: str) -> dict[str, dict]:
-    """Every HLO instruction: its shape, op_name, stack frame and the computation it calls (a fusion's body).
-    Instructions without metadata (some fusions) take their body's: its root's, else its first with metadata."""
-    instrs, bodies, current = {}, collections.defaultdict(list), None
-    for line in hlo.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and not line.startswith(" "):
-            current = m.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        meta = _META.search(line)
-        calls = _CALLS.search(line)
-        info = {"shape": m.group(2), "op_name": meta.group(2) if meta else None,
-                "frame": int(meta.group(3)) if meta and meta.group(3) else None,
-                "calls": calls.group(1) if calls else None, "root": line.lstrip().startswith("ROOT")}
-        instrs[m.group(1)] = info
-        if current:
-            bodies[current].append(info)
-    for info in instrs.values():
-        if info["op_name"] is None and info["calls"] in bodies:
-            body = sorted(bodies[info["calls"]], key=lambda i: not i["root"])
-            donor = next((i for i in body if i["op_name"]), None)
-            if donor:
-                info["op_name"], info["frame"] = donor["op_name"], donor["frame"]
-    return instrs
+    found = h.innermost_frame(frames, frame, lambda path: Path(path).name in ("dsa.py", "mla.py"))
+    return f"{Path(found[0]).name}:{found[2]} {found[1]}" if found else "?"
 
 
 def profile_by_line(compiled, call, steps: int = 1) -> dict:
@@ -247,8 +175,8 @@ def profile_by_line(compiled, call, steps: int = 1) -> dict:
     the source line in dsa.py / mla.py of each HLO op and by pass (``bwd``: under ``transpose``), largest first.
     Ops without any metadata are grouped by their result shape."""
     text = compiled.as_text()
-    frames = _stack_frames(text)
-    instrs = _instructions(text)
+    frames = h.stack_frames(text)
+    instrs = h.hlo_instructions(text)
     events, wall = h.trace_events(call, steps)
     if events is None:
         return {"error": "no perfetto trace written"}
@@ -256,7 +184,7 @@ def profile_by_line(compiled, call, steps: int = 1) -> dict:
     examples: dict[tuple[str, str], str] = {}
     for e in events:
         name = e.get("name")
-        if e.get("ph") != "X" or name not in instrs or name.split(".")[0] in _CONTROL_FLOW:
+        if e.get("ph") != "X" or name not in instrs or name.split(".")[0] in h.CONTROL_FLOW:
             continue
         info = instrs[name]
         op_name = info["op_name"] or ""

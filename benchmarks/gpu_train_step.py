@@ -237,7 +237,7 @@ def profile_worker(preset: str, batch: int, seq: int, overrides: str, steps: int
     by a coarse part of the model. XLA's command buffers (CUDA graphs) are off for this process so that every
     kernel is traced on its own."""
     import jax
-    from _harness import hlo_op_sources, trace_events
+    from _harness import CONTROL_FLOW, hlo_op_sources, trace_events
     from flax import nnx
 
     from nnx_zoo import AutoConfig, AutoModelForCausalLM
@@ -281,14 +281,15 @@ def profile_worker(preset: str, batch: int, seq: int, overrides: str, steps: int
         op = str(e.get("args", {}).get("hlo_op", e.get("name", "")))
         if op not in where and not gpu_pids:
             continue  # (CPU smoke run: only events named after an HLO instruction are ops)
-        if op.split(".")[0] in ("while", "call", "conditional"):
+        if op.split(".")[0] in CONTROL_FLOW:
             continue
         ms = e.get("dur", 0.0) / 1e3 / steps
         total += ms
         op_name, line = where.get(op, ("", "?"))
+        part, kernel = _part(line, op_name), str(e.get("name", ""))[:80]
         by_line[line] = by_line.get(line, 0.0) + ms
-        by_part[_part(line, op_name)] = by_part.get(_part(line, op_name), 0.0) + ms
-        kernels[str(e.get("name", ""))[:80]] = kernels.get(str(e.get("name", ""))[:80], 0.0) + ms
+        by_part[part] = by_part.get(part, 0.0) + ms
+        kernels[kernel] = kernels.get(kernel, 0.0) + ms
 
     def top(d: dict, n: int) -> dict:
         return {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
