@@ -36,10 +36,7 @@ def tokamax() -> ModuleType | None:
     >>> tokamax() is None  # without the gpu extra
     True
     """
-    try:
-        return importlib.import_module("tokamax")
-    except Exception:  # noqa: BLE001 - any import failure means the kernels cannot run
-        return None
+    return None if tokamax_unavailable() else importlib.import_module("tokamax")
 
 
 def tokamax_unavailable() -> str | None:
