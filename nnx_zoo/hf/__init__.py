@@ -46,7 +46,19 @@ repeating another weight (written on export, skipped on import); transforms ``Sa
 from nnx_zoo.hf.config_io import config_json_path, fp8_block_size, json_kind, read_json_object
 from nnx_zoo.hf.errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.hf.safetensors_io import SafetensorsCheckpoint, dequantize_fp8, nonfinite_count, write_shards
-from nnx_zoo.hf.table import DENSE, SAME, Dense, FusedDown, FusedGateUp, KeyTable, Row, Same, Slot, Stack
+from nnx_zoo.hf.table import (
+    DENSE,
+    SAME,
+    Dense,
+    FusedDown,
+    FusedGateUp,
+    GroupedDense,
+    KeyTable,
+    Row,
+    Same,
+    Slot,
+    Stack,
+)
 from nnx_zoo.hf.walker import export_slots, load_module, plan_load, save_module
 
 __all__ = [
@@ -58,6 +70,7 @@ __all__ = [
     "Dense",
     "FusedDown",
     "FusedGateUp",
+    "GroupedDense",
     "KeyTable",
     "Row",
     "SafetensorsCheckpoint",

@@ -27,6 +27,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 INDEX_NAME = "model.safetensors.index.json"
 FP8_SCALE_SUFFIX = "_scale_inv"  # ``<key>_scale_inv``: the per-block inverse scales of float8 weight ``<key>``
 _LISTED = 8  # problems of one file listed in full; the rest are counted

@@ -56,6 +56,22 @@ class Dense:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedDense:
+    """A block-diagonal linear's weight ``[groups * out, in / groups]`` (each group's ``[out, in / groups]`` block,
+    stacked) <-> our kernel ``[groups, *in_of_group, out]`` (DeepSeek-V4's grouped output projection)."""
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return (ours[0] * ours[-1], math.prod(ours[1:-1]))
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        groups, out = ours[0], ours[-1]
+        return a.reshape(groups, out, *ours[1:-1]).transpose(0, *range(2, len(ours)), 1)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a.transpose(0, a.ndim - 1, *range(1, a.ndim - 1)).reshape(a.shape[0] * a.shape[-1], -1)
+
+
+@dataclasses.dataclass(frozen=True)
 class FusedGateUp:
     """transformers-5 ``experts.gate_up_proj [E, 2I, H]`` -> gate (half 0) / up (half 1) kernels ``[E, H, I]``."""
 
@@ -125,15 +141,24 @@ class KeyTable:
 
     ``top``: rows of unstacked Variables; ``stacks``: stacked modules; ``copies``: keys that repeat another
     weight (written on export, skipped on import when present); ``ignored``: regexes of keys skipped on import
-    and never written (besides ``ALWAYS_IGNORED``); ``source``: where the table lives, named when a Variable has
-    no row. Rows whose Variable the model lacks (an optional projection, an untied head) are skipped.
+    and never written (besides ``ALWAYS_IGNORED``); ``aliases``: ``(regex, replacement)`` pairs that rename a
+    file's keys into the table's on import (another naming of the same checkpoint, e.g. a publisher's own, read
+    as well as the one written); ``source``: where the table lives, named when a Variable has no row. Rows whose
+    Variable the model lacks (an optional projection, an untied head) are skipped.
     """
 
     top: tuple[Row, ...]
     stacks: tuple[Stack, ...] = ()
     copies: tuple[Slot, ...] = ()
     ignored: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
     source: str = "the family's HF key table"
+
+    def canonical(self, key: str) -> str:
+        """A file key in the table's naming (``aliases`` applied in order; keys they do not match pass)."""
+        for pattern, replacement in self.aliases:
+            key = re.sub(pattern, replacement, key)
+        return key
 
     def slots(self, shapes: Mapping[str, Shape]) -> list[Slot]:
         """Every HF key (canonical layout) of a model whose Variables have ``shapes`` (path -> shape)."""

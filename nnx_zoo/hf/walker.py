@@ -23,6 +23,7 @@ from nnx_zoo.hf.config_io import write_json
 from nnx_zoo.hf.errors import CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.hf.safetensors_io import (
     FLOAT_DTYPES,
+    INTEGER_DTYPES,
     FP8_SCALE_SUFFIX,
     SafetensorsCheckpoint,
     TensorToWrite,
@@ -38,9 +39,38 @@ M = TypeVar("M", bound=nnx.Module)
 Cell = tuple[str, tuple[int, ...]]
 
 
+class AliasedCheckpoint:
+    """A checkpoint whose keys are seen in a table's naming (``KeyTable.aliases``): ``entries`` under the renamed
+    keys, ``read`` / ``read_weight`` of a renamed key read the file's own (float8 scales renamed alike)."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, table: KeyTable):
+        self.ckpt, self.directory, self.fp8_block = ckpt, ckpt.directory, ckpt.fp8_block
+        self.original = {}
+        for key in ckpt.entries:
+            renamed = table.canonical(key)
+            if renamed in self.original:
+                raise CheckpointFormatError(f"{ckpt.directory}: {key} and {self.original[renamed]} are the same "
+                                            f"tensor ({renamed}) under two namings; a checkpoint holds each once")
+            self.original[renamed] = key
+        self.entries = {renamed: ckpt.entries[key] for renamed, key in self.original.items()}
+
+    def read(self, key: str) -> np.ndarray:
+        return self.ckpt.read(self.original[key])
+
+    def read_weight(self, key: str) -> np.ndarray:
+        return self.ckpt.read_weight(self.original[key])
+
+
+def aliased(ckpt: SafetensorsCheckpoint, table: KeyTable) -> Any:
+    """``ckpt`` itself, or seen through ``table``'s aliases when it has some."""
+    return AliasedCheckpoint(ckpt, table) if table.aliases else ckpt
+
+
 # ---------------------------------------------------------------- planning
-def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str, Shape]) -> dict[str, list[Slot]]:
-    """Slots of every Variable, from headers only; raises ``CheckpointMismatchError`` listing every problem."""
+def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str, Shape],
+              integer: frozenset[str] = frozenset()) -> dict[str, list[Slot]]:
+    """Slots of every Variable, from headers only; raises ``CheckpointMismatchError`` listing every problem.
+    ``integer``: the paths of integer Variables (a hash router's table), filled from integer tensors only."""
     canonical = table.slots(shapes)
     expected = {s.key: s for s in canonical}
     alternates = table.alternate_slots(shapes)
@@ -69,7 +99,7 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
                 unexpected.append(f"{key} (fills the same weights as {clash})")
                 continue
             covered.update(dict.fromkeys(cells, key))  # present, even if unusable: not reported as missing
-            problem = _slot_problem(ckpt, slot, shapes)
+            problem = _slot_problem(ckpt, slot, shapes, slot.path in integer)
             if problem:
                 problems[problem[0]][problem[1]] = None
             else:
@@ -87,10 +117,13 @@ def _cells(slot: Slot, shape: Shape, depth: int) -> list[Cell]:
     return [(slot.path, slot.index + tail) for tail in rest]
 
 
-def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, Shape]) -> tuple[str, str] | None:
+def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, Shape],
+                  integer: bool = False) -> tuple[str, str] | None:
     """Why ``slot``'s tensor cannot fill its Variable, as ("shape" | "dtype", message), or None."""
     file, hf_shape, dtype = ckpt.entries[slot.key]
-    if dtype not in FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
+    if integer and dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
+        return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
+    if not integer and dtype not in FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
         return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs"
     want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
     if tuple(hf_shape) != want:
@@ -133,7 +166,9 @@ def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, me
             raise ValueError(f"{p}: given {value.dtype}{list(value.shape)}, the model has "
                              f"{variables[p].dtype}{list(variables[p].shape)}")
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
-    plan = plan_load(ckpt, table, {p: shape for p, shape in shapes.items() if p not in given})
+    ckpt = aliased(ckpt, table)
+    integer = frozenset(p for p, v in variables.items() if np.issubdtype(np.dtype(v.dtype), np.integer))
+    plan = plan_load(ckpt, table, {p: shape for p, shape in shapes.items() if p not in given}, integer)
     checked: set[str] = set()
     nonfinite: list[str] = []
 

@@ -1,6 +1,8 @@
-"""The SwiGLU feed-forward block."""
+"""The SwiGLU feed-forward block, and its activation (``Glu``: plain, or with clamped pre-activations)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,28 @@ _HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
 _OUT = ("activation_batch", "activation_length", "activation_embed")
 
 
+@dataclasses.dataclass(frozen=True)
+class Glu:
+    """The gated activation ``silu(gate) * up`` of a SwiGLU, with optional clamping (``limit``): the gate's
+    pre-activation is capped at ``limit`` and the up projection's clipped to ``[-limit, limit]`` (DeepSeek-V4's
+    ``swiglu_limit``). Frozen and hashable: modules keep it as a static attribute.
+
+    >>> Glu()(gate, up)                  # silu(gate) * up
+    >>> Glu(limit=10.0)(gate, up)        # silu(min(gate, 10)) * clip(up, -10, 10)
+    """
+
+    limit: float | None = None
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.limit is not None:
+            gate = jnp.minimum(gate, jnp.asarray(self.limit, gate.dtype))
+            up = jnp.clip(up, -jnp.asarray(self.limit, up.dtype), jnp.asarray(self.limit, up.dtype))
+        return jax.nn.silu(gate) * up
+
+
 class SwiGLU(nnx.Module):
-    """``down(silu(gate(x)) * up(x))`` with weights named ``("embed", "mlp")`` / ``("mlp", "embed")``.
+    """``down(act(gate(x), up(x)))`` with weights named ``("embed", "mlp")`` / ``("mlp", "embed")``; ``act`` is
+    ``Glu(limit)``: ``silu(gate) * up``, with the pre-activations clamped when ``limit`` is set.
 
     >>> mlp = SwiGLU(64, 256, rngs=nnx.Rngs(0))
     >>> mlp(jnp.ones((2, 8, 64))).shape
@@ -28,13 +50,15 @@ class SwiGLU(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
+        limit: float | None = None,
         rngs: nnx.Rngs,
     ):
+        self.act = Glu(limit)
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.gate = Linear(features, hidden, kernel_names=("embed", "mlp"), **kw)
         self.up = Linear(features, hidden, kernel_names=("embed", "mlp"), **kw)
         self.down = Linear(hidden, features, kernel_names=("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.silu(self.gate(x, _HIDDEN)) * self.up(x, _HIDDEN)
+        hidden = self.act(self.gate(x, _HIDDEN), self.up(x, _HIDDEN))
         return self.down(hidden, _OUT)

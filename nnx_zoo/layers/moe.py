@@ -31,6 +31,7 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.grouped_matmul import grouped_matmul
 from nnx_zoo.layers.linear import DEFAULT_INIT
+from nnx_zoo.layers.mlp import Glu
 from nnx_zoo.layers.spec import (
     ambient_mesh_or_none,
     explicit_spec,
@@ -81,11 +83,13 @@ class RoutedExperts(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
         grouped_matmul_impl: str = "auto",
+        limit: float | None = None,
         rngs: nnx.Rngs,
     ):
         self.num_experts = num_experts
         self.dtype = dtype
         self.grouped_matmul_impl = grouped_matmul_impl
+        self.act = Glu(limit)  # silu(gate) * up, pre-activations clamped at ``limit`` when set (DeepSeek-V4)
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)
@@ -141,11 +145,11 @@ class RoutedExperts(nnx.Module):
         wi_gate, wi_up = (gather_fsdp_axes("th,ehi->tei", x, w, _WI_NAMES, h_names) for w in (wi_gate, wi_up))
         gate = _expert_in_proj(x, wi_gate, h_names)
         up = _expert_in_proj(x, wi_up, h_names)
-        h = shard(jax.nn.silu(gate) * up * combine[:, :, None].astype(self.dtype), h_names)
+        h = shard(self.act(gate, up) * combine[:, :, None].astype(self.dtype), h_names)
         return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS, weight_names=_WO_NAMES), _TOKENS)
 
     def _gmm(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
-        local = _grouped_swiglu(self.num_experts, self.grouped_matmul_impl)
+        local = _grouped_swiglu(self.num_experts, self.grouped_matmul_impl, self.act)
         mesh = ambient_mesh_or_none()
         if mesh is None:
             # The stored weights as they are: grouped_matmul computes in x's dtype, and its tiled path casts one
@@ -190,7 +194,8 @@ class RoutedExperts(nnx.Module):
             # No EP axes: the backend's own dropless path.
             local_path = self._dense if default_moe_impl() == "dense" else self._gmm
             return local_path(x, expert_idx, weights), jnp.zeros((), jnp.int32)
-        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), (), dropless=self._ep_dropless())
+        local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), (), dropless=self._ep_dropless(),
+                          act=self.act)
         if mesh is None:
             out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
             return out, dropped
@@ -202,7 +207,8 @@ class RoutedExperts(nnx.Module):
         gather_axes = tuple(a for a in token_axes if a in ep_axes)
         sum_axes = tuple(a for a in ep_axes if a not in token_axes)  # EP axes the tokens are replicated over
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, gather_axes, sum_axes,
-                          count_axes=tuple(dict.fromkeys(token_axes + ep_axes)), dropless=self._ep_dropless())
+                          count_axes=tuple(dict.fromkeys(token_axes + ep_axes)), dropless=self._ep_dropless(),
+                          act=self.act)
         x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
         expert_idx = shard(expert_idx, _TOKENS_TOPK)
         weights = shard(weights, _TOKENS_TOPK)
@@ -215,7 +221,9 @@ class RoutedExperts(nnx.Module):
         every local expert on every gathered token (``dense``), or the tokens sorted by local expert through the
         grouped matmul (``gmm``: pairs routed to other shards' experts sort last, past every local group, and are
         not computed)."""
-        return _dense_local if default_moe_impl() == "dense" else _grouped_local(self.grouped_matmul_impl)
+        if default_moe_impl() == "dense":
+            return functools.partial(_dense_local, act=self.act)
+        return _grouped_local(self.grouped_matmul_impl, self.act)
 
     def _ep_per_sequence(self, x, expert_idx, weights, capacity_factor, mesh, ep_axes):
         """``_ep`` on ``x [batch, seq, embed]`` laid out as activations: each shard gathers its block over the EP
@@ -228,7 +236,7 @@ class RoutedExperts(nnx.Module):
         split = batch_axes + length_axes
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), tuple(a for a in ep_axes if a not in split),
                           count_axes=tuple(dict.fromkeys(split + ep_axes)), gather_dims=dims,
-                          dropless=self._ep_dropless())
+                          dropless=self._ep_dropless(), act=self.act)
         x = shard(x.astype(self.dtype), _BL + (None,))
         expert_idx, weights = (shard(a, _BL + ("activation_topk",)) for a in (expert_idx, weights))
         routing = resolve_activation(_BL + ("activation_topk",), expert_idx.shape)
@@ -316,8 +324,9 @@ def _replicate(w: jax.Array) -> jax.Array:
     return shard(w, (None,) * w.ndim)
 
 
-def _grouped_swiglu(num_experts: int, impl: str = "auto"):
-    """The per-shard grouped-matmul expert computation (no collectives); ``impl``: ``grouped_matmul``'s."""
+def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = Glu()):
+    """The per-shard grouped-matmul expert computation (no collectives); ``impl``: ``grouped_matmul``'s, ``act``
+    the gated activation."""
 
     def run(x, expert_idx, weights, wi_gate, wi_up, wo):
         num_tokens, k = expert_idx.shape
@@ -327,7 +336,7 @@ def _grouped_swiglu(num_experts: int, impl: str = "auto"):
         group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
         gate = grouped_matmul(rows, wi_gate, group_sizes, impl=impl)
         up = grouped_matmul(rows, wi_up, group_sizes, impl=impl)
-        out_sorted = grouped_matmul(jax.nn.silu(gate) * up, wo, group_sizes, impl=impl)
+        out_sorted = grouped_matmul(act(gate, up), wo, group_sizes, impl=impl)
         out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
         return out.reshape(num_tokens, k, -1).sum(axis=1)
@@ -352,6 +361,7 @@ def _ep_shard(
     count_axes: tuple[str, ...] = (),
     gather_dims: tuple[tuple[int, tuple[str, ...]], ...] = (),
     dropless=None,
+    act: Glu = Glu(),
 ):
     """The per-shard expert-parallel computation (run inside ``shard_map``, or alone without a mesh).
 
@@ -361,9 +371,9 @@ def _ep_shard(
     over capacity, summed over ``count_axes`` (every shard then holds the total). ``gather_dims`` ((dim, axes),
     ...) is the same for a ``[batch, seq, ...]`` block: gathered over each dim's axes in turn, flattened to tokens
     here, the output scattered back in reverse order. ``dropless`` computes the local experts without a capacity
-    (``_dense_local`` by default, or ``_grouped_local(impl)``).
+    (``_dense_local`` by default, or ``_grouped_local(impl)``); ``act`` is the gated activation.
     """
-    dropless = dropless or _dense_local
+    dropless = dropless or functools.partial(_dense_local, act=act)
 
     def run(x, expert_idx, weights, wi_gate, wi_up, wo):
         local_experts = wi_gate.shape[0]
@@ -386,7 +396,7 @@ def _ep_shard(
         else:
             capacity = math.ceil(capacity_factor * x.shape[0] * expert_idx.shape[1] / num_experts)
             capacity = max(1, min(capacity, x.shape[0]))  # a token picks an expert at most once
-            out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity)
+            out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act)
         if gather_axes:
             out = jax.lax.psum_scatter(out, gather_axes, scatter_dimension=0, tiled=True)
         if block is not None:
@@ -403,7 +413,7 @@ def _ep_shard(
     return run
 
 
-def _grouped_local(impl: str):
+def _grouped_local(impl: str, act: Glu = Glu()):
     """Dropless over the local experts by grouped matmul (``_grouped_swiglu``): ``local_idx`` outside
     ``[0, local experts)`` (another shard's expert) becomes one trailing group that ``group_sizes`` leaves out, so
     those pairs sort past every local group and the grouped matmul gives them zero rows."""
@@ -412,21 +422,21 @@ def _grouped_local(impl: str):
         local_experts = wi_gate.shape[0]
         is_local = (local_idx >= 0) & (local_idx < local_experts)
         idx = jnp.where(is_local, local_idx, local_experts)
-        return _grouped_swiglu(local_experts, impl)(x, idx, weights, wi_gate, wi_up, wo)
+        return _grouped_swiglu(local_experts, impl, act)(x, idx, weights, wi_gate, wi_up, wo)
 
     return run
 
 
-def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo):
+def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, act: Glu = Glu()):
     """Dropless: every local expert on every token, weighted by the combine weights (zero where not routed)."""
     combine = jnp.sum(jax.nn.one_hot(local_idx, wi_gate.shape[0], dtype=weights.dtype) * weights[..., None], -2)
     gate = _expert_in_proj(x, wi_gate)
     up = _expert_in_proj(x, wi_up)
-    h = jax.nn.silu(gate) * up * combine[:, :, None].astype(x.dtype)
+    h = act(gate, up) * combine[:, :, None].astype(x.dtype)
     return jnp.einsum("tei,eih->th", h, wo)
 
 
-def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity):
+def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Glu = Glu()):
     """At most ``capacity`` tokens per local expert (first come, in token order), as one batched einsum over
     ``[local_experts, capacity]`` slots. Returns ``(out, number of local (token, expert) pairs dropped)``."""
     local_experts = wi_gate.shape[0]
@@ -443,7 +453,7 @@ def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity):
     buffer = buffer.reshape(local_experts, capacity, -1)
     gate = jnp.einsum("ech,ehi->eci", buffer, wi_gate)
     up = jnp.einsum("ech,ehi->eci", buffer, wi_up)
-    out = jnp.einsum("eci,eih->ech", jax.nn.silu(gate) * up, wo).reshape(local_experts * capacity, -1)
+    out = jnp.einsum("eci,eih->ech", act(gate, up), wo).reshape(local_experts * capacity, -1)
     pairs = out.at[slot].get(mode="fill", fill_value=0)
     pairs = pairs * (weights.reshape(-1) * keep).astype(pairs.dtype)[:, None]
     return pairs.reshape(num_tokens, k, -1).sum(axis=1), dropped

@@ -12,6 +12,18 @@ from flax import nnx
 _RESCALE = 2.0**-96
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x**2) + eps)`` over the last dim without a scale (an unweighted RMSNorm), statistics in
+    float32, returned in ``x``'s dtype.
+
+    >>> rms_normalize(jnp.array([1.0, 2.0, 3.0]), 1e-6)
+    Array([0.46291, 0.92582, 1.38873], dtype=float32)
+    """
+    xf = x.astype(jnp.float32)
+    # The factor is cast to x's dtype before it multiplies x (as transformers' DeepSeek-V4 does).
+    return x * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """``scale * x / sqrt(mean(x**2) + eps)``; the statistics are float32 whatever the input dtype.
 

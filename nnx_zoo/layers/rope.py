@@ -277,3 +277,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: boo
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rotate_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the last ``rot = 2 * cos.shape[-1]`` dims of ``x [batch, seq, (heads,) dim]`` in place, as consecutive
+    pairs ``(d, d + 1)`` (DeepSeek-V4's layout: each head is ``[nope | rope]``), leaving the leading dims as they
+    are. ``cos``/``sin [batch, seq, rot // 2]``; the rotation is computed in float32 and cast back to ``x``'s dtype.
+
+    Unlike ``apply_rope(..., interleaved=True)``, which writes the rotated pairs evens-then-odds (the same scores,
+    a permuted layout), pairs stay where they are: DeepSeek-V4 reads its keys as values too and undoes the rotation
+    on the attention output (``rotate_pairs(out, cos, -sin)``), so the layout must be the stored one.
+
+    >>> cos, sin = rope_cos_sin(jnp.arange(8)[None], rope_frequencies(64, 1e4)[0])
+    >>> rotate_pairs(jnp.ones((1, 8, 4, 512)), cos, sin).shape
+    (1, 8, 4, 512)
+    """
+    rot = 2 * cos.shape[-1]
+    nope, rope = x[..., : x.shape[-1] - rot], x[..., x.shape[-1] - rot:]
+    pairs = rope.astype(jnp.float32).reshape(*rope.shape[:-1], rot // 2, 2)
+    if x.ndim == cos.ndim + 1:  # a heads dim between the sequence and the features
+        cos, sin = cos[..., None, :], sin[..., None, :]
+    cos, sin = cos.astype(jnp.float32), sin.astype(jnp.float32)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, rotated.astype(x.dtype)], axis=-1)

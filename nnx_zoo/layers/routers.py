@@ -17,6 +17,10 @@ by their sum (+1e-20) when ``renormalize``, and always multiplied by ``scale``. 
 selection on any scores (softmax routers use it too). The bias (``RouterBias``) is not trained by gradients:
 ``balance_routing_bias`` moves it after each optimizer step, ``bias += rate * sign(mean load - load)``.
 
+``sqrtsoftplus_bias_top_k`` (DeepSeek-V4): the same with ``s = sqrt(softplus(logits))`` and no group limit; the
+weights are always divided by their sum (+1e-20). ``chosen_weights`` weights experts chosen elsewhere (DeepSeek-V4's
+hash-routed layers pick them from a frozen token-id table; the router's scores still weight them).
+
 The Switch loss (Switch Transformer eq. 4-6, as transformers' ``load_balancing_loss_func`` computes it over the
 MoE layers' router logits concatenated): with ``f_e`` = (token, expert) pairs routed to expert ``e`` and
 ``P_e`` = summed router probability of ``e``, each over every MoE layer's real tokens and divided by the number
@@ -105,16 +109,62 @@ def sigmoid_bias_top_k(logits: jax.Array, k: int, *, bias: jax.Array, renormaliz
     return Routing(idx.astype(jnp.int32), weights, scores)
 
 
+def sqrt_softplus(logits: jax.Array) -> jax.Array:
+    """DeepSeek-V4's router scores ``sqrt(softplus(logits))`` in float32 (positive, unbounded)."""
+    return jnp.sqrt(jax.nn.softplus(logits.astype(jnp.float32)))
+
+
+def sqrtsoftplus_bias_top_k(logits: jax.Array, k: int, *, bias: jax.Array, renormalize: bool,
+                            scale: float = 1.0) -> Routing:
+    """``sqrt_softplus`` scores of ``logits [..., E]``, experts selected on ``scores + bias`` (no group limit),
+    weighted by the unbiased scores, divided by their sum (+1e-20) when ``renormalize``, times ``scale``
+    (DeepSeek-V4's top-k layers). ``probs`` are the scores."""
+    scores = sqrt_softplus(logits)
+    idx, weights = group_limited_top_k(scores, k, bias=bias, renormalize=renormalize, scale=scale)
+    return Routing(idx.astype(jnp.int32), weights, scores)
+
+
+def chosen_weights(scores: jax.Array, idx: jax.Array, *, renormalize: bool, scale: float = 1.0) -> jax.Array:
+    """The weights of experts ``idx [..., k]`` chosen by other means (a hash table): their ``scores [..., E]``,
+    divided by their sum (+1e-20) when ``renormalize``, times ``scale``."""
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale
+
+
+# Router scores by name, for routers whose choice is made elsewhere (``chosen_weights``).
+SCORES = {"sigmoid": lambda logits: jax.nn.sigmoid(logits.astype(jnp.float32)),
+          "softmax": lambda logits: jax.nn.softmax(logits.astype(jnp.float32), axis=-1),
+          "sqrtsoftplus": sqrt_softplus}
+
 # The routers a model picks by name (a config value): does the router carry a selection bias (RouterBias)?
-ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "sigmoid_bias": True}
+# ``*_hash`` routers take their choice from a frozen token-id table (``HashTable``) and weight it by their scores.
+ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "sigmoid_bias": True,
+                            "sqrtsoftplus_bias": True, "sqrtsoftplus_hash": False}
+HASH_ROUTERS: dict[str, str] = {"sqrtsoftplus_hash": "sqrtsoftplus"}  # name -> its scores (SCORES)
+
+
+class HashTable(nnx.Variable):
+    """A hash router's frozen token-id -> experts table ``[vocab, k]`` int32 (HF ``tid2eid``). Not an
+    ``nnx.Param``: no optimizer built with ``wrt=nnx.Param`` touches it, and nothing else moves it."""
 
 
 def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: jax.Array | None = None,
-          n_group: int = 1, topk_group: int = 1, scale: float = 1.0) -> Routing:
+          n_group: int = 1, topk_group: int = 1, scale: float = 1.0, chosen: jax.Array | None = None) -> Routing:
     """The ``Routing`` of ``logits [..., E]`` by the router named ``router`` (``ROUTERS``): ``"softmax"``
     (``softmax_top_k``; no bias or groups), ``"softmax_group_limited"`` (``softmax_top_k`` within the
     ``topk_group`` groups holding the best single probabilities; no bias) or ``"sigmoid_bias"``
-    (``sigmoid_bias_top_k``)."""
+    (``sigmoid_bias_top_k``) or ``"sqrtsoftplus_bias"`` (``sqrtsoftplus_bias_top_k``; no groups). A hash router
+    (``HASH_ROUTERS``) routes to ``chosen [..., k]`` (the table's experts of each token), weighted by its scores."""
+    if router in HASH_ROUTERS:
+        if chosen is None:
+            raise ValueError(f"router {router!r} routes by a token-id table: pass the chosen experts")
+        scores = SCORES[HASH_ROUTERS[router]](logits)
+        chosen = chosen.astype(jnp.int32)
+        return Routing(chosen, chosen_weights(scores, chosen, renormalize=renormalize, scale=scale), scores)
+    if router == "sqrtsoftplus_bias":
+        return sqrtsoftplus_bias_top_k(logits, k, bias=bias, renormalize=renormalize, scale=scale)
     if router in ("softmax", "softmax_group_limited"):
         group_top = 1 if router == "softmax_group_limited" else 0
         return softmax_top_k(logits, k, renormalize=renormalize, n_group=n_group, topk_group=topk_group,

@@ -9,7 +9,7 @@ batch-split schedule).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -78,6 +78,41 @@ def run_stack(
         carry, out = step(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
         outputs.append(out)
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+
+
+def periodic_runs(kinds: Sequence[Hashable], max_period: int = 4) -> list[tuple[tuple[Hashable, ...], int]]:
+    """A layer schedule (one kind per layer) as consecutive segments ``(pattern, repeats)``: ``pattern`` repeated
+    ``repeats`` times covers the segment's layers in order. From each position the period (up to
+    ``max_period``) whose repeats cover the most layers wins, ties to the shorter period; a pattern seen once
+    covers one layer. A model scans each segment with one body over its pattern, so an interleaved schedule
+    compiles one body per segment, not one per layer.
+
+    >>> periodic_runs(["s", "s", "c", "h", "c", "h", "c"])
+    [(('s',), 2), (('c', 'h'), 2), (('c',), 1)]
+    """
+    kinds = list(kinds)
+    out: list[tuple[tuple[Hashable, ...], int]] = []
+    i = 0
+    while i < len(kinds):
+        best, best_cover = (tuple(kinds[i:i + 1]), 1), 1
+        for period in range(1, max_period + 1):
+            pattern = kinds[i:i + period]
+            if len(pattern) < period:
+                break
+            repeats = 1
+            while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
+                repeats += 1
+            if repeats > 1 and repeats * period > best_cover:
+                best, best_cover = (tuple(pattern), repeats), repeats * period
+        out.append(best)
+        i += best_cover
+    return out
+
+
+def take_layers(stack: M, start: int, stop: int) -> M:
+    """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
 
 
 class Summed(NamedTuple):

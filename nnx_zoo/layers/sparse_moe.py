@@ -19,7 +19,17 @@ from flax import nnx
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.moe import MoeImpl, RoutedExperts
-from nnx_zoo.layers.routers import ROUTERS, BalanceSums, RouterBias, Routing, balance_routing_bias, balance_sums, route
+from nnx_zoo.layers.routers import (
+    HASH_ROUTERS,
+    ROUTERS,
+    BalanceSums,
+    HashTable,
+    RouterBias,
+    Routing,
+    balance_routing_bias,
+    balance_sums,
+    route,
+)
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
@@ -60,7 +70,11 @@ class SparseMoE(nnx.Module):
     ``router`` names the routing (``nnx_zoo.layers.routers.ROUTERS``): ``"softmax"`` (top-k of the softmax),
     ``"softmax_group_limited"`` (that within the ``topk_group`` of ``n_group`` groups holding the best single
     probabilities) or ``"sigmoid_bias"`` (selection on sigmoid scores + ``e_score_correction_bias``, a
-    ``RouterBias`` Variable moved by ``balance_bias``, within the ``topk_group`` best of ``n_group`` groups).
+    ``RouterBias`` Variable moved by ``balance_bias``, within the ``topk_group`` best of ``n_group`` groups),
+    ``"sqrtsoftplus_bias"`` (the same on ``sqrt(softplus)`` scores, no groups), or a hash router
+    (``"sqrtsoftplus_hash"``: each token's experts are row ``input_ids`` of a frozen ``tid2eid [vocab_size, k]``
+    table, a ``HashTable`` Variable; the router's scores weight them). ``swiglu_limit`` clamps the experts' and
+    shared experts' pre-activations (``Glu``).
     Weights are times ``routed_scaling_factor``. ``renormalize``: divide the ``k`` chosen weights by their sum.
     ``moe_impl``: ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
     ``routed`` is the block without its output tuple, for a family's block that builds its own.
@@ -76,6 +90,7 @@ class SparseMoE(nnx.Module):
                  renormalize: bool, shared_hidden: int = 0, router: str = "softmax", n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, moe_impl: MoeImpl = "auto",
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
+                 swiglu_limit: float | None = None, vocab_size: int | None = None,
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
@@ -90,17 +105,23 @@ class SparseMoE(nnx.Module):
         self.e_score_correction_bias = RouterBias(
             jnp.zeros((num_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
         ) if ROUTERS[router] else None
+        if router in HASH_ROUTERS and not vocab_size:
+            raise ValueError(f"router {router!r} routes by a token-id table: give vocab_size")
+        # Replicated: each token reads its own row (a [vocab, k] int32 table, a few MB).
+        self.tid2eid = HashTable(jnp.zeros((vocab_size, experts_per_token), jnp.int32), out_sharding=(None, None),
+                                 eager_sharding=False) if router in HASH_ROUTERS else None
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.experts = RoutedExperts(num_experts, features, expert_hidden, grouped_matmul_impl=grouped_matmul_impl,
-                                     **kw)
-        self.shared_experts = SwiGLU(features, shared_hidden, **kw) if shared_hidden else None
+                                     limit=swiglu_limit, **kw)
+        self.shared_experts = SwiGLU(features, shared_hidden, limit=swiglu_limit, **kw) if shared_hidden else None
 
-    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None,
-                 with_balance: bool = False) -> SparseMoEOutput:
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, with_balance: bool = False,
+                 input_ids: jax.Array | None = None) -> SparseMoEOutput:
         """``SparseMoEOutput`` for ``x [batch, seq, embed]``. ``token_mask [batch or 1, seq]`` (True = real token;
-        default all real): which tokens the balance sums count (``with_balance``)."""
+        default all real): which tokens the balance sums count (``with_balance``). ``input_ids [batch, seq]``: the
+        tokens, which a hash router routes by."""
         batch, seq, _ = x.shape
-        out, routing, logits, dropped = self.routed(x)
+        out, routing, logits, dropped = self.routed(x, input_ids)
         balance = None
         if with_balance:
             mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
@@ -112,9 +133,12 @@ class SparseMoE(nnx.Module):
         idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
         return SparseMoEOutput(out, idx, dropped, balance)
 
-    def routed(self, x: jax.Array) -> RoutedOutput:
+    def routed(self, x: jax.Array, input_ids: jax.Array | None = None) -> RoutedOutput:
         """The block on ``x [batch, seq, embed]`` (the output, restored to ``x``'s sharding) with its routing and
-        router logits, for ``__call__`` or a family's own block to build its output (and losses) from."""
+        router logits, for ``__call__`` or a family's own block to build its output (and losses) from.
+        ``input_ids [batch, seq]``: the tokens (a hash router needs them)."""
+        if self.tid2eid is not None and input_ids is None:
+            raise ValueError(f"router {self.router_kind!r} routes each token by its id: pass input_ids")
         in_sharding = sharding_of(x)
         batch, seq, hidden = x.shape
         router = self.router[...].astype(jnp.float32)
@@ -129,8 +153,16 @@ class SparseMoE(nnx.Module):
             tokens = shard(tokens, _TE)
             logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        chosen = None
+        if self.tid2eid is not None:  # the table's rows of the tokens, laid out like the logits
+            names = _BL_EXPERTS if logits.ndim == 3 else _T_EXPERTS
+            ids = input_ids if logits.ndim == 3 else jnp.reshape(
+                input_ids, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,)))
+            shape = (*ids.shape, self.experts_per_token)
+            chosen = shard(self.tid2eid[...].at[ids].get(out_sharding=explicit_spec(names, shape)), names)
         routing = route(self.router_kind, logits, self.experts_per_token, renormalize=self.renormalize, bias=bias,
-                        n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor)
+                        n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor,
+                        chosen=chosen)
         out, dropped = self.experts(tokens, routing.expert_indices, routing.weights, impl=self.moe_impl,
                                     capacity_factor=self.capacity_factor, return_dropped=True)
         out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))

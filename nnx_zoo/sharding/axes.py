@@ -45,6 +45,8 @@ LOGICAL_AXES: dict[str, str] = {
     "bias": "bias vectors",
     "lora_rank": "rank of a LoRA adapter",
     "layers": "leading stack axis of scanned decoder layers (one entry per layer)",
+    "hc_streams": "residual streams of a hyper-connection's weights (hc_mult; a handful: replicated)",
+    "hc_mix": "a hyper-connection's mixing coefficients (pre, post and the streams x streams matrix)",
     # ---- activations ----
     "activation_batch": "batch dim of activations",
     "activation_length": "sequence dim of activations (the context-parallel dim)",
@@ -55,6 +57,7 @@ LOGICAL_AXES: dict[str, str] = {
     "activation_kv": "per-head feature dim of activations",
     "activation_mlp": "hidden dim of dense-MLP activations",
     "activation_vocab": "vocabulary dim of logits",
+    "activation_hc": "residual-stream dim of hyper-connection activations ([batch, seq, streams, embed])",
     "activation_exp": "expert dim of activations inside the MoE block",
     "activation_moe_mlp": "hidden dim of expert activations",
     "activation_tokens": "flattened token dim (batch x length) inside the MoE block",

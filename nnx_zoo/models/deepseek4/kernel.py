@@ -1,0 +1,192 @@
+"""DeepSeek-V4's attention kernel: queries over their sliding window of raw keys and their compressed entries,
+in one softmax with a per-head sink; keys are values (one shared head).
+
+``attend(q, kv, sinks, token_mask, segment_ids, compressed, ...)``, by ``impl``:
+
+- ``xla``: the reference. Scores ``[b, heads, s, s]`` against every token (masked to the window) and ``[b, heads,
+  s, n]`` against every entry (masked to the visible, or on CSA layers the indexer's chosen, ones), one float32
+  softmax with the sink column; the indexer's scores ``[b, s, n]`` whole. Memory quadratic in the context.
+- ``blockwise``: queries in blocks. A block of ``B`` queries reads only its ``B + window - 1`` raw keys; on an HCA
+  layer every entry (``s / rate`` of them, masked per query); on a CSA layer the indexer's scores ``[B, n]`` for
+  the block, their top-k, and each query's ``k`` chosen entries gathered ``[B, k, head_dim]``. Each block is
+  recomputed in the backward pass (``jax.checkpoint``), so memory is linear in the context.
+- ``auto``: ``xla`` while one head's scores (``s * (s + n)``) fit ``XLA_MAX_SCORES``, ``blockwise`` beyond.
+
+Both give the same numbers (top-k ties aside: a ReLU'd indexer score is often exactly 0, and which of several equal
+scores ``lax.top_k`` keeps is its own rule, the lower index first, on both paths). Masked scores take the float32
+minimum, not -inf: the sink keeps every row's softmax finite.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from nnx_zoo.models.deepseek.dsa import index_scores
+from nnx_zoo.sharding import shard
+
+XLA_MAX_SCORES = 512 * 512  # as nnx_zoo.layers.attention's CPU threshold
+BLOCK = 128  # queries per block of the blockwise path
+_MIN = float(jnp.finfo(jnp.float32).min)
+_BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+
+
+class IndexerInputs(NamedTuple):
+    """A CSA layer's indexer, ready to score: queries ``q [b, s, heads, dim]`` (roped), head weights ``w [b, s,
+    heads]`` (float32), its compressed keys ``keys [b, n, dim]``, and how many entries each query keeps."""
+
+    q: jax.Array
+    w: jax.Array
+    keys: jax.Array
+    topk: int
+
+
+class Compressed(NamedTuple):
+    """A compressed layer's entries ``[b, n, head_dim]`` (keys = values), each one's last token index ``last [b,
+    n]`` (-1: empty slot) and document ``segment [b, n]`` (or None), and on a CSA layer its ``indexer``."""
+
+    entries: jax.Array
+    last: jax.Array
+    segment: jax.Array | None
+    indexer: IndexerInputs | None = None
+
+    def visible(self, q_index: jax.Array, q_segment: jax.Array | None) -> jax.Array:
+        """``[b, q, n]``: the entries complete at each query (last token at or before it) in its document."""
+        out = (self.last >= 0)[:, None, :] & (self.last[:, None, :] <= q_index[None, :, None])
+        if self.segment is not None and q_segment is not None:
+            out = out & (self.segment[:, None, :] == q_segment[:, :, None])
+        return out
+
+    def chosen(self, q_index: jax.Array, q_segment: jax.Array | None, rows: slice | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+        """CSA: ``(idx [b, q, k], valid [b, q, k])``, each query's ``k = min(topk, n)`` best visible entries by its
+        indexer scores (``rows``: which queries of the indexer inputs these are)."""
+        ix = self.indexer
+        q, w = (ix.q, ix.w) if rows is None else (ix.q[:, rows], ix.w[:, rows])
+        visible = self.visible(q_index, q_segment)
+        scores = jnp.where(visible, index_scores(q, w, ix.keys), -jnp.inf)
+        _, idx = jax.lax.top_k(scores, min(ix.topk, scores.shape[-1]))
+        return idx, jnp.take_along_axis(visible, idx, axis=-1)
+
+
+def window_mask(q_index: jax.Array, k_index: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+                window: int) -> jax.Array:
+    """``[b or 1, q, k]``: key ``k`` is one of the ``window`` tokens ending at query ``q`` (itself included), real,
+    and in the query's document. ``q_index [q]`` / ``k_index [k]`` are token indices (keys may lie outside the
+    sequence: such indices are never visible)."""
+    seq = token_mask.shape[1]
+    diff = q_index[:, None] - k_index[None, :]
+    inside = (k_index >= 0) & (k_index < seq)
+    mask = ((diff >= 0) & (diff < window) & inside[None, :])[None]
+    k_safe = jnp.clip(k_index, 0, seq - 1)
+    mask = mask & jnp.take(token_mask, k_safe, axis=1)[:, None, :]
+    if segment_ids is not None:
+        q_seg = jnp.take(segment_ids, jnp.clip(q_index, 0, seq - 1), axis=1)
+        mask = mask & (q_seg[:, :, None] == jnp.take(segment_ids, k_safe, axis=1)[:, None, :])
+    return mask
+
+
+def _softmax_with_sink(parts: list[jax.Array], sinks: jax.Array) -> list[jax.Array]:
+    """One float32 softmax over the concatenated key dims of ``parts`` (each ``[b, h, q, k_i]``, masked scores at
+    the float32 minimum) and a sink column ``sinks [h]``; the probabilities of each part (the sink's dropped)."""
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*parts[0].shape[:3], 1))
+    logits = jnp.concatenate([p.astype(jnp.float32) for p in parts] + [sink], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out, start = [], 0
+    for p in parts:
+        out.append(probs[..., start:start + p.shape[-1]])
+        start += p.shape[-1]
+    return out
+
+
+def _segment_of(segment_ids: jax.Array | None, q_index: jax.Array) -> jax.Array | None:
+    if segment_ids is None:
+        return None
+    return jnp.take(segment_ids, jnp.clip(q_index, 0, segment_ids.shape[1] - 1), axis=1)
+
+
+def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+              compressed: Compressed | None, *, window: int, scale: float) -> jax.Array:
+    """The ``xla`` path: ``q [b, s, h, d]``, ``kv [b, s, d]`` (keys = values), ``sinks [h]`` -> ``[b, s, h, d]``."""
+    seq = q.shape[1]
+    index = jnp.arange(seq)
+    scores = jnp.einsum("bshd,btd->bhst", q, kv) * jnp.asarray(scale, q.dtype)
+    parts = [jnp.where(window_mask(index, index, token_mask, segment_ids, window)[:, None], scores, _MIN)]
+    values = [kv]
+    if compressed is not None:
+        n = compressed.entries.shape[1]
+        if compressed.indexer is None:
+            visible = compressed.visible(index, segment_ids)
+        else:
+            idx, valid = compressed.chosen(index, segment_ids)
+            visible = jnp.sum(jax.nn.one_hot(idx, n, dtype=jnp.int32) * valid[..., None], axis=-2) > 0
+        entry_scores = jnp.einsum("bshd,bnd->bhsn", q, compressed.entries) * jnp.asarray(scale, q.dtype)
+        parts.append(jnp.where(visible[:, None], entry_scores, _MIN))
+        values.append(compressed.entries)
+    probs = _softmax_with_sink(parts, sinks)
+    out = sum(jnp.einsum("bhsk,bkd->bshd", p.astype(v.dtype), v) for p, v in zip(probs, values, strict=True))
+    return shard(out, _BLHD)
+
+
+def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+              compressed: Compressed | None, *, window: int, scale: float, block: int | None = None) -> jax.Array:
+    """The ``blockwise`` path (arguments and result as ``reference``): ``lax.map`` over blocks of ``block``
+    queries (``BLOCK``), each under ``jax.checkpoint``."""
+    b, seq, h, d = q.shape
+    block = min(block or BLOCK, seq)
+    pad = -seq % block
+    blocks = (seq + pad) // block
+    halo = window - 1
+    kv_padded = jnp.pad(kv, ((0, 0), (halo, pad), (0, 0)))  # index i of the sequence at i + halo
+    q_padded = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    ix = None if compressed is None else compressed.indexer
+    index_padded = None if ix is None else (jnp.pad(ix.q, ((0, 0), (0, pad), (0, 0), (0, 0))),
+                                            jnp.pad(ix.w, ((0, 0), (0, pad), (0, 0))))
+
+    @jax.checkpoint
+    def one_block(start: jax.Array) -> jax.Array:
+        qb = jax.lax.dynamic_slice_in_dim(q_padded, start, block, axis=1)
+        keys = jax.lax.dynamic_slice_in_dim(kv_padded, start, block + halo, axis=1)
+        q_index = start + jnp.arange(block)
+        k_index = start - halo + jnp.arange(block + halo)
+        visible = window_mask(q_index, k_index, token_mask, segment_ids, window)[:, None]
+        scores = jnp.einsum("bshd,btd->bhst", qb, keys) * jnp.asarray(scale, q.dtype)
+        parts, values = [jnp.where(visible, scores, _MIN)], [keys]
+        q_segment = _segment_of(segment_ids, q_index)
+        if compressed is not None and ix is None:  # HCA: every entry, masked per query
+            entry_scores = jnp.einsum("bshd,bnd->bhsn", qb, compressed.entries) * jnp.asarray(scale, q.dtype)
+            parts.append(jnp.where(compressed.visible(q_index, q_segment)[:, None], entry_scores, _MIN))
+        elif compressed is not None:  # CSA: each query's chosen entries, gathered
+            block_ix = ix._replace(q=jax.lax.dynamic_slice_in_dim(index_padded[0], start, block, axis=1),
+                                   w=jax.lax.dynamic_slice_in_dim(index_padded[1], start, block, axis=1))
+            idx, valid = compressed._replace(indexer=block_ix).chosen(q_index, q_segment)
+            chosen = jax.vmap(lambda e, i: e[i])(compressed.entries, idx)  # [b, block, k, d]
+            entry_scores = jnp.einsum("bshd,bskd->bhsk", qb, chosen) * jnp.asarray(scale, q.dtype)
+            parts.append(jnp.where(valid[:, None], entry_scores, _MIN))
+        probs = _softmax_with_sink(parts, sinks)
+        out = jnp.einsum("bhst,btd->bshd", probs[0].astype(keys.dtype), keys)
+        if compressed is not None and ix is None:
+            out = out + jnp.einsum("bhsn,bnd->bshd", probs[1].astype(q.dtype), compressed.entries)
+        elif compressed is not None:
+            out = out + jnp.einsum("bhsk,bskd->bshd", probs[1].astype(q.dtype), chosen)
+        return out
+
+    out = jax.lax.map(one_block, jnp.arange(blocks) * block)  # [blocks, b, block, h, d]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, h, d)[:, :seq]
+    return shard(out, _BLHD)
+
+
+def attend(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+           compressed: Compressed | None, *, window: int, scale: float, impl: str = "auto") -> jax.Array:
+    """V4's attention by ``impl`` (``xla``, ``blockwise`` or ``auto``; see the module docstring)."""
+    seq = q.shape[1]
+    n = 0 if compressed is None else compressed.entries.shape[1]
+    if impl == "auto":
+        impl = "xla" if seq * (seq + n) <= XLA_MAX_SCORES else "blockwise"
+    if impl == "xla":
+        return reference(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale)
+    if impl == "blockwise":
+        return blockwise(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale)
+    raise ValueError(f"unknown DeepSeek-V4 attention_impl {impl!r}; choose 'auto', 'xla' or 'blockwise'")

@@ -1,0 +1,322 @@
+"""DeepSeek-V4: decoder layers on hyper-connection streams, the MTP head, and the causal LM.
+
+Reading order: ``DeepSeekV4.forward`` embeds the tokens and copies them into ``hc_mult`` streams
+(``nnx_zoo.layers.hyper_connection``), runs the layers in order, collapses the streams (``HyperHead``), norms, and
+projects to the vocabulary. A ``DecoderLayer`` is ``attention`` then ``MoE``, each read from a collapse of the
+streams and written back into all of them (``HyperConnection``); the attention is ``V4Attention``
+(``nnx_zoo.models.deepseek4.attention``), the MoE the shared ``SparseMoE`` with V4's routers (a token-id table on
+``hash_moe`` layers, ``sqrt(softplus)`` scores with a selection bias on ``moe`` layers) and clamped SwiGLUs.
+
+Layers differ by kind (attention type x MLP type), and each kind has its own stack of parameters (``stacks``,
+one entry per kind present, in the order kinds first appear). The schedule runs as segments of a repeated pattern
+of kinds (``periodic_runs``: V4-Flash is two sliding layers, one CSA layer, then (HCA, CSA) twenty times), each
+segment one scan over slices of its kinds' stacks, so a 61-layer model compiles a handful of layer bodies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from nnx_zoo.layers.embed import Embed
+from nnx_zoo.layers.hyper_connection import HyperConnection, HyperHead, widen
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
+from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
+from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
+from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs
+from nnx_zoo.models.deepseek4 import axes  # noqa: F401  (declares V4's logical names)
+from nnx_zoo.models.deepseek4.attention import Context, Rope, V4Attention
+from nnx_zoo.models.deepseek4.compressor import windows
+from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config
+from nnx_zoo.sharding import get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules
+
+_BLE = ("activation_batch", "activation_length", "activation_embed")
+STACK_AXIS = "layers"
+
+
+def _dtypes(c: DeepSeekV4Config) -> dict[str, Any]:
+    return dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
+
+
+class DecoderLayer(nnx.Module):
+    """One V4 layer on the streams ``h [b, s, hc_mult, embed]``: ``(h', SparseMoEOutput)``.
+
+    >>> layer = DecoderLayer(DeepSeekV4Config.preset("deepseek4-tiny"), CSA, TOPK_MOE, rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, config: DeepSeekV4Config, layer_type: str, mlp_type: str, *, rngs: nnx.Rngs):
+        c = config
+        init = nnx.initializers.normal(c.initializer_range)
+        hc = dict(streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                  kernel_init=init, rngs=rngs)
+        self.attn_hc = HyperConnection(c.hidden_size, **hc)
+        self.ffn_hc = HyperConnection(c.hidden_size, **hc)
+        self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.attn = V4Attention(c, layer_type, rngs=rngs)
+        self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.mlp = SparseMoE(
+            c.hidden_size, num_experts=c.n_routed_experts, experts_per_token=c.num_experts_per_tok,
+            expert_hidden=c.moe_intermediate_size, renormalize=True, shared_hidden=c.moe_intermediate_size,
+            router="sqrtsoftplus_hash" if mlp_type == HASH_MOE else "sqrtsoftplus_bias",
+            routed_scaling_factor=c.routed_scaling_factor, moe_impl=c.moe_impl,
+            grouped_matmul_impl=c.grouped_matmul_impl, capacity_factor=c.moe_capacity_factor,
+            swiglu_limit=c.swiglu_limit, vocab_size=c.vocab_size if mlp_type == HASH_MOE else None,
+            kernel_init=init, rngs=rngs, **_dtypes(c))
+
+    def __call__(self, h: jax.Array, ctx: Context, input_ids: jax.Array, token_mask: jax.Array
+                 ) -> tuple[jax.Array, SparseMoEOutput]:
+        x, post, comb = self.attn_hc(h)
+        h = self.attn_hc.expand(h, self.attn(self.input_norm(x), ctx).output, post, comb)
+        x, post, comb = self.ffn_hc(h)
+        moe = self.mlp(self.post_attn_norm(x), token_mask=token_mask, input_ids=input_ids)
+        return self.ffn_hc.expand(h, moe.output, post, comb), moe
+
+
+class MTPHead(nnx.Module):
+    """One multi-token-prediction depth (the released checkpoints' ``mtp.{k}``): the next token's embedding and the
+    previous depth's streams, ``e_proj(enorm(emb)) + h_proj(hnorm(h))`` per stream, through a sliding-window layer
+    with a top-k MoE, collapsed by its own ``HyperHead`` and normed; the embedding and output head are the main
+    model's."""
+
+    def __init__(self, config: DeepSeekV4Config, *, rngs: nnx.Rngs):
+        c = config
+        h = c.hidden_size
+        init = nnx.initializers.normal(c.initializer_range)
+        self.enorm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+        self.hnorm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+        self.e_proj = Linear(h, h, kernel_names=("mtp_embed", "embed"), kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.h_proj = Linear(h, h, kernel_names=("mtp_embed", "embed"), kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.layer = DecoderLayer(c, SLIDING, TOPK_MOE, rngs=rngs)
+        self.head = HyperHead(h, streams=c.hc_mult, eps=c.hc_eps, norm_eps=c.rms_norm_eps, kernel_init=init,
+                              rngs=rngs)
+        self.norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
+
+    def __call__(self, embedded: jax.Array, previous: jax.Array, ctx: Context, input_ids: jax.Array,
+                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array, SparseMoEOutput]:
+        """``(streams, normed hidden [b, s, embed], moe)``."""
+        streams = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
+        h = self.e_proj(self.enorm(embedded), _BLE)[:, :, None, :] + self.h_proj(self.hnorm(previous), streams)
+        h, moe = self.layer(shard(h, streams), ctx, input_ids, token_mask)
+        return h, self.norm(self.head(h)), moe
+
+
+class _Record(NamedTuple):
+    """Per layer: its input streams (``with_hidden_states``), its chosen experts (``with_routing``), its expert load
+    and dropped pairs (``with_expert_load``)."""
+
+    streams: jax.Array | None = None
+    expert_indices: jax.Array | None = None
+    expert_load: jax.Array | None = None
+    dropped_tokens: jax.Array | None = None
+
+
+def kind_name(kind: tuple[str, str]) -> str:
+    """A stack's attribute-safe name: ``sliding_hash``, ``csa_moe``, ``hca_moe``, ..."""
+    short = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    return f"{short[kind[0]]}_{'hash' if kind[1] == HASH_MOE else 'moe'}"
+
+
+class DeepSeekV4(CausalLMBase):
+    """DeepSeek-V4 causal language model (exact against HF ``DeepseekV4ForCausalLM``).
+
+    >>> config = DeepSeekV4Config.preset("deepseek4-tiny")
+    >>> model = DeepSeekV4.create(config, seed=0)                     # or DeepSeekV4(config, rngs=nnx.Rngs(0))
+    >>> logits = model(jnp.zeros((2, 64), jnp.int32))                 # [2, 64, vocab]
+    >>> out = model.forward(ids, with_mtp=True, with_expert_load=True)
+    >>> model = DeepSeekV4.from_pretrained("/path/to/DeepSeek-V4-Flash", dtype="bfloat16")
+    >>> model.save_pretrained("/tmp/out")                             # loadable by transformers
+
+    ``hidden_states`` (``with_hidden_states``) are ``[num_hidden_layers + 1, batch, seq, hc_mult, embed]``: each
+    layer's input streams (the first, the embeddings copied into every stream), as transformers records them,
+    and last the final normed hidden state (transformers' last entry) repeated over the streams.
+    """
+
+    config_class: ClassVar[type[DeepSeekV4Config]] = DeepSeekV4Config
+    # The attention's projections (queries, the shared key-value, the grouped output) in every layer, MTP included.
+    lora_targets: ClassVar[str] = r"(^|/)attn/(q_a|q_b|kv)_proj$|(^|/)attn/output/o_b$"
+
+    def __init__(self, config: DeepSeekV4Config, *, rngs: nnx.Rngs, rules: Rules | str = "default",
+                 allow_partial: bool | None = None):
+        if not isinstance(config, DeepSeekV4Config):
+            raise TypeError(f"DeepSeekV4 needs a DeepSeekV4Config, got {type(config).__name__}; use "
+                            "nnx_zoo.AutoModelForCausalLM.create(config) to pick the class from the config")
+        c = self.config = config
+        self.rules = get_rules(rules)
+        self.allow_partial = allow_partial
+        init = nnx.initializers.normal(c.initializer_range)
+        self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
+        self.kinds = tuple(dict.fromkeys(c.layer_kinds))  # static: part of the graph definition
+        self.stacks = nnx.Dict({kind_name(k): create_stack(
+            lambda r, k=k: DecoderLayer(c, *k, rngs=r), c.layer_kinds.count(k), rngs, STACK_AXIS) for k in self.kinds})
+        self.head_hc = HyperHead(c.hidden_size, streams=c.hc_mult, eps=c.hc_eps, norm_eps=c.rms_norm_eps,
+                                 kernel_init=init, rngs=rngs)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
+        self.lm_head = None if c.tie_word_embeddings else Linear(
+            c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
+        self.mtp_layers = create_stack(lambda r: MTPHead(c, rngs=r), c.num_nextn_predict_layers, rngs,
+                                       "mtp_layers") if c.num_nextn_predict_layers else None
+        main, self.rope_attention_factor = rope_frequencies(c.qk_rope_head_dim, c.rope_theta)
+        compress, self.compress_attention_factor = rope_frequencies(c.qk_rope_head_dim, c.compress_rope_theta,
+                                                                    c.rope_scaling)
+        self.rope_inv_freq = tuple(float(f) for f in main)  # static and hashable
+        self.compress_inv_freq = tuple(float(f) for f in compress)
+
+    # ---- checkpoints ----
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
+                        dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> DeepSeekV4:
+        """Load a DeepSeek-V4 checkpoint directory (``nnx_zoo.models.deepseek4.hf.load_pretrained``): the
+        released format (FP8 weights, FP4 experts, MTP) or the one transformers writes."""
+        from nnx_zoo.models.deepseek4.hf import load_pretrained
+
+        return load_pretrained(cls, path, mesh=mesh, rules=rules, dtype=dtype, allow_partial=allow_partial,
+                               **config_overrides)
+
+    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
+        """Write ``config.json`` and safetensors in the layout transformers writes (and reloads)."""
+        from nnx_zoo.models.deepseek4.hf import save_pretrained
+
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+    # ---- the forward pass ----
+    def _context(self, positions: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None) -> Context:
+        c = self.config
+        main_freq = jnp.asarray(self.rope_inv_freq, jnp.float32)
+        compress_freq = jnp.asarray(self.compress_inv_freq, jnp.float32)
+        main = Rope(*rope_cos_sin(positions, main_freq, self.rope_attention_factor), main_freq,
+                    self.rope_attention_factor)
+        compress = Rope(*rope_cos_sin(positions, compress_freq, self.compress_attention_factor), compress_freq,
+                        self.compress_attention_factor)
+        types = set(c.layer_types)
+        csa = windows(c.compress_rate_csa, token_mask, positions, segment_ids) if CSA in types else None
+        hca = windows(c.compress_rate_hca, token_mask, positions, segment_ids) if HCA in types else None
+        return Context(main, compress, token_mask, segment_ids, csa, hca)
+
+    def _segments(self) -> list[tuple[nnx.Module, tuple[tuple[str, str], ...], int]]:
+        """``(group, pattern, repeats)`` per segment of the schedule: ``group`` holds, for each kind of the
+        pattern, the slice of its stack the segment's repeats use (``periodic_runs``)."""
+        c = self.config
+        taken = dict.fromkeys(self.kinds, 0)
+        out = []
+        for pattern, repeats in periodic_runs(c.layer_kinds):
+            parts = []
+            for kind in pattern:
+                stack = self.stacks[kind_name(kind)]
+                count = c.layer_kinds.count(kind)
+                start = taken[kind]
+                taken[kind] += repeats
+                parts.append(stack if repeats == count else take_layers(stack, start, start + repeats))
+            out.append((nnx.List(parts), pattern, repeats))
+        return out
+
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+        """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``). ``expert_indices`` /
+        ``expert_load`` / ``dropped_tokens`` cover every layer (all are MoE layers), in model order;
+        ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``."""
+        check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
+        if with_mtp and self.mtp_layers is None:
+            raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
+        c = self.config
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            seq = input_ids.shape[1]
+            positions = jnp.arange(seq)[None, :] if position_ids is None else position_ids
+            token_mask = jnp.ones((1, seq), bool) if attention_mask is None else attention_mask.astype(bool)
+            ctx = self._context(positions, token_mask, segment_ids)
+            embeddings = self.embed(input_ids)
+            h = widen(embeddings, c.hc_mult)
+
+            def body(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, list[_Record]]:
+                records = []
+                for layer in group:
+                    streams = h
+                    h, moe = layer(h, ctx, input_ids, token_mask)
+                    load = None
+                    if with_expert_load:
+                        load = jnp.sum(jax.nn.one_hot(moe.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                       axis=(0, 1, 2))
+                    records.append(_Record(streams if with_hidden_states else None,
+                                           moe.expert_indices if with_routing else None, load,
+                                           moe.dropped_tokens if with_expert_load else None))
+                return h, records
+
+            per_segment = []
+            for group, pattern, _ in self._segments():
+                h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
+                # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
+                per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
+                                                *records))
+            layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *per_segment)
+            final_hidden = self.norm(self.head_hc(h))
+            hidden_states = None
+            if with_hidden_states:
+                last = jnp.broadcast_to(final_hidden[:, :, None, :], h.shape)
+                hidden_states = jnp.concatenate([layers.streams, last[None]], axis=0)
+            mtp_hidden = None
+            if with_mtp:
+                mtp_hidden = self._mtp(input_ids, attention_mask, segment_ids, positions, h)
+            logits = mtp_logits = None
+            if with_logits and with_mtp:
+                both = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))
+                logits, mtp_logits = both[0], both[1:]
+            elif with_logits:
+                logits = self._logits(final_hidden)
+            return CausalLMOutput(logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
+                                  expert_indices=layers.expert_indices, expert_load=layers.expert_load,
+                                  dropped_tokens=layers.dropped_tokens, final_hidden=final_hidden,
+                                  mtp_hidden=mtp_hidden)
+
+    def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
+             positions: jax.Array, streams: jax.Array) -> jax.Array:
+        """Each MTP depth's normed hidden state ``[depth, b, s, embed]``: depth ``k`` reads the tokens shifted left
+        by ``k`` (at their own positions) and the previous depth's streams (depth 1: the main model's last)."""
+        from nnx_zoo.models.deepseek.model import _shifted_by_depth
+
+        c = self.config
+        depth = c.num_nextn_predict_layers
+        ids, masks = _shifted_by_depth(input_ids, attention_mask, depth)
+        seq = input_ids.shape[1]
+        outputs = []
+        for k in range(1, depth + 1):
+            mask = jnp.ones((1, seq), bool) if masks is None else masks[k].astype(bool)
+            ctx = self._context(positions + k, mask, segment_ids)
+            graphdef, state = nnx.split(self.mtp_layers)
+            head = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
+            streams, hidden, _ = head(self.embed(ids[k]), streams, ctx, ids[k], mask)
+            outputs.append(hidden)
+        return jnp.stack(outputs)
+
+    def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
+        """Aux-loss-free balancing after an optimizer step: each top-k layer's selection bias moves by ``rate``
+        toward balance (``expert_load [layers, experts]`` from ``forward(..., with_expert_load=True)``, model
+        order); hash-routed layers have nothing to move."""
+        if not self.config.routers_train:
+            return
+        order = list(self.config.layer_kinds)
+        for kind in self.kinds:
+            if kind[1] == TOPK_MOE:
+                rows = jnp.asarray([i for i, k in enumerate(order) if k == kind])
+                self.stacks[kind_name(kind)].mlp.balance_bias(expert_load[rows], rate)
+
+    # ---- generation ----
+    def init_cache(self, batch: int, max_len: int) -> Any:
+        from nnx_zoo.models.deepseek4.cache import V4Cache
+
+        c = self.config
+        with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
+            return V4Cache.zeros(c, batch=batch, max_len=max_len, dtype=jnp.dtype(c.dtype))
+
+    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+        from nnx_zoo.models.deepseek4.cache import extend
+
+        return extend(self, input_ids, token_mask, cache)
