@@ -23,8 +23,8 @@ from nnx_zoo.hf.config_io import write_json
 from nnx_zoo.hf.errors import CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.hf.safetensors_io import (
     FLOAT_DTYPES,
-    INTEGER_DTYPES,
     FP8_SCALE_SUFFIX,
+    INTEGER_DTYPES,
     SafetensorsCheckpoint,
     TensorToWrite,
     nonfinite_count,

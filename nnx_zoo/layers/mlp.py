@@ -33,6 +33,9 @@ class Glu:
         return jax.nn.silu(gate) * up
 
 
+PLAIN = Glu()  # silu(gate) * up, unclamped
+
+
 class SwiGLU(nnx.Module):
     """``down(act(gate(x), up(x)))`` with weights named ``("embed", "mlp")`` / ``("mlp", "embed")``; ``act`` is
     ``Glu(limit)``: ``silu(gate) * up``, with the pre-activations clamped when ``limit`` is set.

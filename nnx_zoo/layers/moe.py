@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.grouped_matmul import grouped_matmul
 from nnx_zoo.layers.linear import DEFAULT_INIT
-from nnx_zoo.layers.mlp import Glu
+from nnx_zoo.layers.mlp import PLAIN, Glu
 from nnx_zoo.layers.spec import (
     ambient_mesh_or_none,
     explicit_spec,
@@ -324,7 +324,7 @@ def _replicate(w: jax.Array) -> jax.Array:
     return shard(w, (None,) * w.ndim)
 
 
-def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = Glu()):
+def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = PLAIN):
     """The per-shard grouped-matmul expert computation (no collectives); ``impl``: ``grouped_matmul``'s, ``act``
     the gated activation."""
 
@@ -361,7 +361,7 @@ def _ep_shard(
     count_axes: tuple[str, ...] = (),
     gather_dims: tuple[tuple[int, tuple[str, ...]], ...] = (),
     dropless=None,
-    act: Glu = Glu(),
+    act: Glu = PLAIN,
 ):
     """The per-shard expert-parallel computation (run inside ``shard_map``, or alone without a mesh).
 
@@ -413,7 +413,7 @@ def _ep_shard(
     return run
 
 
-def _grouped_local(impl: str, act: Glu = Glu()):
+def _grouped_local(impl: str, act: Glu = PLAIN):
     """Dropless over the local experts by grouped matmul (``_grouped_swiglu``): ``local_idx`` outside
     ``[0, local experts)`` (another shard's expert) becomes one trailing group that ``group_sizes`` leaves out, so
     those pairs sort past every local group and the grouped matmul gives them zero rows."""
@@ -427,7 +427,7 @@ def _grouped_local(impl: str, act: Glu = Glu()):
     return run
 
 
-def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, act: Glu = Glu()):
+def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, act: Glu = PLAIN):
     """Dropless: every local expert on every token, weighted by the combine weights (zero where not routed)."""
     combine = jnp.sum(jax.nn.one_hot(local_idx, wi_gate.shape[0], dtype=weights.dtype) * weights[..., None], -2)
     gate = _expert_in_proj(x, wi_gate)
@@ -436,7 +436,7 @@ def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, act: Glu = Glu()):
     return jnp.einsum("tei,eih->th", h, wo)
 
 
-def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Glu = Glu()):
+def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Glu = PLAIN):
     """At most ``capacity`` tokens per local expert (first come, in token order), as one batched einsum over
     ``[local_experts, capacity]`` slots. Returns ``(out, number of local (token, expert) pairs dropped)``."""
     local_experts = wi_gate.shape[0]

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rotate_pairs
 from nnx_zoo.models.deepseek4.kernel import IndexerInputs
@@ -100,7 +100,7 @@ class Compressor(nnx.Module):
 
     def __init__(self, features: int, *, width: int, rate: int, overlap: bool, eps: float, names: tuple[str, str],
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
-                 kernel_init: nnx.initializers.Initializer = nnx.initializers.normal(0.02), rngs: nnx.Rngs):
+                 kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.width, self.rate, self.overlap = width, rate, overlap
         out = (2 if overlap else 1) * width
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
@@ -156,7 +156,8 @@ class Indexer(nnx.Module):
                                      eps=c.rms_norm_eps, names=("embed", "index_kv"), kernel_init=init, rngs=rngs,
                                      **dtypes)
         self.q_b_proj = Linear(c.q_lora_rank, (c.index_n_heads, c.index_head_dim),
-                               kernel_names=("q_lora", "index_heads", "index_kv"), kernel_init=init, rngs=rngs, **dtypes)
+                               kernel_names=("q_lora", "index_heads", "index_kv"), kernel_init=init, rngs=rngs,
+                               **dtypes)
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, kernel_names=("embed", "index_heads"),
                                    kernel_init=init, rngs=rngs, **dtypes)
 

@@ -153,7 +153,7 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
         k_index = start - halo + jnp.arange(block + halo)
         visible = window_mask(q_index, k_index, token_mask, segment_ids, window)[:, None]
         scores = jnp.einsum("bshd,btd->bhst", qb, keys) * jnp.asarray(scale, q.dtype)
-        parts, values = [jnp.where(visible, scores, _MIN)], [keys]
+        parts = [jnp.where(visible, scores, _MIN)]
         q_segment = _segment_of(segment_ids, q_index)
         if compressed is not None and ix is None:  # HCA: every entry, masked per query
             entry_scores = jnp.einsum("bshd,bnd->bhsn", qb, compressed.entries) * jnp.asarray(scale, q.dtype)

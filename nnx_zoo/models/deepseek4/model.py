@@ -251,7 +251,7 @@ class DeepSeekV4(CausalLMBase):
                 return h, records
 
             per_segment = []
-            for group, pattern, _ in self._segments():
+            for group, _, _ in self._segments():
                 h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
                 # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
                 per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
