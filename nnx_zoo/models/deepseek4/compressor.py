@@ -109,12 +109,34 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(jnp.zeros((rate, out), jnp.float32), out_sharding=(None, names[1]), eager_sharding=False)
         self.norm = RMSNorm(width, eps=eps, dtype=dtype, param_dtype=param_dtype)
 
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(kv, gate)`` of each token ``[b, s, (1 + overlap) * width]`` (what a decoding cache keeps of the
+        tokens of an incomplete window), whole along the sequence."""
+        return shard(self.kv_proj(x, _BKC), _BKC), shard(self.gate_proj(x, _BKC), _BKC)
+
+    def pool(self, kv: jax.Array, gate: jax.Array, prev_kv: jax.Array | None, prev_gate: jax.Array | None,
+             previous: jax.Array | None, position: jax.Array, inv_freq: jax.Array, attention_factor: float
+             ) -> jax.Array:
+        """Entries ``[..., width]`` from windows of projections ``kv``/``gate [..., rate, (1 + overlap) * width]``
+        (and with ``overlap`` the windows before them, ``prev_kv``/``prev_gate``, used where ``previous``),
+        roped at ``position [...]`` (each window's first token's)."""
+        width, ape = self.width, self.ape[...]
+        gate = gate.astype(jnp.float32) + ape
+        if self.overlap:  # slots [0, rate): the previous window's first series; [rate, 2 rate): this one's second
+            prev_gate = jnp.where(previous[..., None, None], prev_gate.astype(jnp.float32)[..., :width]
+                                  + ape[:, :width], -jnp.inf)
+            kv = jnp.concatenate([prev_kv[..., :width], kv[..., width:]], axis=-2)
+            gate = jnp.concatenate([prev_gate, gate[..., width:]], axis=-2)
+        weights = jax.nn.softmax(gate, axis=-2).astype(kv.dtype)  # over the window's slots, per channel
+        entries = self.norm(jnp.sum(kv * weights, axis=-2))
+        cos, sin = rope_cos_sin(position, inv_freq, attention_factor)
+        return rotate_pairs(entries, cos, sin)
+
     def __call__(self, x: jax.Array, where: Windows, inv_freq: jax.Array, attention_factor: float) -> jax.Array:
         """The entries ``[b, n, width]`` of ``x [b, s, embed]`` at ``where``, roped at their positions (``inv_freq``
         of the compressed layers' rope). Empty slots hold finite values that no query sees."""
-        kv = shard(self.kv_proj(x, _BKC), _BKC)
-        gate = shard(self.gate_proj(x, _BKC), _BKC)
-        rate, width = self.rate, self.width
+        kv, gate = self.project(x)
+        rate = self.rate
         batch = (x.shape[0], where.last.shape[1])  # windows of an unpadded batch are one row for all
         first = jnp.broadcast_to(jnp.maximum(where.last, rate - 1) - rate + 1, batch)
         previous, position = (jnp.broadcast_to(a, batch) for a in (where.previous, where.position))
@@ -124,19 +146,12 @@ class Compressor(nnx.Module):
             flat = jnp.take_along_axis(a, jnp.clip(index, 0).reshape(a.shape[0], -1, 1), axis=1)
             return flat.reshape(*index.shape, a.shape[-1])
 
-        ape = self.ape[...]
-        cur_kv, cur_gate = gather(kv, slots), gather(gate, slots).astype(jnp.float32) + ape
-        if self.overlap:  # slots [0, rate): the previous window's first series; [rate, 2 rate): this one's second
-            prev_kv, prev_gate = gather(kv, slots - rate), gather(gate, slots - rate).astype(jnp.float32) + ape
-            prev_gate = jnp.where(previous[:, :, None, None], prev_gate[..., :width], -jnp.inf)
-            kv_slots = jnp.concatenate([prev_kv[..., :width], cur_kv[..., width:]], axis=2)
-            gate_slots = jnp.concatenate([prev_gate, cur_gate[..., width:]], axis=2)
-        else:
-            kv_slots, gate_slots = cur_kv, cur_gate
-        weights = jax.nn.softmax(gate_slots, axis=2).astype(kv_slots.dtype)  # over the window's slots, per channel
-        entries = self.norm(jnp.sum(kv_slots * weights, axis=2))
-        cos, sin = rope_cos_sin(position, inv_freq, attention_factor)
-        return shard(rotate_pairs(entries, cos, sin), _ENTRIES)
+        prev_kv = prev_gate = None
+        if self.overlap:
+            prev_kv, prev_gate = gather(kv, slots - rate), gather(gate, slots - rate)
+        entries = self.pool(gather(kv, slots), gather(gate, slots), prev_kv, prev_gate, previous, position, inv_freq,
+                            attention_factor)
+        return shard(entries, _ENTRIES)
 
 
 class Indexer(nnx.Module):
@@ -161,11 +176,14 @@ class Indexer(nnx.Module):
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, kernel_names=("embed", "index_heads"),
                                    kernel_init=init, rngs=rngs, **dtypes)
 
-    def inputs(self, x: jax.Array, q_latent: jax.Array, where: Windows, rope_cos: jax.Array, rope_sin: jax.Array,
-               inv_freq: jax.Array, attention_factor: float) -> IndexerInputs:
+    def inputs(self, x: jax.Array, q_latent: jax.Array, where: Windows | None, rope_cos: jax.Array,
+               rope_sin: jax.Array, inv_freq: jax.Array, attention_factor: float, keys: jax.Array | None = None
+               ) -> IndexerInputs:
         """What the kernel scores with: the queries (roped at the tokens' compressed-layer rope ``rope_cos`` /
-        ``rope_sin``), their head weights, and this indexer's own entries at ``where``."""
+        ``rope_sin``), their head weights, and this indexer's own entries at ``where`` (or ``keys``, a decoding
+        cache's)."""
         q = rotate_pairs(self.q_b_proj(q_latent, _BL + (None, None)), rope_cos, rope_sin)
         w = self.weights_proj(x, _BL + (None,)).astype(jnp.float32) * self.heads ** -0.5
-        keys = self.compressor(x, where, inv_freq, attention_factor)
+        if keys is None:
+            keys = self.compressor(x, where, inv_freq, attention_factor)
         return IndexerInputs(q, w, keys, self.topk)

@@ -71,6 +71,11 @@ class Compressed(NamedTuple):
         return idx, jnp.take_along_axis(visible, idx, axis=-1)
 
 
+def picked(idx: jax.Array, valid: jax.Array, n: int) -> jax.Array:
+    """``[..., n]`` bool: the entries ``idx [..., k]`` picks where ``valid``."""
+    return jnp.sum(jax.nn.one_hot(idx, n, dtype=jnp.int32) * valid[..., None].astype(jnp.int32), axis=-2) > 0
+
+
 def window_mask(q_index: jax.Array, k_index: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
                 window: int) -> jax.Array:
     """``[b or 1, q, k]``: key ``k`` is one of the ``window`` tokens ending at query ``q`` (itself included), real,
@@ -88,7 +93,7 @@ def window_mask(q_index: jax.Array, k_index: jax.Array, token_mask: jax.Array, s
     return mask
 
 
-def _softmax_with_sink(parts: list[jax.Array], sinks: jax.Array) -> list[jax.Array]:
+def softmax_with_sink(parts: list[jax.Array], sinks: jax.Array) -> list[jax.Array]:
     """One float32 softmax over the concatenated key dims of ``parts`` (each ``[b, h, q, k_i]``, masked scores at
     the float32 minimum) and a sink column ``sinks [h]``; the probabilities of each part (the sink's dropped)."""
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*parts[0].shape[:3], 1))
@@ -120,12 +125,11 @@ def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
         if compressed.indexer is None:
             visible = compressed.visible(index, segment_ids)
         else:
-            idx, valid = compressed.chosen(index, segment_ids)
-            visible = jnp.sum(jax.nn.one_hot(idx, n, dtype=jnp.int32) * valid[..., None], axis=-2) > 0
+            visible = picked(*compressed.chosen(index, segment_ids), n)
         entry_scores = jnp.einsum("bshd,bnd->bhsn", q, compressed.entries) * jnp.asarray(scale, q.dtype)
         parts.append(jnp.where(visible[:, None], entry_scores, _MIN))
         values.append(compressed.entries)
-    probs = _softmax_with_sink(parts, sinks)
+    probs = softmax_with_sink(parts, sinks)
     out = sum(jnp.einsum("bhsk,bkd->bshd", p.astype(v.dtype), v) for p, v in zip(probs, values, strict=True))
     return shard(out, _BLHD)
 
@@ -165,7 +169,7 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
             chosen = jax.vmap(lambda e, i: e[i])(compressed.entries, idx)  # [b, block, k, d]
             entry_scores = jnp.einsum("bshd,bskd->bhsk", qb, chosen) * jnp.asarray(scale, q.dtype)
             parts.append(jnp.where(valid[:, None], entry_scores, _MIN))
-        probs = _softmax_with_sink(parts, sinks)
+        probs = softmax_with_sink(parts, sinks)
         out = jnp.einsum("bhst,btd->bshd", probs[0].astype(keys.dtype), keys)
         if compressed is not None and ix is None:
             out = out + jnp.einsum("bhsn,bnd->bshd", probs[1].astype(q.dtype), compressed.entries)

@@ -314,7 +314,7 @@ class DeepSeekV4(CausalLMBase):
 
         c = self.config
         with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
-            return V4Cache.zeros(c, batch=batch, max_len=max_len, dtype=jnp.dtype(c.dtype))
+            return V4Cache.zeros(c, self.kinds, batch=batch, max_len=max_len, dtype=jnp.dtype(c.dtype))
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
         from nnx_zoo.models.deepseek4.cache import extend
