@@ -4,6 +4,7 @@ from nnx_zoo import sharding
 from nnx_zoo.generate import GenerateOutput, generate
 from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
@@ -16,6 +17,8 @@ __all__ = [
     "AutoModelForCausalLM",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "DeepSeekV4",
+    "DeepSeekV4Config",
     "GenerateOutput",
     "Glm4MoE",
     "Glm4MoEConfig",

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
@@ -28,6 +29,7 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "deepseek_v2": (DeepSeekV3Config, DeepSeekV3),
     "deepseek_v32": (DeepSeekV3Config, DeepSeekV3),  # DeepSeek-V3.2: V3 plus the lightning indexer
     "kimi_k2": (DeepSeekV3Config, DeepSeekV3),  # Moonshot's Kimi K2: DeepSeek-V3's architecture (exported as V3)
+    "deepseek_v4": (DeepSeekV4Config, DeepSeekV4),
     "llama": (Llama3Config, Llama3),
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),

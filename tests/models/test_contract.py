@@ -21,7 +21,7 @@ from nnx_zoo.sharding import logical_names
 from nnx_zoo.sharding.axes import STACK_AXES
 
 # One small preset per family, shrunk further (2 layers, 256 tokens) so the whole file runs in seconds.
-PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "Llama3": "llama3-tiny", "Qwen3": "qwen3-tiny",
+PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny", "Qwen3": "qwen3-tiny",
              "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
@@ -31,6 +31,9 @@ _MLA = ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 _GQA_SWIGLU = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/gate", "mlp/up", "mlp/down")
 LORA_DEFAULT = {
     "DeepSeekV3": {f"{stack}/attn/{p}" for stack in ("dense_layers", "moe_layers", "mtp_layers/layer") for p in _MLA},
+    # The tiny preset's first two layers: a sliding hash-routed one and a CSA one, plus the MTP layer.
+    "DeepSeekV4": {f"{stack}/attn/{p}" for stack in ("stacks/sliding_hash", "stacks/csa_moe", "mtp_layers/layer")
+                   for p in ("q_a_proj", "q_b_proj", "kv_proj", "output/o_b")},
     "Llama3": {f"layers/{p}" for p in _GQA_SWIGLU},
     "Qwen3": {f"layers/{p}" for p in _GQA_SWIGLU},
     # Every layer MoE: attention only (the routed experts are opt-in, as DeepSeek's).
@@ -100,11 +103,14 @@ def test_call_forward_and_cache_shapes(models, family):
     assert isinstance(logits, jax.Array) and logits.shape == (BATCH, SEQ, VOCAB)
     assert isinstance(out, CausalLMOutput) and out._fields == CausalLMOutput._fields
     np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(logits))
-    assert out.hidden_states.shape == (LAYERS + 1, BATCH, SEQ, config.hidden_size)
+    # A hyper-connection model (DeepSeek-V4) records its streams: one more dim, hc_mult, before the width.
+    streams = (getattr(config, "hc_mult", None),) if hasattr(config, "hc_mult") else ()
+    assert out.hidden_states.shape == (LAYERS + 1, BATCH, SEQ, *streams, config.hidden_size)
     assert out.mtp_logits is None  # not asked for
     # Without the head: its input, which the trainer's chunked loss feeds to output_head() (the same logits).
     assert headless.logits is None and headless.final_hidden.shape == (BATCH, SEQ, config.hidden_size)
-    np.testing.assert_allclose(np.asarray(headless.final_hidden), np.asarray(out.hidden_states[-1]), rtol=1e-6)
+    last = out.hidden_states[-1] if not streams else out.hidden_states[-1][:, :, 0]
+    np.testing.assert_allclose(np.asarray(headless.final_hidden), np.asarray(last), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(head_logits), np.asarray(logits), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(prefill_logits), np.asarray(unmasked), rtol=1e-5, atol=1e-5)
     assert step_logits.shape == (BATCH, VOCAB) and int(length) == SEQ + 1

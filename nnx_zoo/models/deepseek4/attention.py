@@ -148,8 +148,13 @@ class V4Attention(nnx.Module):
             compressed = kernel.Compressed(entries, where.last, where.segment, indexer)
         out = kernel.attend(q, kv, self.sinks[...], ctx.token_mask, ctx.segment_ids, compressed,
                             window=c.sliding_window, scale=self.scale, impl=c.attention_impl)
-        out = rotate_pairs(out, rope.cos, -rope.sin)  # undo each key's rotation at the query's angle
-        return AttentionOutput(restore_sharding(self.output(shard(out, _BLHD)), in_sharding))
+        return AttentionOutput(restore_sharding(self.output(shard(self.unrotate(out, rope), _BLHD)), in_sharding))
+
+    @staticmethod
+    def unrotate(out: jax.Array, rope: Rope) -> jax.Array:
+        """The attention output's rope part rotated back by the query's angle (keys are values, so each carries its
+        own rotation): what remains depends on the distance between query and key."""
+        return rotate_pairs(out, rope.cos, -rope.sin)
 
 
 __all__ = ["CSA", "HCA", "SLIDING", "AttentionOutput", "Context", "GroupedOutput", "Rope", "V4Attention"]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.layers.kv_cache import advance_slots, empty_slots
-from nnx_zoo.layers.rope import rope_cos_sin, rotate_pairs
+from nnx_zoo.layers.rope import rope_cos_sin
 from nnx_zoo.layers.scan import run_stack
 from nnx_zoo.models.deepseek.dsa import index_scores
 from nnx_zoo.models.deepseek4 import kernel
@@ -82,7 +82,7 @@ class V4Cache(NamedTuple):
         layers = []
         for kind in kinds:
             count = c.layer_kinds.count(kind)
-            zeros = lambda *shape: jnp.zeros((count, batch, *shape), dtype)  # noqa: E731
+            zeros = lambda *shape, count=count: jnp.zeros((count, batch, *shape), dtype)  # noqa: E731
             state: dict[str, Any] = dict(ring=zeros(c.sliding_window - 1, c.head_dim))
             layer_type = kind[0]
             if layer_type != SLIDING:
@@ -225,15 +225,13 @@ def decode_attention(attn: V4Attention, x: jax.Array, rope: Rope, rank: jax.Arra
     if window:
         rows = jnp.arange(x.shape[0])
         fields["ring"] = fields["ring"].at[rows, rank % window].set(kv[:, 0].astype(fields["ring"].dtype))
-    out = rotate_pairs(out, rope.cos, -rope.sin)
-    return attn.output(out), LayerState(**fields)
+    return attn.output(attn.unrotate(out, rope)), LayerState(**fields)
 
 
 # ------------------------------------------------------------------------------------------ the model's _extend
 def extend(model: DeepSeekV4, input_ids: jax.Array, token_mask: jax.Array, cache: V4Cache
            ) -> tuple[jax.Array, V4Cache]:
     """``CausalLMBase._extend`` for DeepSeek-V4: a prompt (``t > 1``) into an empty cache, or one token per row."""
-    c = model.config
     rank_before = cache.rank
     positions, _, valid, next_position, length = advance_slots(cache.valid, cache.next_position, cache.length,
                                                                token_mask)

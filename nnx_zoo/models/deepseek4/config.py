@@ -128,8 +128,11 @@ class DeepSeekV4Config(FamilyConfig):
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", _compress_yarn(self.rope_scaling, self.max_position_embeddings))
         for name in ("layer_types", "mlp_layer_types"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+            types = getattr(self, name)
+            if isinstance(types, (list, tuple)) and isinstance(self.num_hidden_layers, int):
+                # Longer schedules are cut to the layers (as transformers does): a preset with fewer layers keeps
+                # the start of its schedule.
+                object.__setattr__(self, name, tuple(types)[: self.num_hidden_layers])
         self._canonical_dtypes()
         problems = self._problems()
         if problems:
