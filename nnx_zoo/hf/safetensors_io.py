@@ -281,7 +281,8 @@ def scale_to_float32(scale: np.ndarray) -> np.ndarray:
         return scale.astype(np.float32)
     exponent = scale.view(np.uint8).astype(np.int32)
     # ldexp is exact, 2^-127 (byte 0) included as a float32 subnormal; NaN is left for the loader to report
-    return np.where(exponent == 255, np.float32(np.nan), np.ldexp(np.float32(1), exponent - 127)).astype(np.float32)
+    powers = np.ldexp(np.float32(1), np.minimum(exponent, 254) - 127)  # 2^128 would overflow: 255 is NaN anyway
+    return np.where(exponent == 255, np.float32(np.nan), powers).astype(np.float32)
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
