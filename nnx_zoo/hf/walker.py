@@ -163,7 +163,8 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
     if integer and dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
         return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
     want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
-    if not integer and dtype == FP4_DTYPE and not ckpt.fp4:  # packed FP4 is only read where config.json says so
+    if not integer and dtype == FP4_DTYPE and not ckpt.fp4 and ckpt.scale_keys(slot.key):
+        # scaled I8 looks like packed FP4, which is only read where config.json says so: say what it lacks
         return "dtype", (f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs (config.json "
                          "does not declare FP4 weights: no expert_dtype \"fp4\" in it or its quantization_config)")
     if not integer and not ckpt.is_quantized(slot.key) and dtype not in FLOAT_DTYPES:

@@ -22,9 +22,12 @@ FP4 = {"quantization_config": {**UE8M0, "expert_dtype": "fp4"}}
 
 
 def _weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Normal values whose rows span six decades, so blocks and groups get different scale exponents."""
+    """Normal values whose rows span six decades and columns three, so neighbouring blocks and groups get different
+    scale exponents along both sides (a block misplaced either way reads the wrong scale)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * 10.0 ** torch.empty(shape[0], 1).uniform_(-4, 2, generator=g)
+    rows = 10.0 ** torch.empty(shape[0], 1).uniform_(-4, 2, generator=g)
+    cols = 10.0 ** torch.empty(1, shape[1]).uniform_(-2, 1, generator=g)
+    return torch.randn(shape, generator=g) * rows * cols
 
 
 def _read(directory: Path, key: str) -> np.ndarray:
