@@ -60,7 +60,6 @@ class AliasedCheckpoint:
                                             f"tensor ({renamed}) under two namings; a checkpoint holds each once")
             self.original[renamed] = key
         self.entries = {renamed: ckpt.entries[key] for renamed, key in self.original.items()}
-
         self.renamed = {key: renamed for renamed, key in self.original.items()}
 
     def is_quantized(self, key: str) -> bool:
@@ -160,18 +159,17 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
                   integer: bool = False) -> tuple[str, str] | None:
     """Why ``slot``'s tensor cannot fill its Variable, as ("shape" | "dtype", message), or None."""
     file, hf_shape, dtype = ckpt.entries[slot.key]
-    if integer and dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
-        return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
     want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
-    if not integer and dtype == FP4_DTYPE and not ckpt.fp4 and ckpt.scale_keys(slot.key):
-        # scaled I8 looks like packed FP4, which is only read where config.json says so: say what it lacks
-        return "dtype", (f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs (config.json "
-                         "does not declare FP4 weights: no expert_dtype \"fp4\" in it or its quantization_config)")
-    if not integer and not ckpt.is_quantized(slot.key) and dtype not in FLOAT_DTYPES:
-        # integer or bool data would be cast to meaningless weights
-        return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs"
-    if not integer and ckpt.is_quantized(slot.key):
+    if integer:
+        if dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
+            return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
+    elif ckpt.is_quantized(slot.key):
         return _quantized_problem(ckpt, slot.key, want)
+    elif dtype not in FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
+        # a scaled I8 looks like packed FP4, which is read only where config.json says so: say what it lacks
+        hint = (" (config.json does not declare FP4 weights: no expert_dtype \"fp4\" in it or its "
+                "quantization_config)" if dtype == FP4_DTYPE and ckpt.scale_keys(slot.key) else "")
+        return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs{hint}"
     if tuple(hf_shape) != want:
         return "shape", f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
     return None
