@@ -3,10 +3,12 @@
 A family supplies two things: its config mapping (``config.json`` dict <-> its config class) and a declarative
 ``KeyTable`` (which HF key fills which Variable, with which transform, per slot). Everything else is here:
 safetensors read one tensor at a time onto each Variable's shards (``safetensors_io``), plan-then-load with every
-missing / unexpected / misshapen / mistyped key in one error (``walker``), float8 block dequantisation, NaN/Inf
-and dtype checks, and sharded export with an index. It imports ``nnx_zoo.sharding`` and ``nnx_zoo.layers``, no
-model family. Errors: ``CheckpointFormatError`` (a file that cannot be read; names it) and
-``CheckpointMismatchError`` (files that do not fit the model), both ``CheckpointError``, a ``ValueError``.
+missing / unexpected / misshapen / mistyped key in one error (``walker``), dequantisation of float8 block-scaled
+weights (V3's float32 ``_scale_inv``, V4's UE8M0 ``.scale``) and of FP4 experts (``I8`` E2M1 pairs with UE8M0
+scales per 32 inputs, where ``config.json`` declares ``expert_dtype: "fp4"``), NaN/Inf and dtype checks, and
+sharded export with an index. It imports ``nnx_zoo.sharding`` and ``nnx_zoo.layers``, no model family. Errors:
+``CheckpointFormatError`` (a file that cannot be read; names it) and ``CheckpointMismatchError`` (files that do not
+fit the model), both ``CheckpointError``, a ``ValueError``.
 
 A Llama-3 family (scanned stack ``layers``; our Variable paths on the right) would need only::
 
@@ -43,9 +45,16 @@ repeating another weight (written on export, skipped on import); transforms ``Sa
 ``FusedGateUp(half)``, ``FusedDown``.
 """
 
-from nnx_zoo.hf.config_io import config_json_path, fp8_block_size, json_kind, read_json_object
+from nnx_zoo.hf.config_io import config_json_path, fp4_experts, fp8_block_size, json_kind, read_json_object
 from nnx_zoo.hf.errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError
-from nnx_zoo.hf.safetensors_io import SafetensorsCheckpoint, dequantize_fp8, nonfinite_count, write_shards
+from nnx_zoo.hf.safetensors_io import (
+    SafetensorsCheckpoint,
+    dequantize_fp4,
+    dequantize_fp8,
+    nonfinite_count,
+    scale_to_float32,
+    write_shards,
+)
 from nnx_zoo.hf.table import (
     DENSE,
     SAME,
@@ -78,8 +87,10 @@ __all__ = [
     "Slot",
     "Stack",
     "config_json_path",
+    "dequantize_fp4",
     "dequantize_fp8",
     "export_slots",
+    "fp4_experts",
     "fp8_block_size",
     "json_kind",
     "load_module",
@@ -87,5 +98,6 @@ __all__ = [
     "plan_load",
     "read_json_object",
     "save_module",
+    "scale_to_float32",
     "write_shards",
 ]

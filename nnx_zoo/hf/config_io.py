@@ -66,3 +66,18 @@ def fp8_block_size(config: dict[str, Any], source: Path) -> tuple[int, int]:
         raise CheckpointFormatError(f"{source}: quantization_config.weight_block_size must be two positive "
                                     f"integers, got {block!r}")
     return block[0], block[1]
+
+
+def fp4_experts(config: dict[str, Any], source: Path) -> bool:
+    """Whether a ``config.json`` dict read from ``source`` declares FP4 weights (``expert_dtype: "fp4"``, in
+    ``quantization_config`` or, as DeepSeek-V4's own files have it, at the top level): only then is an ``I8``
+    weight read as packed E2M1 pairs. ``"fp8"`` or absent: no FP4."""
+    quantization = config.get("quantization_config") or {}
+    if not isinstance(quantization, dict):
+        raise CheckpointFormatError(f"{source}: quantization_config must be a JSON object, got "
+                                    f"{json_kind(quantization)}")
+    where = "quantization_config.expert_dtype" if "expert_dtype" in quantization else "expert_dtype"
+    value = quantization.get("expert_dtype", config.get("expert_dtype", "fp8"))
+    if value not in ("fp8", "fp4", None):
+        raise CheckpointFormatError(f"{source}: {where} must be \"fp8\" or \"fp4\", got {value!r}")
+    return value == "fp4"

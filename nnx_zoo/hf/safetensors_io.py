@@ -1,9 +1,19 @@
-"""Safetensors checkpoint files: validated headers, one tensor at a time, float8 blocks, sharded writes.
+"""Safetensors checkpoint files: validated headers, one tensor at a time, quantized weights, sharded writes.
 
 ``SafetensorsCheckpoint(directory)`` opens the files of a checkpoint directory (those its
 ``model.safetensors.index.json`` names, else every ``*.safetensors``), validates every header up front (a
 truncated, empty or corrupt file is reported before any tensor is read) and reads tensors on demand;
 ``write_shards`` writes size-capped shards and the index.
+
+Quantized weights are dequantized to float32 one tensor at a time as they are read (``read_weight``):
+- float8 (``F8_E4M3`` / ``F8_E5M2``) ``[out, in]`` with one scale per ``weight_block_size`` block (``[128, 128]``
+  unless ``config.json``'s ``quantization_config`` says otherwise), the last row / column of blocks possibly
+  partial. The scale sits beside the weight as ``<key>_scale_inv`` (DeepSeek-V3) or, for ``<name>.weight``, as
+  ``<name>.scale`` (DeepSeek-V4); it is float32 or ``F8_E8M0`` (UE8M0: a power of two, ``2^(byte - 127)``).
+- FP4 (``I8`` ``[out, in / 2]``, two E2M1 values per byte, low nibble first) with ``<name>.scale`` ``[out,
+  in / 32]`` (one scale per 32 inputs of a row, MXFP4), read as FP4 only where ``config.json`` declares
+  ``expert_dtype: "fp4"`` (DeepSeek-V4's routed experts).
+Both scalings are by powers of two (or by the stored float32 scale), so the float32 result is exact.
 """
 
 from __future__ import annotations
@@ -20,16 +30,29 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from nnx_zoo.hf.config_io import config_json_path, fp8_block_size, json_kind, read_json_object, write_json
+from nnx_zoo.hf.config_io import (
+    config_json_path,
+    fp4_experts,
+    fp8_block_size,
+    json_kind,
+    read_json_object,
+    write_json,
+)
 from nnx_zoo.hf.errors import CheckpointFormatError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+          "F8_E8M0": ml_dtypes.float8_e8m0fnu, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")
 INDEX_NAME = "model.safetensors.index.json"
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FP4_DTYPE = "I8"  # packed E2M1 pairs, where config.json declares expert_dtype "fp4"
+FP4_GROUP = 32  # inputs of a row sharing one FP4 scale (MXFP4)
+SCALE_DTYPES = (*FLOAT_DTYPES, "F8_E8M0")
 FP8_SCALE_SUFFIX = "_scale_inv"  # ``<key>_scale_inv``: the per-block inverse scales of float8 weight ``<key>``
+SCALE_SUFFIX = ".scale"  # ``<name>.scale`` beside ``<name>.weight``: DeepSeek-V4's scales (float8 and FP4)
 _LISTED = 8  # problems of one file listed in full; the rest are counted
 
 
@@ -74,7 +97,8 @@ def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
 
 class SafetensorsCheckpoint:
     """The safetensors files of a checkpoint directory: ``entries`` (key -> ``TensorInfo``) from the headers,
-    tensors read on demand; ``fp8_block`` from ``config.json``. Use as a context manager (closes the files).
+    tensors read on demand; ``fp8_block`` and ``fp4`` (whether ``I8`` weights are FP4) from ``config.json``.
+    Use as a context manager (closes the files).
 
     Tensors are read with plain ``readinto`` into a fresh array, not through a memory map: mapped pages of the
     files would stay resident in the process (and count in its RSS) until the map is closed, adding a second copy
@@ -102,7 +126,9 @@ class SafetensorsCheckpoint:
     def _open(self) -> None:
         files, weight_map = checkpoint_files(self.directory)  # a bad path is reported before config.json
         config_file = config_json_path(self.directory)
-        self.fp8_block = fp8_block_size(read_json_object(config_file, "model config"), config_file)
+        config = read_json_object(config_file, "model config")
+        self.fp8_block = fp8_block_size(config, config_file)
+        self.fp4 = fp4_experts(config, config_file)
         for file in files:
             try:
                 handle = self._stack.enter_context(open(file, "rb", buffering=0))  # noqa: SIM115 (stack closes it)
@@ -148,12 +174,40 @@ class SafetensorsCheckpoint:
         _read_exact(self._handles[file], memoryview(out.reshape(-1).view(np.uint8)), file, key)
         return out
 
+    def file_key(self, key: str) -> str:
+        """The file's own name of ``key`` (itself; ``walker.AliasedCheckpoint`` renames)."""
+        return key
+
+    def is_quantized(self, key: str) -> bool:
+        """Whether ``key`` is stored quantized (float8, or ``I8`` in a checkpoint that declares FP4)."""
+        dtype = self.entries[key].dtype
+        return dtype in FP8_DTYPES or (dtype == FP4_DTYPE and self.fp4)
+
+    def scale_keys(self, key: str) -> list[str]:
+        """The scales beside weight ``key`` in the files (one, normally; none for an unquantized weight)."""
+        return [k for k in scale_key_candidates(key) if k in self.entries]
+
     def read_weight(self, key: str) -> np.ndarray:
-        """``read(key)``, float8 weights dequantized with their ``<key>_scale_inv`` blocks."""
-        tensor = self.read(key)
-        if tensor.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
-            tensor = dequantize_fp8(tensor, self.read(key + FP8_SCALE_SUFFIX), self.fp8_block)
-        return tensor
+        """``read(key)``, quantized weights dequantized to float32 with their scales (``scale_keys``)."""
+        if not self.is_quantized(key):
+            return self.read(key)
+        scales = self.scale_keys(key)
+        if len(scales) != 1:  # the planner reports this first; a direct caller gets the same facts
+            raise CheckpointFormatError(f"{self.entries[key].file}: {key} is {self.entries[key].dtype} with "
+                                        f"{len(scales)} scales ({' or '.join(scale_key_candidates(key))}); "
+                                        "a quantized weight needs exactly one")
+        tensor, scale = self.read(key), self.read(scales[0])
+        if self.entries[key].dtype == FP4_DTYPE:
+            return dequantize_fp4(tensor, scale)
+        return dequantize_fp8(tensor, scale, self.fp8_block)
+
+
+def scale_key_candidates(key: str) -> tuple[str, ...]:
+    """Where the scale of weight ``key`` may be stored: ``<key>_scale_inv`` (DeepSeek-V3), and for
+    ``<name>.weight`` also ``<name>.scale`` (DeepSeek-V4)."""
+    if key.endswith(".weight"):
+        return key + FP8_SCALE_SUFFIX, key[: -len(".weight")] + SCALE_SUFFIX
+    return (key + FP8_SCALE_SUFFIX,)
 
 
 def _more(items: list[str]) -> str:
@@ -221,12 +275,48 @@ def nonfinite_count(a: np.ndarray, chunk: int = 1 << 20) -> int:
     return sum(int(np.count_nonzero(~np.isfinite(flat[i : i + chunk]))) for i in range(0, flat.size, chunk))
 
 
+def scale_to_float32(scale: np.ndarray) -> np.ndarray:
+    """Stored scales as float32: UE8M0 bytes decoded as ``2^(byte - 127)`` (byte 255 is NaN), floats cast."""
+    if scale.dtype != ml_dtypes.float8_e8m0fnu:
+        return scale.astype(np.float32)
+    exponent = scale.view(np.uint8).astype(np.int32)
+    # ldexp is exact, 2^-127 (byte 0) included as a float32 subnormal; NaN is left for the loader to report
+    powers = np.ldexp(np.float32(1), np.minimum(exponent, 254) - 127)  # 2^128 would overflow: 255 is NaN anyway
+    return np.where(exponent == 255, np.float32(np.nan), powers).astype(np.float32)
+
+
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
-    """``weight [out, in]`` (float8) times its per-block ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> float32."""
+    """``weight [out, in]`` (float8) times its per-block ``scale_inv [ceil(out/b0), ceil(in/b1)]`` (float or
+    UE8M0) -> float32. Scaled in place one row of blocks at a time: no full-size scale array."""
     rows, cols = weight.shape
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    scale = scale_to_float32(scale_inv)
+    out = weight.astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are reported by the loader
-        return weight.astype(np.float32) * scale[:rows, :cols]
+        for i in range(0, rows, block[0]):
+            out[i : i + block[0]] *= np.repeat(scale[i // block[0]], block[1])[:cols]
+    return out
+
+
+# E2M1 (sign, 2 exponent bits, 1 mantissa bit) by nibble value; a byte holds two, the low nibble first.
+FP4_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                           np.float32)
+_FP4_BYTE_PAIRS = np.stack([FP4_E2M1_VALUES[np.arange(256) & 0xF], FP4_E2M1_VALUES[np.arange(256) >> 4]], axis=-1)
+
+
+def dequantize_fp4(packed: np.ndarray, scale: np.ndarray, group: int = FP4_GROUP) -> np.ndarray:
+    """``packed [out, in / 2]`` (``int8``, two E2M1 values a byte, low nibble first: input ``2j`` in the low
+    nibble of byte ``j``) times its ``scale [out, ceil(in / group)]`` (UE8M0 or float) -> float32 ``[out, in]``."""
+    rows = packed.shape[0]
+    out = _FP4_BYTE_PAIRS[packed.view(np.uint8)].reshape(rows, -1)  # one float32 array, the result's own
+    cols = out.shape[1]
+    factors = scale_to_float32(scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are reported by the loader
+        if cols % group == 0:
+            groups = out.reshape(rows, cols // group, group)  # a view: scaled in place
+            groups *= factors[:, :, None]
+        else:  # a partial last group
+            out *= np.repeat(factors, group, axis=1)[:, :cols]
+    return out
 
 
 class TensorToWrite(NamedTuple):

@@ -23,11 +23,16 @@ from nnx_zoo.hf.config_io import write_json
 from nnx_zoo.hf.errors import CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.hf.safetensors_io import (
     FLOAT_DTYPES,
+    FP4_DTYPE,
+    FP4_GROUP,
     FP8_SCALE_SUFFIX,
     INTEGER_DTYPES,
+    SCALE_DTYPES,
+    SCALE_SUFFIX,
     SafetensorsCheckpoint,
     TensorToWrite,
     nonfinite_count,
+    scale_key_candidates,
     write_shards,
 )
 from nnx_zoo.hf.table import KeyTable, Shape, Slot
@@ -41,10 +46,12 @@ Cell = tuple[str, tuple[int, ...]]
 
 class AliasedCheckpoint:
     """A checkpoint whose keys are seen in a table's naming (``KeyTable.aliases``): ``entries`` under the renamed
-    keys, ``read`` / ``read_weight`` of a renamed key read the file's own (float8 scales renamed alike)."""
+    keys, ``read`` / ``read_weight`` of a renamed key read the file's own. A weight's scale is found beside it
+    in the file's naming (``layers.0.ffn.experts.0.w1.scale`` beside ``layers.0.ffn.experts.0.w1.weight``), then
+    renamed, so an alias that renames a weight but not its scale still pairs them."""
 
     def __init__(self, ckpt: SafetensorsCheckpoint, table: KeyTable):
-        self.ckpt, self.directory, self.fp8_block = ckpt, ckpt.directory, ckpt.fp8_block
+        self.ckpt, self.directory, self.fp8_block, self.fp4 = ckpt, ckpt.directory, ckpt.fp8_block, ckpt.fp4
         self.original = {}
         for key in ckpt.entries:
             renamed = table.canonical(key)
@@ -53,6 +60,17 @@ class AliasedCheckpoint:
                                             f"tensor ({renamed}) under two namings; a checkpoint holds each once")
             self.original[renamed] = key
         self.entries = {renamed: ckpt.entries[key] for renamed, key in self.original.items()}
+        self.renamed = {key: renamed for renamed, key in self.original.items()}
+
+    def is_quantized(self, key: str) -> bool:
+        return self.ckpt.is_quantized(self.original[key])
+
+    def scale_keys(self, key: str) -> list[str]:
+        return [self.renamed[k] for k in self.ckpt.scale_keys(self.original[key])]
+
+    def file_key(self, key: str) -> str:
+        """The file's own name of (renamed) ``key``."""
+        return self.original[key]
 
     def read(self, key: str) -> np.ndarray:
         return self.ckpt.read(self.original[key])
@@ -76,6 +94,7 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
     alternates = table.alternate_slots(shapes)
     depth = {s.path: len(s.index) for s in canonical}  # stacked dims a canonical key indexes
     skipped = table.skipped()
+    scale_of = {s: key for key in ckpt.entries for s in ckpt.scale_keys(key)}  # scale -> the weight beside it
     found: dict[str, list[Slot]] = {}
     covered: dict[Cell, str] = {}
     unexpected: list[str] = []
@@ -83,14 +102,11 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
     for key in sorted(ckpt.entries):
         if skipped.search(key):
             continue
-        if key.endswith(FP8_SCALE_SUFFIX):
-            weight_key = key[: -len(FP8_SCALE_SUFFIX)]
-            if weight_key not in ckpt.entries or not ckpt.entries[weight_key].dtype.startswith("F8"):
-                unexpected.append(f"{key} (a float8 scale without a float8 weight {weight_key})")
-            continue
         slots = [expected[key]] if key in expected else alternates.get(key, [])
         if not slots:
-            unexpected.append(key)
+            unpaired = _unpaired_scale(ckpt, key, scale_of)
+            if unpaired != "":  # "": a scale beside its quantized weight, checked with that weight's slot
+                unexpected.append(unpaired or key)
             continue
         for slot in slots:
             cells = _cells(slot, shapes[slot.path], depth[slot.path])
@@ -117,30 +133,78 @@ def _cells(slot: Slot, shape: Shape, depth: int) -> list[Cell]:
     return [(slot.path, slot.index + tail) for tail in rest]
 
 
+def _unpaired_scale(ckpt: Any, key: str, scale_of: Mapping[str, str]) -> str | None:
+    """For a key no slot takes: "" when it is the scale of a quantized weight (checked with that weight), what is
+    wrong when it is a scale nothing uses, else None (a plain unexpected key)."""
+    weight = scale_of.get(key)
+    if weight is not None:
+        if ckpt.is_quantized(weight):
+            return ""
+        return (f"{key} (in {_where(ckpt, key)}: a scale beside {weight}, which is "
+                f"{ckpt.entries[weight].dtype}, not quantized)")
+    if key.endswith(FP8_SCALE_SUFFIX):
+        return f"{key} (a float8 scale without a float8 weight {key[: -len(FP8_SCALE_SUFFIX)]})"
+    if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] + ".weight" not in ckpt.entries:
+        return f"{key} (in {_where(ckpt, key)}: a scale without its weight {key[: -len(SCALE_SUFFIX)]}.weight)"
+    return None
+
+
+def _where(ckpt: Any, key: str) -> str:
+    """The file holding ``key``, and the file's own name of the key where an alias renamed it."""
+    file_key = ckpt.file_key(key)
+    return ckpt.entries[key].file.name + ("" if file_key == key else f" as {file_key}")
+
+
 def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, Shape],
                   integer: bool = False) -> tuple[str, str] | None:
     """Why ``slot``'s tensor cannot fill its Variable, as ("shape" | "dtype", message), or None."""
     file, hf_shape, dtype = ckpt.entries[slot.key]
-    if integer and dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
-        return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
-    if not integer and dtype not in FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
-        return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs"
     want = tuple(slot.transform.hf_shape(shapes[slot.path][len(slot.index):]))
+    if integer:
+        if dtype not in INTEGER_DTYPES:  # a table of ids: a float tensor there is another tensor
+            return "dtype", f"{slot.key}: {dtype} in {file.name}, where an integer table belongs"
+    elif ckpt.is_quantized(slot.key):
+        return _quantized_problem(ckpt, slot.key, want)
+    elif dtype not in FLOAT_DTYPES:  # integer or bool data would be cast to meaningless weights
+        # a scaled I8 looks like packed FP4, which is read only where config.json says so: say what it lacks
+        hint = (" (config.json does not declare FP4 weights: no expert_dtype \"fp4\" in it or its "
+                "quantization_config)" if dtype == FP4_DTYPE and ckpt.scale_keys(slot.key) else "")
+        return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs{hint}"
     if tuple(hf_shape) != want:
         return "shape", f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
-    if dtype.startswith("F8"):
-        scale_key, block = slot.key + FP8_SCALE_SUFFIX, ckpt.fp8_block
-        if len(want) != 2:
-            return "dtype", f"{slot.key}: {dtype} {len(want)}-D tensor; only 2-D float8 matrices are dequantized"
-        if scale_key not in ckpt.entries:
-            return "shape", f"{slot.key}: float8 weight without {scale_key}"
-        scale = ckpt.entries[scale_key]
-        blocks = tuple(-(-n // b) for n, b in zip(want, block))
-        if scale.dtype not in FLOAT_DTYPES:
-            return "dtype", f"{scale_key}: {scale.dtype}, where a floating-point scale belongs"
-        if scale.shape != blocks:
-            return "shape", (f"{scale_key}: checkpoint has {list(scale.shape)}, {block} blocks of {list(want)} "
-                             f"need {list(blocks)}")
+    return None
+
+
+def _quantized_problem(ckpt: Any, key: str, want: Shape) -> tuple[str, str] | None:
+    """Why quantized weight ``key`` (float8, or FP4) cannot be dequantized to shape ``want``, or None."""
+    _, stored, dtype = ckpt.entries[key]
+    fp4 = dtype == FP4_DTYPE
+    what = "FP4 (packed E2M1)" if fp4 else "float8"
+    if len(want) != 2:
+        return "dtype", f"{key}: {dtype} {len(want)}-D tensor; only 2-D {what} matrices are dequantized"
+    if fp4 and want[1] % 2:
+        return "shape", f"{key}: the model needs {list(want)}, an odd row length two FP4 values a byte cannot hold"
+    packed = (want[0], want[1] // 2) if fp4 else want
+    if tuple(stored) != packed:
+        need = f"{list(packed)} (FP4 packs two of the {list(want)} values a byte)" if fp4 else f"{list(want)}"
+        return "shape", f"{key}: checkpoint has {list(stored)}, the model needs {need}"
+    scales = ckpt.scale_keys(key)
+    if not scales:  # the names it may have, in the file's own naming
+        names = " or ".join(scale_key_candidates(ckpt.file_key(key)))
+        return "shape", f"{key}: {what} weight in {_where(ckpt, key)} without its scale ({names})"
+    if len(scales) > 1:
+        return "shape", f"{key}: {what} weight in {_where(ckpt, key)} with two scales ({' and '.join(scales)})"
+    scale_key = scales[0]
+    scale = ckpt.entries[scale_key]
+    if scale.dtype not in SCALE_DTYPES:
+        return "dtype", f"{scale_key}: {scale.dtype} in {_where(ckpt, scale_key)}, where a floating-point scale belongs"
+    if fp4:
+        grid, how = (want[0], -(-want[1] // FP4_GROUP)), f"one scale per {FP4_GROUP} inputs of each row"
+    else:
+        grid, how = tuple(-(-n // b) for n, b in zip(want, ckpt.fp8_block)), f"{ckpt.fp8_block} blocks"
+    if tuple(scale.shape) != grid:
+        return "shape", (f"{scale_key} in {_where(ckpt, scale_key)}: checkpoint has {list(scale.shape)}, {how} of "
+                         f"{list(want)} need {list(grid)}")
     return None
 
 
@@ -173,7 +237,7 @@ def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, me
     nonfinite: list[str] = []
 
     def read(key: str) -> np.ndarray:
-        tensor = ckpt.read_weight(key)
+        tensor = ckpt.read_weight(key)  # quantized weights come back dequantized to float32
         if key not in checked:  # an alternate-layout key is read once per Variable it fills
             checked.add(key)
             bad = nonfinite_count(tensor)
@@ -188,7 +252,8 @@ def load_module(ckpt: SafetensorsCheckpoint, table: KeyTable, abstract: M, *, me
             continue
         sharding = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
                     else NamedSharding(mesh, variable_spec(p, var, rules, mesh, allow_partial=allow_partial)))
-        leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], read))
+        # integer tables are taken as stored: an I8 one is not FP4, whatever config.json declares
+        leaves.append(_assemble(shapes[p], var.dtype, sharding, plan[p], ckpt.read if p in integer else read))
     if nonfinite:
         raise CheckpointFormatError(f"{ckpt.directory}: {len(nonfinite)} weights hold NaN or infinite values (a "
                                     "corrupt or diverged checkpoint):\n    " + "\n    ".join(nonfinite))
