@@ -194,7 +194,7 @@ def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, sca
         scores = (jnp.einsum("bqhc,bkc->bqhk", qa, latent.astype(qa.dtype))
                   + jnp.einsum("bqhr,bkr->bqhk", qr, k_rope.astype(qr.dtype)))
         probs = _softmax(scores, visible[:, :, None, :], scale)
-        return None, _kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes)
+        return None, indexer_kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes)
     chosen = checkpoint_name(jax.lax.top_k(jax.lax.stop_gradient(index), topk)[1], "dsa_chosen")  # [b, block, k]
     gather = jax.vmap(lambda table, rows: table[rows])  # per batch row: [keys, d] at [block, topk]
     chosen_latent = gather(latent.astype(qa.dtype), chosen)  # [b, block, topk, kv_lora]
@@ -207,7 +207,7 @@ def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, sca
     kl = None
     if mode == "sparse":  # the chosen keys' scores again, from their gathered keys: the KL's gradient path
         chosen_index = index_scores(iq, iw, gather(index_k, chosen))
-        kl = _kl(probs, jnp.where(seen, chosen_index, _MIN), seen, head_axes)
+        kl = indexer_kl(probs, jnp.where(seen, chosen_index, _MIN), seen, head_axes)
     return context, kl
 
 
@@ -217,7 +217,7 @@ def _softmax(scores, visible, scale):
     return jax.nn.softmax(jnp.where(visible, scores, _MIN), axis=-1)
 
 
-def _kl(probs, index, visible, head_axes):
+def indexer_kl(probs, index, visible, head_axes=()):
     """Per query ``KL(p || softmax(index))`` over the visible keys ``[b, block]``: ``p`` is the attention
     distribution summed over heads (all devices' heads) and L1-normalized, detached."""
     p = jnp.sum(jax.lax.stop_gradient(probs), axis=2)
@@ -238,4 +238,4 @@ def mean_over_real_queries(kl: jax.Array, token_mask: jax.Array) -> jax.Array:
     return jnp.sum(kl * valid, axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1.0)
 
 
-__all__ = ["LightningIndexer", "index_scores", "mean_over_real_queries", "sparse_attention"]
+__all__ = ["LightningIndexer", "index_scores", "indexer_kl", "mean_over_real_queries", "sparse_attention"]

@@ -70,12 +70,13 @@ def route(
 
 
 def sequence_balance_loss(
-    logits: jax.Array, idx: jax.Array, token_mask: jax.Array, config: DeepSeekV3Config
+    scores: jax.Array, idx: jax.Array, token_mask: jax.Array, alpha: float
 ) -> jax.Array:
     """DeepSeek-V3's complementary sequence-wise balance loss (paper eq. 17-20), one value per sequence.
 
-    For router ``logits [B*S, E]`` and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens
-    (or ``[B, S, E]`` and ``[B, S, k]``):
+    For the router's float32 ``scores [B*S, E]`` (``router_scores``: sigmoid, V2's softmax, V4's sqrt(softplus))
+    and the chosen experts ``idx [B*S, k]`` of ``B`` sequences of ``S`` tokens (or ``[B, S, E]`` and ``[B, S,
+    k]``):
     ``f_i = E / (k T) * #{t : t chose i}``, ``P_i = 1/T * sum_t s'_{i,t}`` with ``s' = s / sum_j s_j`` the router's
     scores (``router_scores``: sigmoid, or V2's softmax) normalized over all experts, and
     ``L = alpha * sum_i f_i P_i`` -> ``[B]`` float32. ``T`` counts the sequence's real tokens: ``token_mask
@@ -83,9 +84,9 @@ def sequence_balance_loss(
     actually chosen (selection includes any routing bias) and carries no gradient; the gradient flows through
     ``P`` into the router.
     """
-    num_experts, k = logits.shape[-1], idx.shape[-1]
+    num_experts, k = scores.shape[-1], idx.shape[-1]
     seq = token_mask.shape[-1]
-    batch = logits.shape[0] // seq if logits.ndim == 2 else logits.shape[0]
+    batch = scores.shape[0] // seq if scores.ndim == 2 else scores.shape[0]
     per_sequence = (batch, seq, num_experts)
 
     def split_sequences(a: jax.Array) -> jax.Array:  # [B*S, E] -> [B, S, E], laid out like [B, S, E] activations
@@ -96,14 +97,13 @@ def sequence_balance_loss(
 
     valid = jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.float32)[..., None]  # [B, S, 1]
     valid = shard(valid, _BL_EXPERTS)
-    scores = router_scores(logits, config)
     normalized = split_sequences(scores / jnp.sum(scores, axis=-1, keepdims=True)) * valid
     chosen = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B*S, E]: 1 where chosen
     chosen = jax.lax.stop_gradient(split_sequences(chosen) * valid)
     tokens = jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1.0)[:, None]  # T of each sequence, [B, 1]
     f = num_experts / (k * tokens) * jnp.sum(chosen, axis=1)  # [B, E]
     p = jnp.sum(normalized, axis=1) / tokens  # [B, E]
-    return config.seq_aux_loss_alpha * jnp.sum(f * p, axis=-1)
+    return alpha * jnp.sum(f * p, axis=-1)
 
 
 class MoEOutput(NamedTuple):
@@ -151,5 +151,5 @@ class DeepSeekMoE(SparseMoE):
         balance = None
         if c.seq_aux_loss_alpha > 0:  # off: nothing to trace
             token_mask = jnp.ones((1, seq), bool) if token_mask is None else token_mask
-            balance = sequence_balance_loss(logits, idx, token_mask, c)
+            balance = sequence_balance_loss(router_scores(logits, c), idx, token_mask, c.seq_aux_loss_alpha)
         return MoEOutput(out, idx.reshape(batch, seq, c.num_experts_per_tok), dropped, balance)

@@ -146,9 +146,11 @@ class V4Attention(nnx.Module):
             indexer = None if self.indexer is None else self.indexer.inputs(
                 x, q_latent, where, rope.cos, rope.sin, rope.inv_freq, rope.attention_factor)
             compressed = kernel.Compressed(entries, where.last, where.segment, indexer)
-        out = kernel.attend(q, kv, self.sinks[...], ctx.token_mask, ctx.segment_ids, compressed,
-                            window=c.sliding_window, scale=self.scale, impl=c.attention_impl)
-        return AttentionOutput(restore_sharding(self.output(shard(self.unrotate(out, rope), _BLHD)), in_sharding))
+        loss = {"off": "off", "dense_warmup": "dense", "sparse": "sparse"}[c.indexer_training]
+        out, kl = kernel.attend(q, kv, self.sinks[...], ctx.token_mask, ctx.segment_ids, compressed,
+                                window=c.sliding_window, scale=self.scale, impl=c.attention_impl, loss=loss)
+        return AttentionOutput(restore_sharding(self.output(shard(self.unrotate(out, rope), _BLHD)), in_sharding),
+                               kl)
 
     @staticmethod
     def unrotate(out: jax.Array, rope: Rope) -> jax.Array:

@@ -181,7 +181,9 @@ class Indexer(nnx.Module):
                ) -> IndexerInputs:
         """What the kernel scores with: the queries (roped at the tokens' compressed-layer rope ``rope_cos`` /
         ``rope_sin``), their head weights, and this indexer's own entries at ``where`` (or ``keys``, a decoding
-        cache's)."""
+        cache's). Its inputs are detached: the indexer trains on its own loss only (its top-k is not
+        differentiable, so the language-model loss never reaches it)."""
+        x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
         q = rotate_pairs(self.q_b_proj(q_latent, _BL + (None, None)), rope_cos, rope_sin)
         w = self.weights_proj(x, _BL + (None,)).astype(jnp.float32) * self.heads ** -0.5
         if keys is None:

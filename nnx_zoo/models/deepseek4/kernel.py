@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nnx_zoo.models.deepseek.dsa import index_scores
+from nnx_zoo.models.deepseek.dsa import index_scores, indexer_kl
 from nnx_zoo.sharding import shard
 
 XLA_MAX_SCORES = 512 * 512  # as nnx_zoo.layers.attention's CPU threshold
@@ -43,6 +43,9 @@ class IndexerInputs(NamedTuple):
     topk: int
 
 
+LOSSES = ("off", "dense", "sparse")  # the indexer's training signal (DeepSeek-V3.2's stages)
+
+
 class Compressed(NamedTuple):
     """A compressed layer's entries ``[b, n, head_dim]`` (keys = values), each one's last token index ``last [b,
     n]`` (-1: empty slot) and document ``segment [b, n]`` (or None), and on a CSA layer its ``indexer``."""
@@ -59,15 +62,17 @@ class Compressed(NamedTuple):
             out = out & (self.segment[:, None, :] == q_segment[:, :, None])
         return out
 
-    def chosen(self, q_index: jax.Array, q_segment: jax.Array | None, rows: slice | None = None
-               ) -> tuple[jax.Array, jax.Array]:
-        """CSA: ``(idx [b, q, k], valid [b, q, k])``, each query's ``k = min(topk, n)`` best visible entries by its
-        indexer scores (``rows``: which queries of the indexer inputs these are)."""
+    def scores(self, q_index: jax.Array, q_segment: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """CSA: ``(scores [b, q, n], visible [b, q, n])``: the indexer's float32 scores of the queries (the
+        indexer inputs' rows) against every entry, and which entries each query sees."""
         ix = self.indexer
-        q, w = (ix.q, ix.w) if rows is None else (ix.q[:, rows], ix.w[:, rows])
-        visible = self.visible(q_index, q_segment)
-        scores = jnp.where(visible, index_scores(q, w, ix.keys), -jnp.inf)
-        _, idx = jax.lax.top_k(scores, min(ix.topk, scores.shape[-1]))
+        return index_scores(ix.q, ix.w, ix.keys), self.visible(q_index, q_segment)
+
+    def chosen(self, q_index: jax.Array, q_segment: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """CSA: ``(idx [b, q, k], valid [b, q, k])``, each query's ``k = min(topk, n)`` best visible entries by its
+        indexer scores."""
+        scores, visible = self.scores(q_index, q_segment)
+        _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(self.indexer.topk, scores.shape[-1]))
         return idx, jnp.take_along_axis(visible, idx, axis=-1)
 
 
@@ -112,30 +117,44 @@ def _segment_of(segment_ids: jax.Array | None, q_index: jax.Array) -> jax.Array 
     return jnp.take(segment_ids, jnp.clip(q_index, 0, segment_ids.shape[1] - 1), axis=1)
 
 
+def _kl(entry_probs: jax.Array, index: jax.Array, seen: jax.Array) -> jax.Array:
+    """Per query ``KL(p || softmax(index))`` over the ``seen`` entries: ``p`` the attention's probabilities on them
+    (``entry_probs [b, h, q, k]``) summed over heads, L1-normalized, detached (``dsa.indexer_kl``)."""
+    return indexer_kl(jnp.moveaxis(entry_probs, 1, 2), jnp.where(seen, index, _MIN), seen)
+
+
 def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
-              compressed: Compressed | None, *, window: int, scale: float) -> jax.Array:
-    """The ``xla`` path: ``q [b, s, h, d]``, ``kv [b, s, d]`` (keys = values), ``sinks [h]`` -> ``[b, s, h, d]``."""
+              compressed: Compressed | None, *, window: int, scale: float, loss: str = "off"
+              ) -> tuple[jax.Array, jax.Array | None]:
+    """The ``xla`` path: ``q [b, s, h, d]``, ``kv [b, s, d]`` (keys = values), ``sinks [h]`` -> ``([b, s, h, d],
+    the CSA indexer's per-query KL [b, s] or None)``."""
     seq = q.shape[1]
     index = jnp.arange(seq)
     scores = jnp.einsum("bshd,btd->bhst", q, kv) * jnp.asarray(scale, q.dtype)
     parts = [jnp.where(window_mask(index, index, token_mask, segment_ids, window)[:, None], scores, _MIN)]
     values = [kv]
+    index_scores_ = seen = None
     if compressed is not None:
         n = compressed.entries.shape[1]
         if compressed.indexer is None:
-            visible = compressed.visible(index, segment_ids)
+            seen = compressed.visible(index, segment_ids)
         else:
-            visible = picked(*compressed.chosen(index, segment_ids), n)
+            index_scores_, seen = compressed.scores(index, segment_ids)
+            if loss != "dense":  # the indexer's top-k; its dense warm-up attends to every visible entry
+                _, idx = jax.lax.top_k(jnp.where(seen, index_scores_, -jnp.inf), min(compressed.indexer.topk, n))
+                seen = picked(idx, jnp.take_along_axis(seen, idx, axis=-1), n)
         entry_scores = jnp.einsum("bshd,bnd->bhsn", q, compressed.entries) * jnp.asarray(scale, q.dtype)
-        parts.append(jnp.where(visible[:, None], entry_scores, _MIN))
+        parts.append(jnp.where(seen[:, None], entry_scores, _MIN))
         values.append(compressed.entries)
     probs = softmax_with_sink(parts, sinks)
     out = sum(jnp.einsum("bhsk,bkd->bshd", p.astype(v.dtype), v) for p, v in zip(probs, values, strict=True))
-    return shard(out, _BLHD)
+    kl = None if loss == "off" or index_scores_ is None else _kl(probs[1], index_scores_, seen)
+    return shard(out, _BLHD), kl
 
 
 def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
-              compressed: Compressed | None, *, window: int, scale: float, block: int | None = None) -> jax.Array:
+              compressed: Compressed | None, *, window: int, scale: float, loss: str = "off",
+              block: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     """The ``blockwise`` path (arguments and result as ``reference``): ``lax.map`` over blocks of ``block``
     queries (``BLOCK``), each under ``jax.checkpoint``."""
     b, seq, h, d = q.shape
@@ -150,7 +169,7 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
                                             jnp.pad(ix.w, ((0, 0), (0, pad), (0, 0))))
 
     @jax.checkpoint
-    def one_block(start: jax.Array) -> jax.Array:
+    def one_block(start: jax.Array) -> tuple[jax.Array, jax.Array]:
         qb = jax.lax.dynamic_slice_in_dim(q_padded, start, block, axis=1)
         keys = jax.lax.dynamic_slice_in_dim(kv_padded, start, block + halo, axis=1)
         q_index = start + jnp.arange(block)
@@ -159,38 +178,56 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
         scores = jnp.einsum("bshd,btd->bhst", qb, keys) * jnp.asarray(scale, q.dtype)
         parts = [jnp.where(visible, scores, _MIN)]
         q_segment = _segment_of(segment_ids, q_index)
-        if compressed is not None and ix is None:  # HCA: every entry, masked per query
-            entry_scores = jnp.einsum("bshd,bnd->bhsn", qb, compressed.entries) * jnp.asarray(scale, q.dtype)
-            parts.append(jnp.where(compressed.visible(q_index, q_segment)[:, None], entry_scores, _MIN))
+        kl = jnp.zeros((b, block), jnp.float32)
+        if compressed is not None and (ix is None or loss == "dense"):  # every entry, masked per query
+            entries, equation = compressed.entries, "bshd,bnd->bhsn"
+            if ix is None:
+                seen = compressed.visible(q_index, q_segment)
+            else:
+                block_ix = ix._replace(q=jax.lax.dynamic_slice_in_dim(index_padded[0], start, block, axis=1),
+                                       w=jax.lax.dynamic_slice_in_dim(index_padded[1], start, block, axis=1))
+                index, seen = compressed._replace(indexer=block_ix).scores(q_index, q_segment)
         elif compressed is not None:  # CSA: each query's chosen entries, gathered
             block_ix = ix._replace(q=jax.lax.dynamic_slice_in_dim(index_padded[0], start, block, axis=1),
                                    w=jax.lax.dynamic_slice_in_dim(index_padded[1], start, block, axis=1))
-            idx, valid = compressed._replace(indexer=block_ix).chosen(q_index, q_segment)
-            chosen = jax.vmap(lambda e, i: e[i])(compressed.entries, idx)  # [b, block, k, d]
-            entry_scores = jnp.einsum("bshd,bskd->bhsk", qb, chosen) * jnp.asarray(scale, q.dtype)
-            parts.append(jnp.where(valid[:, None], entry_scores, _MIN))
+            block_compressed = compressed._replace(indexer=block_ix)
+            index_all, visible_all = block_compressed.scores(q_index, q_segment)
+            _, idx = jax.lax.top_k(jnp.where(visible_all, index_all, -jnp.inf), min(ix.topk, index_all.shape[-1]))
+            seen = jnp.take_along_axis(visible_all, idx, axis=-1)
+            index = jnp.take_along_axis(index_all, idx, axis=-1)
+            entries, equation = jax.vmap(lambda e, i: e[i])(compressed.entries, idx), "bshd,bskd->bhsk"
+        if compressed is not None:
+            entry_scores = jnp.einsum(equation, qb, entries) * jnp.asarray(scale, q.dtype)
+            parts.append(jnp.where(seen[:, None], entry_scores, _MIN))
         probs = softmax_with_sink(parts, sinks)
         out = jnp.einsum("bhst,btd->bshd", probs[0].astype(keys.dtype), keys)
-        if compressed is not None and ix is None:
-            out = out + jnp.einsum("bhsn,bnd->bshd", probs[1].astype(q.dtype), compressed.entries)
-        elif compressed is not None:
-            out = out + jnp.einsum("bhsk,bskd->bshd", probs[1].astype(q.dtype), chosen)
-        return out
+        if compressed is not None:
+            values = "bhsn,bnd->bshd" if equation == "bshd,bnd->bhsn" else "bhsk,bskd->bshd"
+            out = out + jnp.einsum(values, probs[1].astype(q.dtype), entries)
+            if loss != "off" and ix is not None:
+                kl = _kl(probs[1], index, seen)
+        return out, kl
 
-    out = jax.lax.map(one_block, jnp.arange(blocks) * block)  # [blocks, b, block, h, d]
+    out, kl = jax.lax.map(one_block, jnp.arange(blocks) * block)  # [blocks, b, block, ...]
     out = jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, h, d)[:, :seq]
-    return shard(out, _BLHD)
+    kl = jnp.moveaxis(kl, 0, 1).reshape(b, blocks * block)[:, :seq]
+    return shard(out, _BLHD), (None if loss == "off" or ix is None else kl)
 
 
 def attend(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
-           compressed: Compressed | None, *, window: int, scale: float, impl: str = "auto") -> jax.Array:
-    """V4's attention by ``impl`` (``xla``, ``blockwise`` or ``auto``; see the module docstring)."""
+           compressed: Compressed | None, *, window: int, scale: float, impl: str = "auto", loss: str = "off"
+           ) -> tuple[jax.Array, jax.Array | None]:
+    """V4's attention by ``impl`` (``xla``, ``blockwise`` or ``auto``; see the module docstring): ``(out [b, s, h,
+    d], kl)``. ``loss`` (``LOSSES``) trains a CSA layer's indexer: ``dense`` attends to every visible entry and
+    gives each query's KL from the attention's distribution over them to the indexer's (its warm-up); ``sparse``
+    attends to the chosen entries and gives the KL over those; ``off`` (and any layer without an indexer) gives
+    None."""
     seq = q.shape[1]
     n = 0 if compressed is None else compressed.entries.shape[1]
     if impl == "auto":
         impl = "xla" if seq * (seq + n) <= XLA_MAX_SCORES else "blockwise"
     if impl == "xla":
-        return reference(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale)
+        return reference(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale, loss=loss)
     if impl == "blockwise":
-        return blockwise(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale)
+        return blockwise(q, kv, sinks, token_mask, segment_ids, compressed, window=window, scale=scale, loss=loss)
     raise ValueError(f"unknown DeepSeek-V4 attention_impl {impl!r}; choose 'auto', 'xla' or 'blockwise'")

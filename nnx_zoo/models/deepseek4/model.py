@@ -29,8 +29,11 @@ from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
-from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
+from nnx_zoo.layers.sparse_moe import SparseMoE
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs
+from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
+from nnx_zoo.models.deepseek.model import _mean_over_sequences
+from nnx_zoo.models.deepseek.moe import sequence_balance_loss
 from nnx_zoo.models.deepseek4 import axes  # noqa: F401  (declares V4's logical names)
 from nnx_zoo.models.deepseek4.attention import Context, Rope, V4Attention
 from nnx_zoo.models.deepseek4.compressor import windows
@@ -46,6 +49,17 @@ def _dtypes(c: DeepSeekV4Config) -> dict[str, Any]:
     return dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
 
 
+class LayerResult(NamedTuple):
+    """What a layer hands up besides its streams: ``expert_indices [b, s, k]``, ``dropped_tokens`` (int32),
+    ``balance_loss [b]`` (the sequence-wise balance loss; None when off) and ``indexer_loss [b]`` (a CSA layer's
+    indexer KL, each sequence's mean over its real queries; None unless the indexer trains)."""
+
+    expert_indices: jax.Array
+    dropped_tokens: jax.Array
+    balance_loss: jax.Array | None = None
+    indexer_loss: jax.Array | None = None
+
+
 class DecoderLayer(nnx.Module):
     """One V4 layer on the streams ``h [b, s, hc_mult, embed]``: ``(h', SparseMoEOutput)``.
 
@@ -53,7 +67,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, config: DeepSeekV4Config, layer_type: str, mlp_type: str, *, rngs: nnx.Rngs):
-        c = config
+        c = self.config = config
         init = nnx.initializers.normal(c.initializer_range)
         hc = dict(streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.rms_norm_eps,
                   kernel_init=init, rngs=rngs)
@@ -72,12 +86,19 @@ class DecoderLayer(nnx.Module):
             kernel_init=init, rngs=rngs, **_dtypes(c))
 
     def __call__(self, h: jax.Array, ctx: Context, input_ids: jax.Array, token_mask: jax.Array
-                 ) -> tuple[jax.Array, SparseMoEOutput]:
+                 ) -> tuple[jax.Array, LayerResult]:
+        c = self.config
         x, post, comb = self.attn_hc(h)
-        h = self.attn_hc.expand(h, self.attn(self.input_norm(x), ctx).output, post, comb)
+        attn = self.attn(self.input_norm(x), ctx)
+        h = self.attn_hc.expand(h, attn.output, post, comb)
         x, post, comb = self.ffn_hc(h)
-        moe = self.mlp(self.post_attn_norm(x), token_mask=token_mask, input_ids=input_ids)
-        return self.ffn_hc.expand(h, moe.output, post, comb), moe
+        out, routing, _, dropped = self.mlp.routed(self.post_attn_norm(x), input_ids)
+        batch, seq = input_ids.shape
+        idx = routing.expert_indices.reshape(batch, seq, -1)
+        balance = None if not c.seq_aux_loss_alpha else sequence_balance_loss(
+            routing.probs, routing.expert_indices, token_mask, c.seq_aux_loss_alpha)
+        kl = None if attn.indexer_kl is None else mean_over_real_queries(attn.indexer_kl, token_mask)
+        return self.ffn_hc.expand(h, out, post, comb), LayerResult(idx, dropped, balance, kl)
 
 
 class MTPHead(nnx.Module):
@@ -100,8 +121,8 @@ class MTPHead(nnx.Module):
         self.norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
 
     def __call__(self, embedded: jax.Array, previous: jax.Array, ctx: Context, input_ids: jax.Array,
-                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array, SparseMoEOutput]:
-        """``(streams, normed hidden [b, s, embed], moe)``."""
+                 token_mask: jax.Array) -> tuple[jax.Array, jax.Array, LayerResult]:
+        """``(streams, normed hidden [b, s, embed], its layer's result)``."""
         streams = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
         h = self.e_proj(self.enorm(embedded), _BLE)[:, :, None, :] + self.h_proj(self.hnorm(previous), streams)
         h, moe = self.layer(shard(h, streams), ctx, input_ids, token_mask)
@@ -116,6 +137,8 @@ class _Record(NamedTuple):
     expert_indices: jax.Array | None = None
     expert_load: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
+    balance_loss: jax.Array | None = None
+    indexer_loss: jax.Array | None = None
 
 
 def kind_name(kind: tuple[str, str]) -> str:
@@ -240,14 +263,19 @@ class DeepSeekV4(CausalLMBase):
                 records = []
                 for layer in group:
                     streams = h
-                    h, moe = layer(h, ctx, input_ids, token_mask)
+                    h, result = layer(h, ctx, input_ids, token_mask)
                     load = None
                     if with_expert_load:
-                        load = jnp.sum(jax.nn.one_hot(moe.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                        load = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts, dtype=jnp.float32),
                                        axis=(0, 1, 2))
+                    # Layers without an indexer (or with the loss off) hand up zeros, so every record has a shape.
+                    kl = result.indexer_loss
+                    if kl is None and c.indexer_training != "off":
+                        kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
                     records.append(_Record(streams if with_hidden_states else None,
-                                           moe.expert_indices if with_routing else None, load,
-                                           moe.dropped_tokens if with_expert_load else None))
+                                           result.expert_indices if with_routing else None, load,
+                                           result.dropped_tokens if with_expert_load else None,
+                                           result.balance_loss, kl))
                 return h, records
 
             per_segment = []
@@ -271,10 +299,15 @@ class DeepSeekV4(CausalLMBase):
                 logits, mtp_logits = both[0], both[1:]
             elif with_logits:
                 logits = self._logits(final_hidden)
+            aux_loss = indexer_loss = None
+            if layers.balance_loss is not None:  # summed over the layers, a mean over the sequences with a token
+                aux_loss = _mean_over_sequences(layers.balance_loss, attention_mask)
+            if layers.indexer_loss is not None:
+                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(layers.indexer_loss, attention_mask)
             return CausalLMOutput(logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                                   expert_indices=layers.expert_indices, expert_load=layers.expert_load,
-                                  dropped_tokens=layers.dropped_tokens, final_hidden=final_hidden,
-                                  mtp_hidden=mtp_hidden)
+                                  dropped_tokens=layers.dropped_tokens, aux_loss=aux_loss, final_hidden=final_hidden,
+                                  mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
              positions: jax.Array, streams: jax.Array) -> jax.Array:
@@ -295,6 +328,15 @@ class DeepSeekV4(CausalLMBase):
             streams, hidden, _ = head(self.embed(ids[k]), streams, ctx, ids[k], mask)
             outputs.append(hidden)
         return jnp.stack(outputs)
+
+    def trainable(self) -> nnx.filterlib.Filter:
+        """What a trainer updates: every parameter, except the CSA indexers' by ``indexer_training`` (DeepSeek-V3.2's
+        stages): ``dense_warmup`` trains the indexers alone, ``off`` freezes them, ``sparse`` trains everything."""
+        stage = self.config.indexer_training
+        if CSA not in self.config.layer_types or stage == "sparse":
+            return nnx.Param
+        indexer = nnx.PathContains("indexer")
+        return nnx.All(nnx.Param, indexer if stage == "dense_warmup" else nnx.Not(indexer))
 
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """Aux-loss-free balancing after an optimizer step: each top-k layer's selection bias moves by ``rate``
