@@ -83,6 +83,11 @@ def _transformers_checkpoint(family: str, directory: Path):
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False))
     elif family in ("deepseek_v2", "deepseek_v32"):  # a dense layer, then routed + shared experts
         model = make_hf_model(arch=family.removeprefix("deepseek_"), vocab_size=vocab, max_position_embeddings=256)
+    elif family == "deepseek_v4":  # a sliding hash-routed layer, a CSA layer, an HCA layer
+        from tests.models.deepseek4.reference import hf_config
+        from tests.models.deepseek4.reference import make_hf_model as make_v4
+
+        model = make_v4(hf_config("parts", vocab_size=vocab, max_position_embeddings=256), seed=0)
     else:
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
@@ -92,7 +97,8 @@ def _transformers_checkpoint(family: str, directory: Path):
 # LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
 # the stacked layers), merged.
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
-                                                     ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1)])
+                                                     ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
+                                                     ("deepseek_v4", 3)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 
