@@ -21,7 +21,8 @@ from nnx_zoo.sharding import logical_names
 from nnx_zoo.sharding.axes import STACK_AXES
 
 # One small preset per family, shrunk further (2 layers, 256 tokens) so the whole file runs in seconds.
-PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny", "Qwen3": "qwen3-tiny",
+PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
+             "Qwen3": "qwen3-tiny",
              "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256

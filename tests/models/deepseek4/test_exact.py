@@ -16,8 +16,8 @@ from flax import nnx
 
 from nnx_zoo import DeepSeekV4
 from nnx_zoo.layers import routers
-from nnx_zoo.models.deepseek4 import model as model_module
 from nnx_zoo.models.deepseek4 import kernel
+from nnx_zoo.models.deepseek4 import model as model_module
 from nnx_zoo.models.deepseek4.attention import V4Attention
 from tests.models.deepseek4.reference import hf_config, hf_outputs, make_hf_model, rel
 
