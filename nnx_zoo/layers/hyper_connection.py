@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.layers.linear import DEFAULT_INIT
-from nnx_zoo.layers.norm import rms_normalize
+from nnx_zoo.layers.spec import weight_einsum
 from nnx_zoo.sharding import shard
 
 STREAMS = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
@@ -41,9 +41,12 @@ def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
 
 def _mixes(h: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """The per-token mixing logits ``[batch, seq, mix]`` of streams ``h [batch, seq, n, embed]``: the flattened
-    streams, RMS-normalized without a scale, times ``fn [n, embed, mix]``, in float32."""
-    normed = rms_normalize(h.astype(jnp.float32).reshape(*h.shape[:2], -1), norm_eps)
-    return shard(jnp.einsum("bsx,xm->bsm", normed, fn.reshape(-1, fn.shape[-1])), _MIX)
+    streams, RMS-normalized without a scale, times ``fn [n, embed, mix]``, in float32 (the streams and the width
+    contracted together, never flattened: the width may be split over devices)."""
+    hf = h.astype(jnp.float32)
+    normed = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=(-2, -1), keepdims=True) + norm_eps)
+    return shard(weight_einsum("bsnd,ndm->bsm", normed, fn, _MIX, weight_names=("hc_streams", "embed", "hc_mix")),
+                 _MIX)
 
 
 def collapse(h: jax.Array, pre: jax.Array) -> jax.Array:

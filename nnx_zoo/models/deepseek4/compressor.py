@@ -67,27 +67,31 @@ def windows(rate: int, token_mask: jax.Array, positions: jax.Array, segment_ids:
     """
     batch = max(token_mask.shape[0], positions.shape[0], 1 if segment_ids is None else segment_ids.shape[0])
     seq = token_mask.shape[1]
-    real = jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.int32)
-    positions = jnp.broadcast_to(positions, (batch, seq))
-    count = jnp.cumsum(real, axis=1)  # real tokens up to and including each index
-    if segment_ids is None:
-        before = jnp.zeros_like(count)
-    else:  # the count just before each document's first index, carried forward through the document
-        starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-        before = jax.lax.cummax(jnp.where(starts, count - real, 0), axis=1)
-    rank = count - before - 1
-    closes = (real > 0) & (rank % rate == rate - 1)
-    slots = seq // rate
-    slot = jnp.where(closes, jnp.cumsum(closes, axis=1) - 1, slots)  # out of range: dropped
-    rows = jnp.arange(batch)[:, None]
-    index = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    last = jnp.full((batch, slots), -1, jnp.int32).at[rows, slot].set(index, mode="drop")
-    safe = jnp.maximum(last, rate - 1)
-    first = safe - rate + 1
-    position = jnp.take_along_axis(positions, first, axis=1)
-    previous = (last >= 0) & (jnp.take_along_axis(rank, safe, axis=1) >= 2 * rate - 1)
-    segment = None if segment_ids is None else jnp.take_along_axis(segment_ids, safe, axis=1)
-    return Windows(last, position, previous, segment)
+    # Whole along the sequence (a window may straddle context-parallel shards), one row at a time (vmap: the
+    # batch dim stays where the rules put it, with no collective).
+    whole = ("activation_batch", None)
+    real = shard(jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.int32), whole)
+    positions = shard(jnp.broadcast_to(positions, (batch, seq)), whole)
+    segments = None if segment_ids is None else shard(segment_ids, whole)
+
+    def row(real: jax.Array, positions: jax.Array, segments: jax.Array | None) -> Windows:
+        count = jnp.cumsum(real)  # real tokens up to and including each index
+        if segments is None:
+            before = jnp.zeros_like(count)
+        else:  # the count just before each document's first index, carried forward through the document
+            starts = jnp.concatenate([jnp.ones((1,), bool), segments[1:] != segments[:-1]])
+            before = jax.lax.cummax(jnp.where(starts, count - real, 0))
+        rank = count - before - 1
+        closes = (real > 0) & (rank % rate == rate - 1)
+        slots = seq // rate
+        slot = jnp.where(closes, jnp.cumsum(closes) - 1, slots)  # out of range: dropped
+        last = jnp.full((slots,), -1, jnp.int32).at[slot].set(jnp.arange(seq, dtype=jnp.int32), mode="drop")
+        safe = jnp.maximum(last, rate - 1)
+        position = positions[safe - rate + 1]
+        previous = (last >= 0) & (rank[safe] >= 2 * rate - 1)
+        return Windows(last, position, previous, None if segments is None else segments[safe])
+
+    return jax.vmap(row)(real, positions, segments)
 
 
 class Compressor(nnx.Module):
@@ -143,8 +147,7 @@ class Compressor(nnx.Module):
         slots = first[:, :, None] + jnp.arange(rate)  # [b, n, rate] token indices of each window
 
         def gather(a: jax.Array, index: jax.Array) -> jax.Array:  # [b, s, c] at [b, n, rate] -> [b, n, rate, c]
-            flat = jnp.take_along_axis(a, jnp.clip(index, 0).reshape(a.shape[0], -1, 1), axis=1)
-            return flat.reshape(*index.shape, a.shape[-1])
+            return jax.vmap(lambda rows, at: rows[jnp.clip(at, 0)])(a, index)
 
         prev_kv = prev_gate = None
         if self.overlap:

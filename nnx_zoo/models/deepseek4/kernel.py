@@ -31,6 +31,9 @@ XLA_MAX_SCORES = 512 * 512  # as nnx_zoo.layers.attention's CPU threshold
 BLOCK = 128  # queries per block of the blockwise path
 _MIN = float(jnp.finfo(jnp.float32).min)
 _BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+_KEYS = ("activation_batch", "activation_kv_length", None)  # keys whole along the sequence on every device
+_SCORES = ("activation_batch", "activation_heads", "activation_length", None)
+_WHOLE = ("activation_batch", None)
 
 
 class IndexerInputs(NamedTuple):
@@ -102,7 +105,8 @@ def softmax_with_sink(parts: list[jax.Array], sinks: jax.Array) -> list[jax.Arra
     """One float32 softmax over the concatenated key dims of ``parts`` (each ``[b, h, q, k_i]``, masked scores at
     the float32 minimum) and a sink column ``sinks [h]``; the probabilities of each part (the sink's dropped)."""
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (*parts[0].shape[:3], 1))
-    logits = jnp.concatenate([p.astype(jnp.float32) for p in parts] + [sink], axis=-1)
+    # One layout for every part (heads and queries as the rules split them, keys whole): concatenable.
+    logits = jnp.concatenate([shard(p.astype(jnp.float32), _SCORES) for p in [*parts, sink]], axis=-1)
     probs = jax.nn.softmax(logits, axis=-1)
     out, start = [], 0
     for p in parts:
@@ -130,6 +134,8 @@ def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
     the CSA indexer's per-query KL [b, s] or None)``."""
     seq = q.shape[1]
     index = jnp.arange(seq)
+    kv, token_mask = shard(kv, _KEYS), shard(token_mask, _WHOLE)
+    segment_ids = None if segment_ids is None else shard(segment_ids, _WHOLE)
     scores = jnp.einsum("bshd,btd->bhst", q, kv) * jnp.asarray(scale, q.dtype)
     parts = [jnp.where(window_mask(index, index, token_mask, segment_ids, window)[:, None], scores, _MIN)]
     values = [kv]
