@@ -110,12 +110,14 @@ def key_table(config: DeepSeekV3Config) -> KeyTable:
         Slot(f"model.layers.{n}.embed_tokens.weight", "embed.embedding"),
         Slot(f"model.layers.{n}.shared_head.head.weight", head[0], (), head[1])))
     # One stack per kind of decoder layer (dense / MoE, and apart those reusing an earlier layer's top-k, which lack
-    # the indexer rows), each over its layers' indices in model order.
-    layers = tuple(Stack(name, prefix, indices, LAYER_TABLE, FUSED_EXPERTS if LAYER_STACKS[name][0] else {})
-                   for name, indices in c.layer_stacks().items() if indices)
+    # the indexer rows), each over its layers' indices in model order. Experts are written per expert, or fused
+    # where the architecture's transformers model reads only that layout (its table's "fused_experts").
+    fused = c.HF_ARCHITECTURES[c.hf_model_type].get("fused_experts", False)
+    layers = tuple(Stack(name, prefix, indices, LAYER_TABLE, FUSED_EXPERTS if LAYER_STACKS[name][0] else {},
+                         export_alternates=fused) for name, indices in c.layer_stacks().items() if indices)
     return KeyTable(
         top=TOP_TABLE,
-        stacks=(*layers, Stack("mtp_layers", prefix, mtp_layers, MTP_TABLE, mtp_fused)),
+        stacks=(*layers, Stack("mtp_layers", prefix, mtp_layers, MTP_TABLE, mtp_fused, export_alternates=fused)),
         copies=copies,
         source="nnx_zoo/models/deepseek/hf.py",
     )
@@ -128,7 +130,7 @@ def canonical_slots(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> list[
 
 def iter_hf_keys(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> Iterator[str]:
     """The HF keys ``save_pretrained`` writes for a model with these Variable shapes."""
-    return (s.key for s in export_slots(key_table(config), shapes))
+    return iter(dict.fromkeys(s.key for s in export_slots(key_table(config), shapes)))
 
 
 def _mtp_depth_present(ckpt: SafetensorsCheckpoint, config: DeepSeekV3Config) -> int:
