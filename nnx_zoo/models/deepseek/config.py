@@ -47,8 +47,9 @@ ROUTERS: dict[str, Router] = {
     "group_limited_greedy": Router("softmax", 1, False, "deepseek_v2", may_renormalize=False),
 }
 # Per transformers architecture: its class name; its defaults for keys a config.json may leave out, where they
-# differ from ours; what it cannot express (fields that must hold these values, not written to config.json); and
-# the topk_method values (ROUTERS) it routes by.
+# differ from ours; what it cannot express (fields that must hold these values, not written to config.json); the
+# topk_method values (ROUTERS) it routes by; and whether transformers builds a model from "head_dim": null (the key
+# shapes nothing, but V3.2's config class type-checks it).
 _NO_INDEXER = dict(index_topk=0)
 _V3_ROUTERS = ("noaux_tc",)
 _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -58,7 +59,7 @@ _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deepseek_v32": dict(name="DeepseekV32ForCausalLM", defaults=dict(
         topk_method="noaux_tc", index_topk=2048, index_n_heads=64, index_head_dim=128, n_group=8, topk_group=4,
         first_k_dense_replace=3, num_nextn_predict_layers=0),
-        fixed=dict(rope_interleave=True, index_rope_interleave=False), routers=_V3_ROUTERS),
+        fixed=dict(rope_interleave=True, index_rope_interleave=False), routers=_V3_ROUTERS, head_dim_null=False),
     "deepseek_v2": dict(name="DeepseekV2ForCausalLM", defaults=dict(
         topk_method="greedy", first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
         norm_topk_prob=False, n_group=None, topk_group=None, max_position_embeddings=2048),
@@ -432,6 +433,10 @@ class DeepSeekV3Config(FamilyConfig):
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("mlp_bias"):
             problems.append("mlp_bias=true is not supported (DeepSeek's MLPs have no biases)")
+        if "head_dim" in d and d["head_dim"] is None and not arch.get("head_dim_null", True):
+            problems.append(f"head_dim is null: transformers' {model_type} cannot build that model (its config class "
+                            "refuses null, or its rope fails on it); give an integer or leave the key out (the key "
+                            "does not shape the model: its heads are qk_nope_head_dim + qk_rope_head_dim wide)")
         if d.get("moe_layer_freq", 1) != 1:  # transformers ignores it (every layer past the dense ones is MoE)
             problems.append(f"moe_layer_freq={d['moe_layer_freq']!r} is not supported (only 1: every layer from "
                             "first_k_dense_replace on is an MoE layer)")

@@ -28,7 +28,8 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 # rope_theta defaults to 10000; it has no MTP layers), and what it cannot express.
 _HF = {"glm_moe_dsa": dict(
     name="GlmMoeDsaForCausalLM", defaults=dict(rope_theta=10000.0, num_nextn_predict_layers=0),
-    fixed=dict(topk_method="noaux_tc", rope_interleave=True, index_rope_interleave=True), routers=("noaux_tc",))}
+    fixed=dict(topk_method="noaux_tc", rope_interleave=True, index_rope_interleave=True), routers=("noaux_tc",),
+    head_dim_null=False)}  # its config class type-checks head_dim (an int; the rope width, whatever the file says)
 
 
 def _tuple_or_none(value: Any) -> Any:

@@ -39,7 +39,7 @@ _HF_DEFAULT_ROPE = dict(_YARN.to_dict(), rope_theta=10000.0, llama_4_scaling_bet
 # (mlp.experts.gate_up_proj / down_proj), which export writes ("fused_experts"); import reads either layout.
 _HF = {"mistral4": dict(name="Mistral4ForCausalLM", defaults=dict(rope_theta=10000.0),
                         fixed=dict(topk_method="noaux_tc", index_topk=0, num_nextn_predict_layers=0), routers=(),
-                        fused_experts=True)}
+                        fused_experts=True, head_dim_null=False)}  # a null head_dim reaches its rope and fails
 
 
 @dataclasses.dataclass(frozen=True)
