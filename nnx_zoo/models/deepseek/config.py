@@ -7,6 +7,11 @@ DeepSeek-V3.2 is V3 plus DeepSeek Sparse Attention: ``index_topk > 0`` gives eve
 (``nnx_zoo.models.deepseek.indexer``). Together they decide which transformers architecture
 (``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV32ForCausalLM``, ``hf_model_type``) the
 config is read from and written as.
+
+A family built on DeepSeek's model (GLM-5, Mistral 4) subclasses this config and answers a few hooks its own way:
+``HF_ARCHITECTURES`` (the transformers architecture it reads and writes), ``router``, ``is_moe_layer(i)``,
+``reuses_topk(i)`` (a layer without an indexer attending to an earlier layer's choice), ``query_scale(positions)``
+(a factor on each query), and the field ``index_rope_interleave``. DeepSeek's own code asks these, never a family.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
+
+import jax
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
@@ -48,8 +55,9 @@ ROUTERS: dict[str, Router] = {
 }
 # Per transformers architecture: its class name; its defaults for keys a config.json may leave out, where they
 # differ from ours; what it cannot express (fields that must hold these values, not written to config.json); the
-# topk_method values (ROUTERS) it routes by; and whether transformers builds a model from "head_dim": null (the key
-# shapes nothing, but V3.2's config class type-checks it).
+# topk_method values (ROUTERS) it routes by (none: the config's router, whatever the file says); whether
+# transformers builds a model from "head_dim": null (the key shapes nothing, but V3.2's config class type-checks it);
+# and whether its checkpoints hold the fused expert tensors ("fused_experts": export writes them).
 _NO_INDEXER = dict(index_topk=0)
 _V3_ROUTERS = ("noaux_tc",)
 _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -332,7 +340,7 @@ class DeepSeekV3Config(FamilyConfig):
             kinds[by_kind[(self.is_moe_layer(i), self.reuses_topk(i))]].append(i)
         return {name: tuple(layers) for name, layers in kinds.items()}
 
-    def query_scale(self, positions: Any) -> Any:
+    def query_scale(self, positions: jax.Array) -> jax.Array | None:
         """A factor on each query of attention at ``positions [batch, seq]`` (``[batch, seq]`` float32), or None
         for none (here: none; a family whose attention scales queries by position returns it)."""
         del positions

@@ -124,6 +124,11 @@ def test_export_reloads_in_transformers(built, tmp_path, name):
     model_cls.from_pretrained(path, moe_impl="gmm").save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["model_type"] == hf.config.model_type
+    # Experts as transformers reads them: per expert for GLM-5 (its key mapping fuses them), fused for Mistral 4.
+    keys = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    fused = {k for k in keys if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+    per_expert = {k for k in keys if ".mlp.experts.0." in k}
+    assert (bool(fused), bool(per_expert)) == ((True, False) if _family(name) == "mistral4" else (False, True))
     reloaded = hf_cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
     with torch.no_grad():
         logits = reloaded(torch.as_tensor(ids)).logits.numpy()
