@@ -14,6 +14,10 @@ bias) runs on FSDP 8 and FSDP 4 x EP 2 under ``default``, ``ep-as-cp`` and ``sha
 (``V2_CASES``, run by tests/models/deepseek/test_v2.py); in CI a V2 case stands in for the V3 case of the same
 mode, mesh, rule set and MoE path, which the plan then leaves out.
 
+GLM-5 and Mistral 4, DeepSeek's model with their own configs, run one case each (``FAMILY_CASES``): GLM-5 with a
+layer reusing the previous layer's top-k under Explicit ``ep-as-cp`` (the sequence split), Mistral 4 with its
+router and query scale under Auto FSDP 4 x TP 2 with two micro-batches.
+
 Cost: compilation dominates (one train-step compile per case, ~10 s of CPU each). CI runs every kept (mesh, rule
 set) pair under both modes with the batch split alternating between pairs (see ``plan``); set
 ``NNX_ZOO_FULL_MATRIX=1`` for the whole product (96 cases: 100 passed in 28 min alone on this 2-core machine; the
