@@ -6,7 +6,9 @@ from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
+from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
 from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
@@ -22,9 +24,13 @@ __all__ = [
     "GenerateOutput",
     "Glm4MoE",
     "Glm4MoEConfig",
+    "Glm5",
+    "Glm5Config",
     "Llama3",
     "Llama3Config",
     "LoRAParam",
+    "Mistral4",
+    "Mistral4Config",
     "Mixtral",
     "MixtralConfig",
     "Qwen3",

@@ -2,9 +2,9 @@
 
 A transform maps one HF tensor to (part of) one Variable: ``Same``; ``Dense`` (an ``nn.Linear`` weight
 ``[out, in]`` <-> our kernel ``[*in, *out]``); ``FusedGateUp`` / ``FusedDown`` (transformers-5 fused expert
-tensors, import only). Stacked Variables (scanned layers, routed experts) are filled slot by slot: a ``Slot`` is
-one HF key and the leading index it fills, ``()`` for a plain Variable, ``(layer,)`` or ``(layer, expert)`` for a
-stacked one.
+tensors; exported only by a stack that asks for them, ``Stack.export_alternates``). Stacked Variables (scanned
+layers, routed experts) are filled slot by slot: a ``Slot`` is one HF key and the leading index it fills, ``()``
+for a plain Variable, ``(layer,)`` or ``(layer, expert)`` for a stacked one.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class FusedGateUp:
         inner = ours[2]
         return a[:, self.half * inner : (self.half + 1) * inner, :].transpose(0, 2, 1)
 
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        """Our kernels ``[E, H, I]`` -> this half of ``gate_up_proj``, ``[E, I, H]`` (halves join on dim 1)."""
+        return a.transpose(0, 2, 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedDown:
@@ -95,6 +99,9 @@ class FusedDown:
         return (experts, hidden, inner)
 
     def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a.transpose(0, 2, 1)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
         return a.transpose(0, 2, 1)
 
 
@@ -116,13 +123,16 @@ class Row(NamedTuple):
 class Stack:
     """A stacked module of ours (``path``, leading dim = layer) stored as HF layers ``hf_prefix.format(i=n)``
     for ``n`` in ``layers``. ``alternates``: HF key (relative) -> ((our Variable, transform), ...) that fill a
-    whole layer slot at once, another layout of keys the ``{e}`` rows also cover (fused experts)."""
+    whole layer slot at once, another layout of keys the ``{e}`` rows also cover (fused experts); read always,
+    written instead of the rows they cover when ``export_alternates`` (an architecture whose transformers model
+    reads only the fused layout)."""
 
     path: str
     hf_prefix: str
     layers: range
     rows: tuple[Row, ...]
     alternates: Mapping[str, tuple[tuple[str, Any], ...]] = dataclasses.field(default_factory=dict)
+    export_alternates: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +188,24 @@ class KeyTable:
         if unmapped:  # a Variable added to the model without a row in the key table
             raise ValueError(f"no HF key in the table maps to {unmapped}; add rows to {self.source}")
         return slots
+
+    def export_slots(self, shapes: Mapping[str, Shape]) -> list[Slot]:
+        """The slots export writes, in order: the canonical keys (a stack's alternates instead of the rows they
+        cover where it exports them), then the copies. An alternate key filled from several Variables (fused gate
+        and up projections) comes as consecutive slots of that key, one per part, in the order the parts join (on
+        dim 1: ``FusedGateUp``'s ``half``)."""
+        fused = [stack for stack in self.stacks if stack.export_alternates]
+        covered = {f"{stack.path}.{ours}" for stack in fused for targets in stack.alternates.values()
+                   for ours, _ in targets}
+        slots = [s for s in self.slots(shapes) if s.path not in covered]
+        for stack in fused:
+            for hf, targets in stack.alternates.items():
+                parts = sorted(((f"{stack.path}.{ours}", t) for ours, t in targets if f"{stack.path}.{ours}" in shapes),
+                               key=lambda part: getattr(part[1], "half", 0))
+                for j, layer in enumerate(stack.layers):
+                    key = stack.hf_prefix.format(i=layer) + hf
+                    slots += [Slot(key, path, (j,), t) for path, t in parts]
+        return slots + list(self.copies)
 
     def alternate_slots(self, shapes: Mapping[str, Shape]) -> dict[str, list[Slot]]:
         """HF key -> the whole-layer slots it fills, for each stack's alternate layouts."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from itertools import product
+from itertools import groupby, product
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -299,8 +299,8 @@ def _assemble(shape: Shape, dtype: Any, sharding: Any, slots: list[Slot],
 
 # ---------------------------------------------------------------- saving
 def export_slots(table: KeyTable, shapes: Mapping[str, Shape]) -> list[Slot]:
-    """The slots export writes, in order: the canonical keys, then the copies."""
-    return table.slots(shapes) + list(table.copies)
+    """The slots export writes, in order (``KeyTable.export_slots``): the canonical keys, then the copies."""
+    return table.export_slots(shapes)
 
 
 def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, config: dict[str, Any], *,
@@ -318,11 +318,19 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
     shapes = {p: tuple(v.shape) for p, v in variables.items()}
     host = _HostCache(variables)
 
-    def to_write(s: Slot) -> TensorToWrite:
-        nbytes = math.prod(shapes[s.path][len(s.index):]) * np.dtype(variables[s.path].dtype).itemsize
-        return TensorToWrite(s.key, nbytes, lambda: s.transform.to_hf(host.get(s.path)[s.index]))
+    def to_write(parts: list[Slot]) -> TensorToWrite:
+        nbytes = sum(math.prod(shapes[s.path][len(s.index):]) * np.dtype(variables[s.path].dtype).itemsize
+                     for s in parts)
 
-    write_shards(directory, [to_write(s) for s in export_slots(table, shapes)], max_shard_bytes)
+        def tensor() -> np.ndarray:
+            arrays = [s.transform.to_hf(host.get(s.path)[s.index]) for s in parts]
+            return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)  # fused halves, in order
+
+        return TensorToWrite(parts[0].key, nbytes, tensor)
+
+    # A key filled from several Variables comes as consecutive slots of that key: one tensor, its parts joined.
+    groups = [list(group) for _, group in groupby(export_slots(table, shapes), key=lambda s: s.key)]
+    write_shards(directory, [to_write(parts) for parts in groups], max_shard_bytes)
     write_json(directory / "config.json", config)
 
 

@@ -8,7 +8,8 @@ auxiliary loss over any number of MoE layers.
 ``renormalize``, the ``k`` chosen weights divided by their sum (without: the raw probabilities), times ``scale``
 (1 unless a model sets it). With ``group_top=1`` (router ``"softmax_group_limited"``, HF DeepSeek-V2's
 ``group_limited_greedy``) the top-k is taken only within the ``topk_group`` of ``n_group`` contiguous groups
-holding the best single probabilities.
+holding the best single probabilities; with ``group_top=2`` (router ``"softmax_group_top2"``) a group scores as the sum
+of its two best probabilities.
 
 ``sigmoid_bias_top_k`` (HF ``topk_method='noaux_tc'``): ``s = sigmoid(logits)`` in float32; experts
 are *selected* on ``s + bias`` within the ``topk_group`` best of ``n_group`` contiguous expert groups (a group's
@@ -140,9 +141,11 @@ SCORES = {"sigmoid": lambda logits: jax.nn.sigmoid(logits.astype(jnp.float32)),
 
 # The routers a model picks by name (a config value): does the router carry a selection bias (RouterBias)?
 # ``*_hash`` routers take their choice from a frozen token-id table (``HashTable``) and weight it by their scores.
-ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "sigmoid_bias": True,
-                            "sqrtsoftplus_bias": True, "sqrtsoftplus_hash": False}
+ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "softmax_group_top2": False,
+                            "sigmoid_bias": True, "sqrtsoftplus_bias": True, "sqrtsoftplus_hash": False}
 HASH_ROUTERS: dict[str, str] = {"sqrtsoftplus_hash": "sqrtsoftplus"}  # name -> its scores (SCORES)
+# The softmax routers' group score: the sum of a group's best ``group_top`` probabilities (0: no group limit).
+_SOFTMAX_GROUP_TOP = {"softmax": 0, "softmax_group_limited": 1, "softmax_group_top2": 2}
 
 
 class HashTable(nnx.Variable):
@@ -154,9 +157,10 @@ def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: ja
           n_group: int = 1, topk_group: int = 1, scale: float = 1.0, chosen: jax.Array | None = None) -> Routing:
     """The ``Routing`` of ``logits [..., E]`` by the router named ``router`` (``ROUTERS``): ``"softmax"``
     (``softmax_top_k``; no bias or groups), ``"softmax_group_limited"`` (``softmax_top_k`` within the
-    ``topk_group`` groups holding the best single probabilities; no bias) or ``"sigmoid_bias"``
-    (``sigmoid_bias_top_k``) or ``"sqrtsoftplus_bias"`` (``sqrtsoftplus_bias_top_k``; no groups). A hash router
-    (``HASH_ROUTERS``) routes to ``chosen [..., k]`` (the table's experts of each token), weighted by its scores."""
+    ``topk_group`` groups holding the best single probabilities; no bias), ``"softmax_group_top2"`` (the same
+    with a group scored by the sum of its two best probabilities), ``"sigmoid_bias"`` (``sigmoid_bias_top_k``) or
+    ``"sqrtsoftplus_bias"`` (``sqrtsoftplus_bias_top_k``; no groups). A hash router (``HASH_ROUTERS``) routes to
+    ``chosen [..., k]`` (the table's experts of each token), weighted by its scores."""
     if router in HASH_ROUTERS:
         if chosen is None:
             raise ValueError(f"router {router!r} routes by a token-id table: pass the chosen experts")
@@ -165,10 +169,9 @@ def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: ja
         return Routing(chosen, chosen_weights(scores, chosen, renormalize=renormalize, scale=scale), scores)
     if router == "sqrtsoftplus_bias":
         return sqrtsoftplus_bias_top_k(logits, k, bias=bias, renormalize=renormalize, scale=scale)
-    if router in ("softmax", "softmax_group_limited"):
-        group_top = 1 if router == "softmax_group_limited" else 0
+    if router in _SOFTMAX_GROUP_TOP:
         return softmax_top_k(logits, k, renormalize=renormalize, n_group=n_group, topk_group=topk_group,
-                             group_top=group_top, scale=scale)
+                             group_top=_SOFTMAX_GROUP_TOP[router], scale=scale)
     if router == "sigmoid_bias":
         return sigmoid_bias_top_k(logits, k, bias=bias, renormalize=renormalize, n_group=n_group,
                                   topk_group=topk_group, scale=scale)

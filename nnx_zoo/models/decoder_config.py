@@ -166,6 +166,14 @@ class DecoderConfig(FamilyConfig):
     # What transformers' config class makes of a config.json without num_key_value_heads: its class default (an
     # int), or None for LlamaConfig's rule, num_attention_heads (multi-head attention).
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = None
+    # What transformers makes of a config.json without head_dim: its config class's default (an int), or None for
+    # hidden_size // num_attention_heads (LlamaConfig's and MixtralConfig's rule; the MoE families' attention
+    # computes it so when their config class has no head_dim).
+    HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = None
+    # Whether transformers builds the model from "head_dim": null, as hidden_size // num_attention_heads (Llama,
+    # Mixtral); False where its config class refuses null (Qwen3) or its model fails on it (Qwen3-MoE, GLM-4.5),
+    # so such a file is refused here too.
+    HF_HEAD_DIM_NULL_OK: ClassVar[bool] = True
     # Whether the family's transformers model implements partial_rotary_factor (GLM-4.5 does; Llama, Qwen3,
     # Qwen3-MoE and Mixtral rope whole heads and ignore or fail on another value, so here it is refused).
     PARTIAL_ROTARY: ClassVar[bool] = False
@@ -315,8 +323,15 @@ class DecoderConfig(FamilyConfig):
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names and k not in ("rope_theta", "rope_scaling", "dtype")}
         kwargs["partial_rotary_factor"] = factor
-        if kwargs.get("head_dim") is None:
-            kwargs.pop("head_dim", None)
+        # A file's silence or null means what transformers makes of it, not our class default (None below:
+        # hidden_size // num_attention_heads, filled in by __post_init__).
+        if "head_dim" not in d:
+            kwargs["head_dim"] = cls.HF_HEAD_DIM_IF_ABSENT
+        elif d["head_dim"] is None and not cls.HF_HEAD_DIM_NULL_OK and "head_dim" not in overrides:
+            absent = cls.HF_HEAD_DIM_IF_ABSENT or "hidden_size // num_attention_heads"
+            raise ValueError(f"head_dim is null: transformers' {cls.MODEL_TYPE} cannot build that model (its config "
+                             "class refuses null or its attention fails on it); give the number, or leave the key "
+                             f"out (transformers then takes {absent})")
         try:
             kwargs["rope_theta"], kwargs["rope_scaling"] = rope_from_hf(d, default_theta=cls.rope_theta)
             return cls(**{**kwargs, **overrides})

@@ -6,6 +6,7 @@ checkpoint without ``lm_head.weight`` (a tied one loads, with or without a store
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jax.numpy as jnp
@@ -19,9 +20,12 @@ from nnx_zoo import (
     AutoModelForCausalLM,
     DeepSeekV3,
     DeepSeekV3Config,
+    DeepSeekV4Config,
     Glm4MoEConfig,
+    Glm5Config,
     Llama3,
     Llama3Config,
+    Mistral4Config,
     MixtralConfig,
     Qwen3,
     Qwen3Config,
@@ -92,9 +96,12 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 
 def test_presets_of_every_family():
     names = preset_names()
-    assert set(names) == {"DeepSeekV3", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE"}
-    for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("Llama3", Llama3Config), ("Qwen3", Qwen3Config),
-                        ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig)):
+    assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
+                          "Mistral4"}
+    for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
+                        ("Qwen3", Qwen3Config),
+                        ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
+                        ("Glm5", Glm5Config), ("Mistral4", Mistral4Config)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -105,6 +112,8 @@ def test_presets_of_every_family():
     assert type(model) is Qwen3 and nnx.eval_shape(lambda m: m(jnp.zeros((1, 4), jnp.int32)), model).shape == (
         1, 4, 64)
     assert AutoModelForCausalLM.model_class("llama") is Llama3
+    assert AutoModelForCausalLM.model_class("glm_moe_dsa").__name__ == "Glm5"
+    assert AutoModelForCausalLM.model_class("mistral4").__name__ == "Mistral4"
 
 
 def test_config_validation():
@@ -235,3 +244,70 @@ def test_partial_rotary_is_refused_where_transformers_does_not_implement_it(tmp_
         AutoConfig.preset("qwen3-tiny", partial_rotary_factor=0.5)
     assert AutoConfig.from_hf({**d, "partial_rotary_factor": 1.0}).partial_rotary_factor == 1.0
     assert AutoConfig.preset("glm4.5-tiny").partial_rotary_factor == 0.5
+
+
+# One preset per family: the dense-core ones take hidden_size // num_attention_heads = 96 // 4 = 24 (neither 128 nor
+# the presets' 32 or 64); DeepSeek's (V3, V2, V3.2, GLM-5, Mistral 4) have no head_dim of their own.
+HEAD_DIM_PRESETS = ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny", "deepseek3-mini",
+                    "deepseek2-tiny", "deepseek3.2-tiny", "glm5-tiny", "mistral4-tiny", "deepseek4-tiny"]
+
+
+@pytest.mark.parametrize("head_dim", ["absent", "null"])
+@pytest.mark.parametrize("preset", HEAD_DIM_PRESETS)
+def test_config_json_without_head_dim_reads_as_transformers_reads_it(preset, head_dim):
+    """A config.json whose head_dim is null or absent means what transformers makes of it: the head width its own
+    model is built with from the same dict (on the meta device), hidden_size // num_attention_heads or its config
+    class's default. Where transformers cannot build the model (Qwen3's, DeepSeek-V3.2's and GLM-5's config classes
+    refuse null; Qwen3-MoE's and GLM-4.5's attention and Mistral 4's rope fail on it) the file is refused here,
+    naming head_dim.
+    Otherwise DeepSeek's families ignore the key, as transformers does (their heads are qk_nope + qk_rope wide)."""
+    import torch
+    import transformers
+
+    config = AutoConfig.preset(preset, vocab_size=64, num_hidden_layers=1)
+    full = config.to_hf_dict()
+    deepseek = isinstance(config, DeepSeekV3Config)
+    if isinstance(config, DeepSeekV4Config):  # absent: transformers' default head width, 512; null: refused
+        full.update(head_dim=512, qk_rope_head_dim=64, partial_rotary_factor=0.125, num_attention_heads=4,
+                    index_head_dim=64)
+        full["rope_parameters"]["main"]["partial_rotary_factor"] = 0.125
+        full["rope_parameters"]["compress"]["partial_rotary_factor"] = 0.125
+    elif not deepseek:
+        full.update(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)
+    d = {k: v for k, v in full.items() if k != "head_dim"}
+    if head_dim == "null":
+        d["head_dim"] = None
+    try:
+        with torch.device("meta"):
+            hf = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(**copy.deepcopy(d)))
+    except Exception:  # transformers cannot build it (its config class or its attention refuses the value)
+        hf = None
+    if hf is None:
+        assert head_dim == "null" and preset in ("qwen3-tiny", "qwen3-moe-tiny", "glm4.5-tiny", "deepseek3.2-tiny",
+                                                 "glm5-tiny", "mistral4-tiny", "deepseek4-tiny")
+        with pytest.raises(ValueError, match="head_dim is null: transformers' .* cannot build that model"):
+            AutoConfig.from_hf(d)
+        if not deepseek:  # an override supplies it
+            width = 512 if isinstance(config, DeepSeekV4Config) else 24
+            assert AutoConfig.from_hf(d, head_dim=width).head_dim == width
+        return
+    ours = AutoConfig.from_hf(d)
+    attn = hf.layers[0].self_attn
+    if isinstance(config, DeepSeekV4Config):
+        assert ours.head_dim == attn.q_b_proj.weight.shape[0] // 4 == 512 and ours == AutoConfig.from_hf(full)
+    elif deepseek:
+        assert ours == AutoConfig.from_hf(full)
+        q = attn.q_b_proj if config.q_lora_rank else attn.q_proj
+        assert q.weight.shape[0] == ours.num_attention_heads * ours.qk_head_dim
+    else:
+        assert ours.head_dim == attn.q_proj.weight.shape[0] // 4 == (128 if preset == "qwen3-tiny" else 24)
+
+
+def test_a_mixtral_config_that_transformers_saved_loads(tmp_path):
+    """transformers 5's MixtralConfig writes "head_dim": null; at 96 / 4 heads that is 24, not Mixtral-8x7B's 128."""
+    import transformers
+
+    transformers.MixtralConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                               num_hidden_layers=1, vocab_size=64).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["head_dim"] is None
+    assert AutoConfig.from_hf(tmp_path).head_dim == 24

@@ -81,8 +81,8 @@ def _transformers_checkpoint(family: str, directory: Path):
         model = LlamaForCausalLM(LlamaConfig(
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False))
-    elif family in ("deepseek_v2", "deepseek_v32"):  # a dense layer, then routed + shared experts
-        model = make_hf_model(arch=family.removeprefix("deepseek_"), vocab_size=vocab, max_position_embeddings=256)
+    elif family in MLA_ARCHS:  # MLA; a dense layer, then routed + shared experts
+        model = make_hf_model(arch=MLA_ARCHS[family], vocab_size=vocab, max_position_embeddings=256)
     elif family == "deepseek_v4":  # a sliding hash-routed layer, a CSA layer, an HCA layer
         from tests.models.deepseek4.reference import hf_config
         from tests.models.deepseek4.reference import make_hf_model as make_v4
@@ -94,11 +94,16 @@ def _transformers_checkpoint(family: str, directory: Path):
     return type(model)
 
 
+# The families on DeepSeek's parts (tests/models/deepseek/hf_reference.py's tiny configs): model_type -> arch.
+MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", "mistral4": "mistral4"}
+
+
 # LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
-# the stacked layers), merged.
+# the stacked layers; GLM-5's MoE layers are two stacks, the one with an indexer and the one reusing its top-k),
+# merged.
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
                                                      ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
-                                                     ("deepseek_v4", 3)])
+                                                     ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 
@@ -113,7 +118,7 @@ def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_p
         assert len(ns["adapted"]) == 7  # the family's default: q/k/v/o and gate/up/down of the one layer
     assert sum(path.endswith("mlp/experts") for path in ns["adapted"]) == adapted_experts, ns["adapted"]
     assert len(ns["losses"]) == 3 and all(np.isfinite(ns["losses"]))
-    if family == "deepseek_v32":  # the probe is longer than the indexer's top-k: the sparse path ran
+    if family in ("deepseek_v32", "glm_moe_dsa"):  # the probe is longer than the indexer's top-k: sparse path ran
         assert 0 < ns["model"].config.index_topk < np.array(ns["probe"]).shape[1]
     # The merged checkpoint is a plain one of the family: transformers loads it and computes the notebook's logits,
     # which training changed (the adapters were trained and merged, not dropped).

@@ -95,6 +95,27 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
     assert "aux_loss" not in rows[0] and "glm4.5-tiny (Glm4MoE)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("preset", "args"), [
+    # GLM-5: layer 0 dense with an indexer, layer 1 MoE reusing its top-k (4 of 16 keys: sparse), an MTP head; the
+    # indexer's sparse stage (its KL) and aux-loss-free balancing of the sigmoid + bias router.
+    ("glm5-tiny", ["--model.num_hidden_layers", "2", "--model.index_topk", "4", "--indexer-stage", "sparse",
+                   "--routing-bias-rate", "0.01"]),
+    # Mistral 4: every layer MoE, its softmax group-limited router (no bias to balance), YaRN, the query scale.
+    ("mistral4-tiny", []),
+])
+def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
+    run_dir = tmp_path / "run"
+    assert recipe.main(["--model", preset, *TINY, *args, *SHORT, "--steps", "2", "--moe-impl", "dense",
+                        "--run-dir", str(run_dir)]) == 0
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows), rows
+    err = capsys.readouterr().err
+    assert f"{preset} (" in err
+    if preset.startswith("glm5"):
+        assert all(r["indexer_loss"] > 0 and r["expert_max_over_mean"] >= 1.0 for r in rows), rows
+        assert "indexer sparse stage: each query attends to its top 4 keys" in err
+
+
 def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):
     from nnx_zoo import Qwen3, Qwen3Config
 

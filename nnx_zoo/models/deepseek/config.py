@@ -7,6 +7,11 @@ DeepSeek-V3.2 is V3 plus DeepSeek Sparse Attention: ``index_topk > 0`` gives eve
 (``nnx_zoo.models.deepseek.indexer``). Together they decide which transformers architecture
 (``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV32ForCausalLM``, ``hf_model_type``) the
 config is read from and written as.
+
+A family built on DeepSeek's model (GLM-5, Mistral 4) subclasses this config and answers a few hooks its own way:
+``HF_ARCHITECTURES`` (the transformers architecture it reads and writes), ``router``, ``is_moe_layer(i)``,
+``reuses_topk(i)`` (a layer without an indexer attending to an earlier layer's choice), ``query_scale(positions)``
+(a factor on each query), and the field ``index_rope_interleave``. DeepSeek's own code asks these, never a family.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
+
+import jax
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS
 from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
@@ -29,40 +36,57 @@ INDEXER_TRAINING = ("off", "dense_warmup", "sparse")
 
 
 class Router(NamedTuple):
-    """How an MoE block picks its experts; one row of ``ROUTERS``, chosen by the config's ``topk_method``."""
+    """How an MoE block picks its experts; one row of ``ROUTERS``, chosen by the config's ``topk_method`` (a
+    family built on this config may name its own: its config's ``router``)."""
 
     scoring: str  # 'sigmoid' | 'softmax' of the float32 router logits
     group_top: int  # a group's score is the sum of its best ``group_top`` scores; 0: no group limit
     selection_bias: bool  # select on scores + e_score_correction_bias (a RouterBias Variable); weights unbiased
     hf_model_type: str  # the transformers architecture that routes this way (config.json is written as it)
+    may_renormalize: bool = True  # whether norm_topk_prob=True is allowed (the references agree on it)
 
 
 # topk_method (HF's name for it) -> Router. V3: sigmoid, group score = sum of the top 2 biased scores. V2
 # (transformers' DeepseekV2TopkRouter): softmax, no bias; group_limited_greedy scores a group by its best expert.
 ROUTERS: dict[str, Router] = {
     "noaux_tc": Router("sigmoid", 2, True, "deepseek_v3"),
-    "greedy": Router("softmax", 0, False, "deepseek_v2"),
-    "group_limited_greedy": Router("softmax", 1, False, "deepseek_v2"),
+    "greedy": Router("softmax", 0, False, "deepseek_v2", may_renormalize=False),
+    "group_limited_greedy": Router("softmax", 1, False, "deepseek_v2", may_renormalize=False),
 }
 # Per transformers architecture: its class name; its defaults for keys a config.json may leave out, where they
-# differ from ours; and what it cannot express (fields that must hold these values, not written to config.json).
+# differ from ours; what it cannot express (fields that must hold these values, not written to config.json); the
+# topk_method values (ROUTERS) it routes by (none: the config's router, whatever the file says); whether
+# transformers builds a model from "head_dim": null (the key shapes nothing, but V3.2's config class type-checks it);
+# and whether its checkpoints hold the fused expert tensors ("fused_experts": export writes them).
 _NO_INDEXER = dict(index_topk=0)
+_V3_ROUTERS = ("noaux_tc",)
 _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed=_NO_INDEXER),
-    # V3.2: V3 plus the indexer; its main MLA always rotates consecutive pairs.
+    "deepseek_v3": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed=_NO_INDEXER,
+                        routers=_V3_ROUTERS),
+    # V3.2: V3 plus the indexer; its main MLA always rotates consecutive pairs, its indexer rotates halves.
     "deepseek_v32": dict(name="DeepseekV32ForCausalLM", defaults=dict(
         topk_method="noaux_tc", index_topk=2048, index_n_heads=64, index_head_dim=128, n_group=8, topk_group=4,
-        first_k_dense_replace=3, num_nextn_predict_layers=0), fixed=dict(rope_interleave=True)),
+        first_k_dense_replace=3, num_nextn_predict_layers=0),
+        fixed=dict(rope_interleave=True, index_rope_interleave=False), routers=_V3_ROUTERS, head_dim_null=False),
     "deepseek_v2": dict(name="DeepseekV2ForCausalLM", defaults=dict(
         topk_method="greedy", first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
         norm_topk_prob=False, n_group=None, topk_group=None, max_position_embeddings=2048),
         # V2 rotates consecutive pairs (complex multiplication) and has no multi-token-prediction layers.
-        fixed=dict(rope_interleave=True, num_nextn_predict_layers=0, **_NO_INDEXER)),
+        fixed=dict(rope_interleave=True, num_nextn_predict_layers=0, **_NO_INDEXER),
+        routers=("greedy", "group_limited_greedy")),
     # Moonshot's Kimi K2 is the DeepSeek-V3 architecture: its config.json says model_type "kimi_k2" with
     # architectures ["DeepseekV3ForCausalLM"] (transformers itself reads a kimi_k2 text config as deepseek_v3, see
     # its Kimi_K25Config). It is read as V3 ("reads_as"); export writes deepseek_v3, which transformers loads.
     "kimi_k2": dict(name="DeepseekV3ForCausalLM", defaults=dict(topk_method="noaux_tc"), fixed=_NO_INDEXER,
-                    reads_as="deepseek_v3"),
+                    reads_as="deepseek_v3", routers=_V3_ROUTERS),
+}
+# The decoder-layer stacks of a model (attribute names, each a scan over its layers): (is MoE, reuses an earlier
+# layer's top-k). A stack holds its kind's layers in model order; ``DeepSeekV3Config.layer_stacks`` says which.
+LAYER_STACKS: dict[str, tuple[bool, bool]] = {
+    "dense_layers": (False, False),
+    "moe_layers": (True, False),
+    "shared_topk_dense_layers": (False, True),
+    "shared_topk_moe_layers": (True, True),
 }
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
@@ -80,6 +104,9 @@ class DeepSeekV3Config(FamilyConfig):
     >>> cfg.with_overrides(num_hidden_layers=2).num_parameters().total
     """
 
+    # The transformers architectures this config reads and writes (see _HF_ARCHITECTURES); a family built on it
+    # names its own.
+    HF_ARCHITECTURES: ClassVar[dict[str, dict[str, Any]]] = _HF_ARCHITECTURES
     # config.json keys without which the model's shape is a guess (FamilyConfig.from_hf names the missing ones)
     INDEXER_STAGES: ClassVar[tuple[str, ...]] = INDEXER_TRAINING  # indexer_training's values (--indexer-stage)
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -120,6 +147,8 @@ class DeepSeekV3Config(FamilyConfig):
     index_topk: int = 0
     index_n_heads: int = 64
     index_head_dim: int = 128
+    # The indexer's rope on its first qk_rope_head_dim dims: rotate-half (False, V3.2) or consecutive pairs (True).
+    index_rope_interleave: bool = False
     initializer_range: float = 0.02
     # ---- nnx_zoo only ----
     dtype: str = "float32"  # compute dtype of activations and matmuls
@@ -210,6 +239,15 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"indexer_loss_weight must be a number >= 0, got {self.indexer_loss_weight!r}")
         if not isinstance(self.index_topk, int) or isinstance(self.index_topk, bool) or self.index_topk < 0:
             return p + [f"index_topk must be an integer >= 0 (0 = no sparse attention), got {self.index_topk!r}"]
+        if not isinstance(self.index_rope_interleave, bool):
+            p.append(f"index_rope_interleave must be true or false, got {self.index_rope_interleave!r}")
+        if isinstance(self.num_hidden_layers, int) and self.num_hidden_layers > 0:
+            reusing = [i for i in range(self.num_hidden_layers) if self.reuses_topk(i)]
+            if reusing and not self.index_topk:
+                p.append(f"layers {reusing} reuse an earlier layer's top-k keys, but there is no indexer: set "
+                         "index_topk > 0")
+            elif reusing and reusing[0] == 0:
+                p.append("layer 0 cannot reuse an earlier layer's top-k keys: no layer before it ran an indexer")
         if self.index_topk == 0:
             if self.indexer_training != "off":
                 p.append(f"indexer_training={self.indexer_training!r} needs the lightning indexer: set index_topk > 0 "
@@ -232,15 +270,17 @@ class DeepSeekV3Config(FamilyConfig):
         return p
 
     def _moe_problems(self) -> list[str]:
-        if self.topk_method not in ROUTERS:
+        try:
+            router = self.router
+        except KeyError:
             return [f"topk_method must be one of {tuple(ROUTERS)}, got {self.topk_method!r}"]
         p: list[str] = []
-        top = self.router.group_top  # 0: no group limit, n_group / topk_group unused
+        top = router.group_top  # 0: no group limit, n_group / topk_group unused
         names = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
         for name in names + (("n_group", "topk_group") if top else ()):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 p.append(f"{name} must be a positive integer (the model has MoE layers), got {getattr(self, name)!r}")
-        if self.router.scoring == "softmax" and self.norm_topk_prob:
+        if not router.may_renormalize and self.norm_topk_prob:
             # transformers' DeepseekV2 ignores it; DeepSeek's own V2 code renormalises and then skips the scaling.
             p.append(f"norm_topk_prob=True is not supported with topk_method={self.topk_method!r}: the references "
                      "disagree on it (transformers never renormalises V2's weights); set it False")
@@ -273,6 +313,43 @@ class DeepSeekV3Config(FamilyConfig):
         if self.index_topk and self.index_topk < seq_len and self.indexer_training != "dense_warmup":
             return self.index_topk
         return 0
+
+    # ---- per-layer structure and positions (hooks a family built on this config answers its own way) ----
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (from 0) has the MoE block (else the dense SwiGLU): here every layer
+        from ``first_k_dense_replace`` on."""
+        return index >= self.first_k_dense_replace
+
+    def reuses_topk(self, index: int) -> bool:
+        """Whether decoder layer ``index`` runs no indexer of its own and attends to the keys the nearest earlier
+        layer with an indexer chose (cross-layer top-k sharing). Never here: every layer has its indexer."""
+        return False
+
+    @property
+    def shares_topk(self) -> bool:
+        """Whether some layer reuses an earlier layer's top-k (so the layers with an indexer hand theirs on)."""
+        return any(self.reuses_topk(i) for i in range(self.num_hidden_layers))
+
+    def layer_stacks(self) -> dict[str, tuple[int, ...]]:
+        """Each layer stack's layers in model order (``LAYER_STACKS``' names; empty for a kind the model lacks):
+        the dense and MoE layers, and apart from them those that reuse an earlier layer's top-k (they have no
+        indexer, so no stack can hold both kinds)."""
+        kinds = {name: [] for name in LAYER_STACKS}
+        by_kind = {kind: name for name, kind in LAYER_STACKS.items()}
+        for i in range(self.num_hidden_layers):
+            kinds[by_kind[(self.is_moe_layer(i), self.reuses_topk(i))]].append(i)
+        return {name: tuple(layers) for name, layers in kinds.items()}
+
+    def query_scale(self, positions: jax.Array) -> jax.Array | None:
+        """A factor on each query of attention at ``positions [batch, seq]`` (``[batch, seq]`` float32), or None
+        for none (here: none; a family whose attention scales queries by position returns it)."""
+        del positions
+        return None
+
+    @property
+    def has_routing_bias(self) -> bool:
+        """Whether the router selects on a bias that aux-loss-free balancing moves (``update_routing_bias``)."""
+        return self.router.selection_bias
 
     @property
     def routers_train(self) -> bool:
@@ -321,7 +398,7 @@ class DeepSeekV3Config(FamilyConfig):
 
     @property
     def num_dense_layers(self) -> int:
-        return self.first_k_dense_replace
+        return sum(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     # The MoE questions every MoE family's config answers (``MoEDecoderConfig``'s names), in DeepSeek's fields.
     @property
@@ -339,7 +416,7 @@ class DeepSeekV3Config(FamilyConfig):
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace
+        return self.num_hidden_layers - self.num_dense_layers
 
     @property
     def has_moe(self) -> bool:
@@ -349,11 +426,14 @@ class DeepSeekV3Config(FamilyConfig):
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
-        model_type = d.get("model_type", "deepseek_v3")
-        if model_type not in _HF_ARCHITECTURES:
-            raise ValueError(f"unsupported config: model_type {model_type!r} is not a DeepSeek V2/V3 model (nor V3.2 "
-                             f"or Kimi K2): DeepSeekV3Config reads {sorted(_HF_ARCHITECTURES)}")
-        arch = _HF_ARCHITECTURES[model_type]
+        architectures = cls.HF_ARCHITECTURES
+        model_type = d.get("model_type", next(iter(architectures)))
+        if model_type not in architectures:
+            what = ("a DeepSeek V2/V3 model (nor V3.2 or Kimi K2)" if architectures is _HF_ARCHITECTURES
+                    else f"a {cls.__name__} model")
+            raise ValueError(f"unsupported config: model_type {model_type!r} is not {what}: {cls.__name__} reads "
+                             f"{sorted(architectures)}")
+        arch = architectures[model_type]
         model_type = arch.get("reads_as", model_type)
         d = {**arch["defaults"], **d, **arch["fixed"]}
         problems = []
@@ -361,6 +441,10 @@ class DeepSeekV3Config(FamilyConfig):
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("mlp_bias"):
             problems.append("mlp_bias=true is not supported (DeepSeek's MLPs have no biases)")
+        if "head_dim" in d and d["head_dim"] is None and not arch.get("head_dim_null", True):
+            problems.append(f"head_dim is null: transformers' {model_type} cannot build that model (its config class "
+                            "refuses null, or its rope fails on it); give an integer or leave the key out (the key "
+                            "does not shape the model: its heads are qk_nope_head_dim + qk_rope_head_dim wide)")
         if d.get("moe_layer_freq", 1) != 1:  # transformers ignores it (every layer past the dense ones is MoE)
             problems.append(f"moe_layer_freq={d['moe_layer_freq']!r} is not supported (only 1: every layer from "
                             "first_k_dense_replace on is an MoE layer)")
@@ -372,11 +456,12 @@ class DeepSeekV3Config(FamilyConfig):
                     problems.append(f"mlp_layer_types {layer_types!r} is not supported (only dense layers first, "
                                     "then sparse ones)")
                 d["first_k_dense_replace"] = dense
-        router = ROUTERS.get(d["topk_method"])
-        expected = "deepseek_v3" if model_type == "deepseek_v32" else model_type
-        if router is None or router.hf_model_type != expected:
-            methods = [name for name, r in ROUTERS.items() if r.hf_model_type == expected]
-            problems.append(f"topk_method {d['topk_method']!r} is not a {model_type} router (one of {methods})")
+        router = ROUTERS.get(d.get("topk_method"))
+        if not arch["routers"]:  # the architecture routes one way, whatever the file says (the config's router)
+            pass
+        elif d.get("topk_method") not in arch["routers"]:
+            problems.append(f"topk_method {d.get('topk_method')!r} is not a {model_type} router (one of "
+                            f"{list(arch['routers'])})")
         elif d.get("scoring_func", router.scoring) != router.scoring:
             problems.append(f"scoring_func {d['scoring_func']!r} does not match topk_method {d['topk_method']!r}, "
                             f"which scores with {router.scoring!r}")
@@ -408,7 +493,7 @@ class DeepSeekV3Config(FamilyConfig):
         transformers architecture that routes as ``topk_method`` does (``DeepseekV3ForCausalLM`` for
         ``noaux_tc``, ``DeepseekV2ForCausalLM`` for V2's softmax routers)."""
         router = self.router
-        arch = _HF_ARCHITECTURES[self.hf_model_type]
+        arch = self.HF_ARCHITECTURES[self.hf_model_type]
         unwritable = {k: getattr(self, k) for k, v in arch["fixed"].items() if getattr(self, k) != v}
         if unwritable:
             raise ValueError(f"{arch['name']} (topk_method={self.topk_method!r}) cannot hold {unwritable}: it "
@@ -447,6 +532,9 @@ class DeepSeekV3Config(FamilyConfig):
         return self.q_lora_rank * width + self.hidden_size * (self.index_head_dim + self.index_n_heads) + 2 * (
             self.index_head_dim)
 
+    def _num_reusing_layers(self) -> int:
+        return sum(self.reuses_topk(i) for i in range(self.num_hidden_layers))
+
     def _moe_params(self) -> tuple[int, int]:
         """(all parameters, parameters of the unchosen routed experts) of one MoE layer's MLP."""
         h, e = self.hidden_size, self.n_routed_experts
@@ -462,6 +550,7 @@ class DeepSeekV3Config(FamilyConfig):
         total = v * h + (0 if self.tie_word_embeddings else v * h) + h
         total += self.num_dense_layers * (attn + 3 * h * self.intermediate_size)
         total += self.num_moe_layers * (attn + moe_total)
+        total -= self._num_reusing_layers() * self._indexer_params()  # layers reusing a top-k have no indexer
         idle = self.num_moe_layers * moe_idle
         if include_mtp:
             total += self.num_nextn_predict_layers * (3 * h + 2 * h * h + attn + moe_total)
@@ -483,9 +572,10 @@ class DeepSeekV3Config(FamilyConfig):
         layers = self.num_hidden_layers + (self.num_nextn_predict_layers if include_mtp else 0)
         keys = seq_len / 2 if not self.index_topk else min(seq_len / 2, self.index_topk)
         attention = 6 * keys * self.num_attention_heads * (self.qk_head_dim + self.v_head_dim) * layers
-        if self.index_topk:
+        if self.index_topk:  # the layers that run an indexer (not those reusing an earlier layer's top-k)
             passes = 1 if self.indexer_training == "off" else 3
-            attention += passes * seq_len * self.index_n_heads * self.index_head_dim * layers
+            indexed = layers - self._num_reusing_layers()
+            attention += passes * seq_len * self.index_n_heads * self.index_head_dim * indexed
         return float(6 * matmul + attention)
 
 

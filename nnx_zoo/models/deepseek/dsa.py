@@ -6,9 +6,14 @@ The indexer (transformers' ``DeepseekV32Indexer``) scores query ``t`` against ke
 
 with ``q = wq_b(q_latent)`` (``index_n_heads`` heads of width ``D = index_head_dim``, read from MLA's normed query
 latent), one key head ``k = LayerNorm(wk(x))`` shared by all indexer heads, both rotated on their first
-``qk_rope_head_dim`` dims by rotate-half rope (MLA itself rotates interleaved pairs), and per-head weights
-``w = weights_proj(x) / sqrt(index_n_heads)`` (a float32 projection). Query ``t`` attends only to the
-``index_topk`` visible keys with the highest ``I[t, :]`` (to every visible key when fewer are visible).
+``qk_rope_head_dim`` dims (V3.2: rotate-half rope, while MLA itself rotates interleaved pairs; GLM-5: consecutive
+pairs, ``index_rope_interleave``), and per-head weights ``w = weights_proj(x) / sqrt(index_n_heads)`` (a float32
+projection). Query ``t`` attends only to the ``index_topk`` visible keys with the highest ``I[t, :]`` (to every
+visible key when fewer are visible).
+
+A layer may also attend to the keys an earlier layer's indexer chose and run no indexer itself (GLM-5's "shared"
+layers): ``sparse_attention_choosing`` hands its choice ``[b, q, topk]`` on, ``sparse_attention_chosen`` attends to
+a given one.
 
 How it is computed (``sparse_attention``): queries go in blocks. For one block the indexer's scores
 ``[block, keys]`` are built, their top-k taken, and each query's chosen keys gathered from MLA's per-token entries,
@@ -70,6 +75,7 @@ class LightningIndexer(nnx.Module):
         dtypes = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype))
         init = nnx.initializers.normal(c.initializer_range)
         self.heads, self.dim = c.index_n_heads, c.index_head_dim
+        self.interleaved = c.index_rope_interleave  # rope on the first qk_rope_head_dim dims: pairs or halves
         self.wq_b = Linear(c.q_lora_rank, (c.index_n_heads, c.index_head_dim), kernel_names=(
             "q_lora", "index_heads", "index_kv"), kernel_init=init, rngs=rngs, **dtypes)
         self.wk = Linear(c.hidden_size, c.index_head_dim, kernel_names=("embed", "index_kv"), kernel_init=init,
@@ -84,14 +90,14 @@ class LightningIndexer(nnx.Module):
         """``(q [b, s, heads, dim], w [b, s, heads] float32)`` for ``x [b, s, embed]`` and MLA's normed query
         latent ``q_latent [b, s, q_lora]``; both inputs are detached (the indexer trains on its own loss only)."""
         x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
-        q = apply_rope(self.wq_b(q_latent, _BLID), cos, sin, interleaved=False)
+        q = apply_rope(self.wq_b(q_latent, _BLID), cos, sin, interleaved=self.interleaved)
         w = self.weights_proj(x.astype(jnp.float32), _BLI) * (self.heads ** -0.5)
         return q, w
 
     def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """The indexer's key of each token ``[b, s, dim]`` (one head for all; what a decoding cache keeps)."""
         k = self.k_norm(self.wk(jax.lax.stop_gradient(x), _BLD))
-        return apply_rope(k[:, :, None, :], cos, sin, interleaved=False)[:, :, 0, :]
+        return apply_rope(k[:, :, None, :], cos, sin, interleaved=self.interleaved)[:, :, 0, :]
 
 
 def index_scores(q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
@@ -119,9 +125,42 @@ def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array,
     ``loss``: ``"off"`` (no KL), ``"sparse"`` (context and the KL over the selected keys) or ``"dense"`` (no
     context, None; the KL over all visible keys against dense attention, for the indexer's warm-up).
     """
+    context, kl, _ = _run(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, mask, topk=topk, scale=scale,
+                          loss=loss, keep_chosen=False)
+    return context, kl
+
+
+def sparse_attention_choosing(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array, index_w: jax.Array,
+                              latent: jax.Array, k_rope: jax.Array, index_k: jax.Array, mask: AttentionMask, *,
+                              topk: int, scale: float, loss: str = "off"
+                              ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """``sparse_attention`` (``loss`` ``"off"`` or ``"sparse"``) that also returns each query's chosen keys:
+    ``(context, kl, chosen [b, q, min(topk, keys)] int32)``, for later layers that reuse the choice
+    (``sparse_attention_chosen``). Slots a query cannot see fill up its choice when fewer are visible; they stay
+    masked wherever the choice is used."""
+    if loss == "dense":
+        raise ValueError("loss='dense' attends to every key: it chooses none to hand on")
+    return _run(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, mask, topk=topk, scale=scale,
+                loss=loss, keep_chosen=True)
+
+
+def sparse_attention_chosen(q_latent: jax.Array, q_rope: jax.Array, chosen: jax.Array, latent: jax.Array,
+                            k_rope: jax.Array, mask: AttentionMask, *, scale: float) -> jax.Array:
+    """MLA's absorbed attention of each query over the keys ``chosen [b, q, topk]`` (an earlier layer's choice,
+    ``sparse_attention_choosing``), the visible ones among them: ``context [b, q, heads, kv_lora]``. No indexer
+    runs; the inputs are ``sparse_attention``'s."""
+    q_spec = activation_spec(_Q_SIDE, q_latent.shape)
+    chosen_spec = PartitionSpec(q_spec[0], q_spec[1], None)
+    kernel = functools.partial(_local_chosen, scale=scale)
+    return run_per_query_shard(
+        kernel, queries=[(q_latent, q_spec), (q_rope, q_spec), (chosen, chosen_spec)],
+        keys=[(k, activation_spec(_K_SIDE, k.shape)) for k in (latent, k_rope)], mask=mask, out_specs=q_spec)
+
+
+def _run(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, mask, *, topk, scale, loss, keep_chosen):
     if loss not in ("off", "sparse", "dense"):
         raise ValueError(f"loss must be 'off', 'sparse' or 'dense', got {loss!r}")
-    kernel = functools.partial(_local, topk=min(topk, latent.shape[1]), scale=scale, mode=loss)
+    kernel = functools.partial(_local, topk=min(topk, latent.shape[1]), scale=scale, mode=loss, keep=keep_chosen)
     q_spec = activation_spec(_Q_SIDE, q_latent.shape)
     row_spec = PartitionSpec(q_spec[0], q_spec[1])  # [b, q]: the KL
     # The indexer's queries and head weights: every indexer head on every device (the top-k needs their sum).
@@ -131,7 +170,8 @@ def sparse_attention(q_latent: jax.Array, q_rope: jax.Array, index_q: jax.Array,
         queries=[(q_latent, q_spec), (q_rope, q_spec), (index_q, index_q_spec), (index_w, index_w_spec)],
         keys=[(k, activation_spec(_K_SIDE, k.shape)) for k in (latent, k_rope, index_k)],
         mask=mask,
-        out_specs=(None if loss == "dense" else q_spec, None if loss == "off" else row_spec),
+        out_specs=(None if loss == "dense" else q_spec, None if loss == "off" else row_spec,
+                   PartitionSpec(*row_spec, None) if keep_chosen else None),
         head_axes=axes_tuple(q_spec[2]),  # the KL sums attention over all heads: psum over the axes splitting them
     )
 
@@ -141,11 +181,10 @@ def _block_size(q_len: int, k_len: int, topk: int, heads: int, index_heads: int,
     return sparse_block_rows(q_len, k_len, topk, heads, index_heads, width, max_rows=_MAX_BLOCK)
 
 
-def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, kv_valid, q_seg, kv_seg, *,
-           topk, scale, mode, head_axes):
-    """``sparse_attention`` on one device's arrays: a map over query blocks, each recomputed in the backward."""
-    b, q_len, heads, width = q_latent.shape
-    block = _block_size(q_len, latent.shape[1], topk, heads, index_q.shape[2], width + k_rope.shape[-1])
+def _over_blocks(block_fn, block, queries, q_offset, q_seg):
+    """``block_fn((*query blocks, positions, q_seg block))`` mapped over blocks of ``block`` query rows (the last
+    one padded), its outputs ``[b, q, ...]`` (None stays None) merged back."""
+    b, q_len = queries[0].shape[:2]
     blocks = -(-q_len // block)
     pad = blocks * block - q_len
 
@@ -154,19 +193,8 @@ def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset
         return jnp.moveaxis(a.reshape(a.shape[0], blocks, block, *a.shape[2:]), 1, 0)
 
     positions = (q_offset + jnp.arange(blocks * block, dtype=jnp.int32)).reshape(blocks, block)
-    xs = (split(q_latent), split(q_rope), split(index_q), split(index_w), positions,
-          None if q_seg is None else split(q_seg))
-
-    # Recomputed in the backward pass, but for the chosen keys (small integers): the indexer's scores over all keys
-    # are not needed again (the sparse KL's gradient goes through the chosen keys' scores alone).
-    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("dsa_chosen"))
-    def one_block(x):
-        qa, qr, iq, iw, q_pos, q_seg_block = x
-        visible = _visible(q_pos, latent.shape[1], kv_valid, q_seg_block, kv_seg)
-        return _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, topk=topk, scale=scale, mode=mode,
-                             head_axes=head_axes)
-
-    context, kl = jax.lax.map(one_block, xs)
+    xs = (*(split(a) for a in queries), positions, None if q_seg is None else split(q_seg))
+    outputs = jax.lax.map(block_fn, xs)
 
     def merge(a):  # [blocks, b, block, ...] -> [b, q, ...]
         if a is None:
@@ -174,7 +202,43 @@ def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset
         a = jnp.moveaxis(a, 0, 1)
         return a.reshape(b, blocks * block, *a.shape[3:])[:, :q_len]
 
-    return merge(context), merge(kl)
+    return tuple(merge(a) for a in outputs)
+
+
+def _local(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, q_offset, kv_valid, q_seg, kv_seg, *,
+           topk, scale, mode, keep, head_axes):
+    """``sparse_attention`` on one device's arrays: a map over query blocks, each recomputed in the backward."""
+    q_len, heads, width = q_latent.shape[1:]
+    block = _block_size(q_len, latent.shape[1], topk, heads, index_q.shape[2], width + k_rope.shape[-1])
+
+    # Recomputed in the backward pass, but for the chosen keys (small integers): the indexer's scores over all keys
+    # are not needed again (the sparse KL's gradient goes through the chosen keys' scores alone).
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("dsa_chosen"))
+    def one_block(x):
+        qa, qr, iq, iw, q_pos, q_seg_block = x
+        visible = _visible(q_pos, latent.shape[1], kv_valid, q_seg_block, kv_seg)
+        context, kl, chosen = _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, topk=topk,
+                                            scale=scale, mode=mode, head_axes=head_axes)
+        return context, kl, chosen if keep else None
+
+    context, kl, chosen = _over_blocks(one_block, block, (q_latent, q_rope, index_q, index_w), q_offset, q_seg)
+    if chosen is not None and head_axes:  # the same on every head shard (the indexer is whole on each): one value
+        chosen = jax.lax.pmax(chosen, head_axes)
+    return context, kl, chosen
+
+
+def _local_chosen(q_latent, q_rope, chosen, latent, k_rope, q_offset, kv_valid, q_seg, kv_seg, *, scale):
+    """``sparse_attention_chosen`` on one device's arrays, in blocks of query rows recomputed in the backward."""
+    q_len, heads, width = q_latent.shape[1:]
+    block = _block_size(q_len, latent.shape[1], chosen.shape[-1], heads, 0, width + k_rope.shape[-1])
+
+    @jax.checkpoint
+    def one_block(x):
+        qa, qr, rows, q_pos, q_seg_block = x
+        visible = _visible(q_pos, latent.shape[1], kv_valid, q_seg_block, kv_seg)
+        return (_attend_chosen(qa, qr, rows, latent, k_rope, visible, scale),)
+
+    return _over_blocks(one_block, block, (q_latent, q_rope, chosen), q_offset, q_seg)[0]
 
 
 def _visible(q_pos, k_len, kv_valid, q_seg, kv_seg):
@@ -187,28 +251,40 @@ def _visible(q_pos, k_len, kv_valid, q_seg, kv_seg):
     return visible
 
 
+def _gather(table, rows):
+    """Per batch row: ``table [b, keys, d]`` at ``rows [b, block, topk]`` -> ``[b, block, topk, d]``."""
+    return jax.vmap(lambda t, r: t[r])(table, rows)
+
+
+def _attend_chosen(qa, qr, chosen, latent, k_rope, visible, scale, index=None):
+    """Attention of a block of queries over their ``chosen`` keys: ``(context, probs, seen)``'s context alone
+    unless ``index`` (the block's indexer scores) asks for the rest."""
+    chosen_latent = _gather(latent.astype(qa.dtype), chosen)  # [b, block, topk, kv_lora]
+    chosen_rope = _gather(k_rope.astype(qr.dtype), chosen)
+    seen = jnp.take_along_axis(jnp.broadcast_to(visible, chosen.shape[:2] + visible.shape[-1:]), chosen, axis=-1)
+    scores = (jnp.einsum("bqhc,bqkc->bqhk", qa, chosen_latent)
+              + jnp.einsum("bqhr,bqkr->bqhk", qr, chosen_rope))
+    probs = _softmax(scores, seen[:, :, None, :], scale)
+    context = jnp.einsum("bqhk,bqkc->bqhc", probs.astype(qa.dtype), chosen_latent)
+    return context if index is None else (context, probs, seen)
+
+
 def _attend_block(qa, qr, iq, iw, latent, k_rope, index_k, visible, *, topk, scale, mode, head_axes):
-    """One block of queries: ``(context [b, block, heads, kv_lora] or None, kl [b, block] or None)``."""
+    """One block of queries: ``(context [b, block, heads, kv_lora] or None, kl [b, block] or None, chosen [b,
+    block, topk] or None)``."""
     index = jnp.where(visible, index_scores(iq, iw, index_k), _MIN)  # [b, block, keys]
     if mode == "dense":  # warm-up: the KL over every visible key, against dense attention
         scores = (jnp.einsum("bqhc,bkc->bqhk", qa, latent.astype(qa.dtype))
                   + jnp.einsum("bqhr,bkr->bqhk", qr, k_rope.astype(qr.dtype)))
         probs = _softmax(scores, visible[:, :, None, :], scale)
-        return None, indexer_kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes)
+        return None, indexer_kl(probs, index, jnp.broadcast_to(visible, index.shape), head_axes), None
     chosen = checkpoint_name(jax.lax.top_k(jax.lax.stop_gradient(index), topk)[1], "dsa_chosen")  # [b, block, k]
-    gather = jax.vmap(lambda table, rows: table[rows])  # per batch row: [keys, d] at [block, topk]
-    chosen_latent = gather(latent.astype(qa.dtype), chosen)  # [b, block, topk, kv_lora]
-    chosen_rope = gather(k_rope.astype(qr.dtype), chosen)
-    seen = jnp.take_along_axis(jnp.broadcast_to(visible, index.shape), chosen, axis=-1)  # [b, block, topk]
-    scores = (jnp.einsum("bqhc,bqkc->bqhk", qa, chosen_latent)
-              + jnp.einsum("bqhr,bqkr->bqhk", qr, chosen_rope))
-    probs = _softmax(scores, seen[:, :, None, :], scale)
-    context = jnp.einsum("bqhk,bqkc->bqhc", probs.astype(qa.dtype), chosen_latent)
+    context, probs, seen = _attend_chosen(qa, qr, chosen, latent, k_rope, visible, scale, index=index)
     kl = None
     if mode == "sparse":  # the chosen keys' scores again, from their gathered keys: the KL's gradient path
-        chosen_index = index_scores(iq, iw, gather(index_k, chosen))
+        chosen_index = index_scores(iq, iw, _gather(index_k, chosen))
         kl = indexer_kl(probs, jnp.where(seen, chosen_index, _MIN), seen, head_axes)
-    return context, kl
+    return context, kl, chosen
 
 
 def _softmax(scores, visible, scale):
@@ -238,4 +314,5 @@ def mean_over_real_queries(kl: jax.Array, token_mask: jax.Array) -> jax.Array:
     return jnp.sum(kl * valid, axis=-1) / jnp.maximum(jnp.sum(valid, axis=-1), 1.0)
 
 
-__all__ = ["LightningIndexer", "index_scores", "indexer_kl", "mean_over_real_queries", "sparse_attention"]
+__all__ = ["LightningIndexer", "index_scores", "indexer_kl", "mean_over_real_queries", "sparse_attention",
+           "sparse_attention_chosen", "sparse_attention_choosing"]

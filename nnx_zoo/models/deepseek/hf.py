@@ -36,7 +36,7 @@ from nnx_zoo.hf import (
 )
 from nnx_zoo.hf.table import Shape
 from nnx_zoo.models.causal_lm import pretrained_overrides
-from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.models.deepseek.config import LAYER_STACKS, DeepSeekV3Config
 from nnx_zoo.sharding import abstract_module, create_variables, get_rules
 from nnx_zoo.sharding.rules import Rules
 
@@ -109,12 +109,15 @@ def key_table(config: DeepSeekV3Config) -> KeyTable:
     copies = tuple(s for n in mtp_layers for s in (
         Slot(f"model.layers.{n}.embed_tokens.weight", "embed.embedding"),
         Slot(f"model.layers.{n}.shared_head.head.weight", head[0], (), head[1])))
+    # One stack per kind of decoder layer (dense / MoE, and apart those reusing an earlier layer's top-k, which lack
+    # the indexer rows), each over its layers' indices in model order. Experts are written per expert, or fused
+    # where the architecture's transformers model reads only that layout (its table's "fused_experts").
+    fused = c.HF_ARCHITECTURES[c.hf_model_type].get("fused_experts", False)
+    layers = tuple(Stack(name, prefix, indices, LAYER_TABLE, FUSED_EXPERTS if LAYER_STACKS[name][0] else {},
+                         export_alternates=fused) for name, indices in c.layer_stacks().items() if indices)
     return KeyTable(
         top=TOP_TABLE,
-        stacks=(Stack("dense_layers", prefix, range(c.first_k_dense_replace), LAYER_TABLE),
-                Stack("moe_layers", prefix, range(c.first_k_dense_replace, c.num_hidden_layers), LAYER_TABLE,
-                      FUSED_EXPERTS),
-                Stack("mtp_layers", prefix, mtp_layers, MTP_TABLE, mtp_fused)),
+        stacks=(*layers, Stack("mtp_layers", prefix, mtp_layers, MTP_TABLE, mtp_fused, export_alternates=fused)),
         copies=copies,
         source="nnx_zoo/models/deepseek/hf.py",
     )
@@ -127,7 +130,7 @@ def canonical_slots(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> list[
 
 def iter_hf_keys(config: DeepSeekV3Config, shapes: dict[str, Shape]) -> Iterator[str]:
     """The HF keys ``save_pretrained`` writes for a model with these Variable shapes."""
-    return (s.key for s in export_slots(key_table(config), shapes))
+    return iter(dict.fromkeys(s.key for s in export_slots(key_table(config), shapes)))
 
 
 def _mtp_depth_present(ckpt: SafetensorsCheckpoint, config: DeepSeekV3Config) -> int:
@@ -159,7 +162,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     overrides = pretrained_overrides(dtype, config_overrides)
     rules = get_rules(rules if rules is not None else "default")
     with SafetensorsCheckpoint(directory) as ckpt:
-        config = DeepSeekV3Config.from_hf(directory, **overrides)
+        config = cls.config_class.from_hf(directory, **overrides)
         if "num_nextn_predict_layers" not in config_overrides:
             depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
             config = config.with_overrides(num_nextn_predict_layers=depth)

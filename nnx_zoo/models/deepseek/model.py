@@ -1,12 +1,18 @@
 """DeepSeek-V3: decoder layers, multi-token-prediction heads, and the causal LM.
 
-Layers ``< first_k_dense_replace`` have a dense SwiGLU MLP and live in the ``dense_layers`` stack; the rest have
-the MoE block and live in ``moe_layers``; the MTP heads (``num_nextn_predict_layers``) live in ``mtp_layers``.
-Each stack is one set of stacked Variables (leading logical axis named after the stack), applied with a scan.
+Layers ``< first_k_dense_replace`` (``config.is_moe_layer``) have a dense SwiGLU MLP and live in the
+``dense_layers`` stack; the rest have the MoE block and live in ``moe_layers``; the MTP heads
+(``num_nextn_predict_layers``) live in ``mtp_layers``. Each stack is one set of stacked Variables (leading logical
+axis named after the stack), applied with a scan. Layers that reuse an earlier layer's top-k keys
+(``config.reuses_topk``, GLM-5's "shared" indexer layers) have no indexer, so they live apart, in
+``shared_topk_dense_layers`` / ``shared_topk_moe_layers``. The forward pass applies the layers in model order as
+runs of consecutive layers of one stack, each run a scan over a slice of its stack (``layer_runs``: two runs for
+DeepSeek-V3, dense then MoE); the scan's carry hands the last chosen top-k on to the layers that reuse it.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -24,7 +30,7 @@ from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, stack_hidden_states
 from nnx_zoo.models.deepseek.cache import MLACache
-from nnx_zoo.models.deepseek.config import DeepSeekV3Config
+from nnx_zoo.models.deepseek.config import LAYER_STACKS, DeepSeekV3Config
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput
@@ -32,6 +38,7 @@ from nnx_zoo.sharding import get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
+_BL_TOPK = ("activation_batch", "activation_length", None)  # each query's chosen keys [batch, seq, index_topk]
 
 
 def _dtypes(c: DeepSeekV3Config) -> dict[str, Any]:
@@ -53,13 +60,15 @@ class LayerOutput(NamedTuple):
     its ``MoEOutput`` fields ``expert_indices [batch, seq, k]``, ``dropped_tokens`` (int32 scalar) and
     ``balance_loss [batch]`` (None when ``seq_aux_loss_alpha`` is 0); for a dense layer those three are None.
     ``indexer_loss [batch]``: DeepSeek-V3.2's indexer KL, each sequence's mean over its real tokens (None unless
-    ``indexer_training`` trains the indexer)."""
+    ``indexer_training`` trains the indexer). ``topk_indices [batch, seq, index_topk]``: the keys the layer's
+    sparse attention chose or reused, for later layers reusing them (None unless ``config.shares_topk``)."""
 
     hidden: jax.Array
     expert_indices: jax.Array | None = None
     dropped_tokens: jax.Array | None = None
     balance_loss: jax.Array | None = None
     indexer_loss: jax.Array | None = None
+    topk_indices: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -73,10 +82,11 @@ class DecoderLayer(nnx.Module):
     ((2, 8, 128), (2, 8, 2))
     """
 
-    def __init__(self, config: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs):
+    def __init__(self, config: DeepSeekV3Config, *, moe: bool, rngs: nnx.Rngs, reuses_topk: bool = False):
+        """``reuses_topk``: the layer runs no indexer and attends to the keys an earlier layer chose."""
         c = config
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
-        self.attn = MLA(c, rngs=rngs)
+        self.attn = MLA(c, rngs=rngs, indexer=False if reuses_topk else None)
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         if moe:
             self.mlp = DeepSeekMoE(c, rngs=rngs)
@@ -85,13 +95,18 @@ class DecoderLayer(nnx.Module):
                 c.initializer_range), rngs=rngs, **_dtypes(c))
         self.is_moe = moe
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None) -> LayerOutput:
-        """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask``: ``causal_mask``'s."""
-        attn, kl = self.attn.attend(self.input_norm(x), cos, sin, mask)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, *,
+                 query_scale: jax.Array | None = None, topk_indices: jax.Array | None = None) -> LayerOutput:
+        """``LayerOutput`` for ``x [batch, seq, embed]``; ``mask``: ``causal_mask``'s; ``query_scale`` and
+        ``topk_indices`` (an earlier layer's choice, for a layer reusing it) as ``MLA.attend_indexed``'s."""
+        attn, kl, chosen = self.attn.attend_indexed(self.input_norm(x), cos, sin, mask, query_scale=query_scale,
+                                                    topk_indices=topk_indices)
         x = shard(x + attn, _BLE)
         # A token is real (not padding) when it may attend to itself.
         token_mask = token_mask_of(mask, x.shape[1])
         out = self._feed_forward(x, token_mask)
+        if chosen is not None:
+            out = out._replace(topk_indices=shard(chosen, _BL_TOPK))
         return out if kl is None else out._replace(indexer_loss=mean_over_real_queries(kl, token_mask))
 
     def _feed_forward(self, x: jax.Array, token_mask: jax.Array) -> LayerOutput:
@@ -101,25 +116,32 @@ class DecoderLayer(nnx.Module):
         return LayerOutput(shard(x + moe.output, _BLE), moe.expert_indices, moe.dropped_tokens, moe.balance_loss)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, caches: tuple[jax.Array, ...],
-               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+               start: jax.Array, mask: AttentionMask, *, query_scale: jax.Array | None = None,
+               topk_indices: jax.Array | None = None
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array | None]:
         """The layer on ``t`` new tokens against this layer's cache (``MLA.decode``): ``caches`` are its
-        ``(latent, k_rope)`` slices, plus the indexer's keys with an indexer; returns ``(output, caches)`` with
-        the new tokens written at slots ``start .. start + t``."""
-        attn, *caches = self.attn.decode(self.input_norm(x), cos, sin, *caches[:2], start, mask, *caches[2:])
+        ``(latent, k_rope)`` slices, plus the indexer's keys with an indexer; returns ``(output, caches,
+        topk_indices)`` with the new tokens written at slots ``start .. start + t`` (``topk_indices`` as
+        ``MLA.decode``'s)."""
+        attn, *caches, chosen = self.attn.decode(self.input_norm(x), cos, sin, *caches[:2], start, mask,
+                                                 *caches[2:], query_scale=query_scale, topk_indices=topk_indices)
         out = self._feed_forward(shard(x + attn, _BLE), jnp.ones((1, x.shape[1]), bool))  # new tokens are real
-        return out.hidden, tuple(c for c in caches if c is not None)
+        return out.hidden, tuple(c for c in caches if c is not None), chosen
 
-    def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, factor: int
+    def batch_split(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask | None, factor: int,
+                    *, query_scale: jax.Array | None = None, topk_indices: jax.Array | None = None
                     ) -> LayerOutput:
-        """``self(x, cos, sin, mask)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same output
-        (dropless), the hidden state with exactly ``x``'s sharding; dropped pairs are summed over micro-batches."""
+        """``self(x, cos, sin, mask, ...)`` as ``factor`` micro-batches (``nnx_zoo.layers.batch_split``): same
+        output (dropless), the hidden state with exactly ``x``'s sharding; dropped pairs are summed over
+        micro-batches."""
         layer = gathered_over_fsdp(self) if factor > 1 else self  # one gather for all micro-batches
 
-        def run(h: jax.Array, m: AttentionMask | None) -> tuple[jax.Array, tuple[Any, ...]]:
-            out = layer(h, cos, sin, m)
+        def run(h: jax.Array, m: AttentionMask | None, scale: jax.Array | None, topk: jax.Array | None
+                ) -> tuple[jax.Array, tuple[Any, ...]]:
+            out = layer(h, cos, sin, m, query_scale=scale, topk_indices=topk)
             return out.hidden, tuple(out[1:])
 
-        hidden, rest = batch_split(run, x, mask, factor=factor)
+        hidden, rest = batch_split(run, x, mask, query_scale, topk_indices, factor=factor)
         return LayerOutput(hidden, *rest)
 
 
@@ -143,10 +165,12 @@ class MTPHead(nnx.Module):
         self.final_norm = RMSNorm(h, eps=c.rms_norm_eps, **_dtypes(c))
 
     def __call__(self, token_embeddings: jax.Array, previous_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
-                 mask: AttentionMask | None) -> tuple[jax.Array, jax.Array | None]:
+                 mask: AttentionMask | None, *, query_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array | None]:
         """``(normed hidden [batch, seq, embed], indexer_loss [batch] or None)`` (its layer's indexer KL)."""
         joined = jnp.concatenate([self.enorm(token_embeddings), self.hnorm(previous_hidden)], axis=-1)
-        out = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor)
+        out = self.layer.batch_split(self.eh_proj(joined, _BLE), cos, sin, mask, self.batch_split_factor,
+                                     query_scale=query_scale)
         return self.final_norm(out.hidden), out.indexer_loss
 
 
@@ -189,10 +213,17 @@ class DeepSeekV3(CausalLMBase):
         self.allow_partial = allow_partial  # CausalLMBase.allow_partial
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
-        self.dense_layers = self._stack(lambda r: DecoderLayer(c, moe=False, rngs=r), c.num_dense_layers, rngs,
-                                        "dense_layers")
-        self.moe_layers = self._stack(lambda r: DecoderLayer(c, moe=True, rngs=r), c.num_moe_layers, rngs,
-                                      "moe_layers")
+        stacks = c.layer_stacks()
+
+        def stack(name: str) -> nnx.Module | None:
+            moe, reuses = LAYER_STACKS[name]
+            return self._stack(lambda r: DecoderLayer(c, moe=moe, reuses_topk=reuses, rngs=r), len(stacks[name]),
+                               rngs, "moe_layers" if moe else "dense_layers")
+
+        self.dense_layers = stack("dense_layers")
+        self.moe_layers = stack("moe_layers")
+        self.shared_topk_dense_layers = stack("shared_topk_dense_layers")  # None unless layers reuse a top-k
+        self.shared_topk_moe_layers = stack("shared_topk_moe_layers")
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.lm_head = None if c.tie_word_embeddings else Linear(
             c.hidden_size, c.vocab_size, kernel_names=("embed", "vocab"), kernel_init=init, rngs=rngs, **_dtypes(c))
@@ -203,6 +234,21 @@ class DeepSeekV3(CausalLMBase):
     @staticmethod
     def _stack(make: Any, count: int, rngs: nnx.Rngs, axis_name: str) -> nnx.Module | None:
         return create_stack(make, count, rngs, axis_name) if count else None
+
+    def layer_runs(self) -> list[tuple[str, nnx.Module, tuple[int, ...]]]:
+        """``(stack name, stack or a slice of it, layer indices)`` per run of consecutive decoder layers of one
+        stack, in model order: DeepSeek-V3's dense layers then its MoE layers (two runs, whole stacks); with
+        layers reusing a top-k, one run per change of kind."""
+        stacks = self.config.layer_stacks()
+        owner = {i: name for name, layers in stacks.items() for i in layers}
+        runs = []
+        for name, group in itertools.groupby(range(self.config.num_hidden_layers), key=owner.__getitem__):
+            indices = tuple(group)
+            stack, start = getattr(self, name), stacks[name].index(indices[0])
+            if len(indices) != len(stacks[name]):
+                stack = _slice_stack(stack, start, start + len(indices))
+            runs.append((name, stack, indices))
+        return runs
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
@@ -239,9 +285,13 @@ class DeepSeekV3(CausalLMBase):
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             c = self.config
-            positions = jnp.arange(input_ids.shape[1])[None, :] if position_ids is None else position_ids
+            seq_len = input_ids.shape[1]
+            positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
             cos, sin = self._rope(positions)
-            mask = causal_mask(input_ids.shape[1], attention_mask, segment_ids)
+            query_scale = c.query_scale(positions)
+            mask = causal_mask(seq_len, attention_mask, segment_ids)
+            # Layers reusing an earlier layer's top-k take it from the scan's carry (sparse attention only).
+            share = c.shares_topk and c.sparse_attention_keys(seq_len) > 0
             depth = c.num_nextn_predict_layers if with_mtp else 0
             # The main model's tokens and every MTP depth's shifted ones in one lookup: the table's gradient is
             # then one scatter-add, reduced over the devices once rather than once per depth.
@@ -250,28 +300,33 @@ class DeepSeekV3(CausalLMBase):
             embeddings = token_embeddings[0]
             run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
 
-            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _LayerRecord]:
+            def layer_body(layer: DecoderLayer, carry: Any, _: Any) -> tuple[Any, _LayerRecord]:
+                h, topk = carry
+                kw = dict(query_scale=query_scale, topk_indices=topk)
                 if layer.is_moe and c.batch_split_factor > 1:
-                    out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor)
+                    out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, **kw)
                 else:
-                    out = layer(h, cos, sin, mask)
+                    out = layer(h, cos, sin, mask, **kw)
                 load = None
                 if with_expert_load and out.expert_indices is not None:
                     load = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
                                    axis=(0, 1, 2))
-                return out.hidden, _LayerRecord(
+                topk = shard(out.topk_indices, _BL_TOPK) if share else None
+                return (out.hidden, topk), _LayerRecord(
                     hidden=out.hidden if with_hidden_states else None,
                     expert_indices=out.expert_indices if with_routing else None, expert_load=load,
                     dropped_tokens=out.dropped_tokens if with_expert_load else None,
                     balance_loss=out.balance_loss, indexer_loss=out.indexer_loss)
 
-            h, records = embeddings, []
-            for stack in (self.dense_layers, self.moe_layers):
-                if stack is not None:
-                    h, record = run_stack(stack, layer_body, h, **run)
-                    records.append(record)
-            final_hidden = self.norm(h)
-            moe = records[-1] if self.moe_layers is not None else _LayerRecord(None, None, None, None, None)
+            carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
+            records, moe_records = [], []
+            for name, stack, _ in self.layer_runs():
+                carry, record = run_stack(stack, layer_body, carry, **run)
+                records.append(record)
+                if LAYER_STACKS[name][0]:
+                    moe_records.append(record)
+            final_hidden = self.norm(carry[0])
+            moe = _LayerRecord(*(_cat([getattr(r, f) for r in moe_records]) for f in _LayerRecord._fields))
             hidden_states = None
             if with_hidden_states:
                 layer_outputs = jnp.concatenate([r.hidden for r in records], axis=0)
@@ -313,24 +368,24 @@ class DeepSeekV3(CausalLMBase):
         start = cache.length
         positions, mask, cache = cache.advance(token_mask)
         cos, sin = self._rope(positions)
+        query_scale = c.query_scale(positions)
+        share = c.shares_topk and c.index_topk < cache.max_len  # sparse: the chosen slots are handed on
 
         def layer_body(layer: DecoderLayer, carry: Any, index: jax.Array) -> tuple[Any, None]:
-            h, *caches = carry  # latent, k_rope (and the indexer's keys), each [layers, ...]
-            h, layer_caches = layer.decode(
+            h, topk, *caches = carry  # latent, k_rope (and the indexer's keys), each [layers, ...]
+            h, layer_caches, chosen = layer.decode(
                 h, cos, sin, tuple(jax.lax.dynamic_index_in_dim(a, index, keepdims=False) for a in caches), start,
-                mask)
+                mask, query_scale=query_scale, topk_indices=topk)
             caches = [jax.lax.dynamic_update_index_in_dim(a, new, index, 0) for a, new in zip(caches, layer_caches,
                                                                                                 strict=True)]
-            return (h, *caches), None
+            return (h, shard(chosen, _BL_TOPK) if share else None, *caches), None
 
         tables = (cache.latent, cache.k_rope) + (() if cache.index_k is None else (cache.index_k,))
-        carry, first_layer = (self.embed(input_ids), *tables), 0
-        for stack, count in ((self.dense_layers, c.num_dense_layers), (self.moe_layers, c.num_moe_layers)):
-            if stack is not None:  # the cache's layer axis runs over the dense layers, then the MoE layers
-                layer_index = jnp.arange(first_layer, first_layer + count)
-                carry, _ = run_stack(stack, layer_body, carry, layer_index, scan=c.scan_layers)
-                first_layer += count
-        h, latent, k_rope, *index_k = carry
+        topk = self._no_topk(*input_ids.shape) if share else None
+        carry = (self.embed(input_ids), topk, *tables)
+        for _, stack, layers in self.layer_runs():  # the cache's layer axis runs over the layers in model order
+            carry, _ = run_stack(stack, layer_body, carry, jnp.asarray(layers), scan=c.scan_layers)
+        h, _, latent, k_rope, *index_k = carry
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(latent=latent, k_rope=k_rope, index_k=index_k[0] if index_k else None)
 
@@ -351,8 +406,22 @@ class DeepSeekV3(CausalLMBase):
         from ``model.forward(..., with_expert_load=True)``). The bias only affects which experts are chosen.
         A router without a selection bias (DeepSeek-V2's softmax routers) has nothing to move, and in
         DeepSeek-V3.2's indexer warm-up the routers are frozen with the rest of the model: a no-op."""
-        if self.moe_layers is not None and self.config.routers_train:
-            self.moe_layers.mlp.balance_bias(expert_load, rate)
+        c = self.config
+        if not c.routers_train:
+            return
+        moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+        row = {layer: j for j, layer in enumerate(moe_layers)}  # expert_load's rows: the MoE layers in model order
+        for name, layers in c.layer_stacks().items():
+            stack = getattr(self, name)
+            if stack is None or not LAYER_STACKS[name][0]:
+                continue
+            rows = [row[i] for i in layers]
+            stack.mlp.balance_bias(expert_load if rows == list(range(len(moe_layers))) else
+                                   expert_load[jnp.asarray(rows)], rate)
+
+    def _no_topk(self, batch: int, seq: int) -> jax.Array:
+        """The scan carry's top-k before the first layer with an indexer has run (never read: layer 0 has one)."""
+        return shard(jnp.zeros((batch, seq, self.config.index_topk), jnp.int32), _BL_TOPK)
 
     def _mtp(self, token_embeddings: jax.Array, masks: jax.Array | None, segment_ids: jax.Array | None,
              final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array
@@ -365,12 +434,14 @@ class DeepSeekV3(CausalLMBase):
         seq_len = token_embeddings.shape[2]
         depth = token_embeddings.shape[0]
         cos_sin = [self._rope(positions + k) for k in range(1, depth + 1)]
+        scales = [self.config.query_scale(positions + k) for k in range(1, depth + 1)]
         xs = (token_embeddings, jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
-              None if masks is None else masks[1:])
+              None if masks is None else masks[1:], None if scales[0] is None else jnp.stack(scales))
 
         def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
-            embedded, (cos, sin), pad_mask = x
-            h, indexer_loss = head(embedded, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids))
+            embedded, (cos, sin), pad_mask, query_scale = x
+            h, indexer_loss = head(embedded, h, cos, sin, causal_mask(seq_len, pad_mask, segment_ids),
+                                   query_scale=query_scale)
             return h, (h, indexer_loss)
 
         _, (hidden, indexer_loss) = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
@@ -393,3 +464,17 @@ def _shifted_by_depth(input_ids: jax.Array, attention_mask: jax.Array | None,
         return jnp.stack([a] + [jnp.pad(a[:, k:], ((0, 0), (0, min(k, seq_len)))) for k in range(1, depth + 1)])
 
     return shifted(input_ids), None if attention_mask is None else shifted(attention_mask)
+
+
+def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
+    """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Per-layer records of several runs joined along the layer dim (None stays None; one part: itself)."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return jnp.concatenate(parts, axis=0)

@@ -34,12 +34,14 @@ __all__ = ["SHARED_ROUTERS", "DeepSeekMoE", "MoEOutput", "RouterBias", "route", 
 _BL_EXPERTS = ("activation_batch", "activation_length", None)
 
 
-# DeepSeek's routers (config.ROUTERS rows) as the shared ones (nnx_zoo.layers.routers.ROUTERS), by (scoring,
-# group_top, selection_bias): V3's noaux_tc, V2's greedy and group_limited_greedy.
+# DeepSeek's routers (config.ROUTERS rows, or a config's own ``router``) as the shared ones
+# (nnx_zoo.layers.routers.ROUTERS), by (scoring, group_top, selection_bias): V3's noaux_tc, V2's greedy and
+# group_limited_greedy, and softmax scores limited to the groups whose two best scores sum highest.
 SHARED_ROUTERS: dict[tuple[str, int, bool], str] = {
     ("sigmoid", 2, True): "sigmoid_bias",
     ("softmax", 0, False): "softmax",
     ("softmax", 1, False): "softmax_group_limited",
+    ("softmax", 2, False): "softmax_group_top2",
 }
 
 

@@ -69,7 +69,7 @@ class DeepSeekV4Config(FamilyConfig):
 
     INDEXER_STAGES: ClassVar[tuple[str, ...]] = INDEXER_TRAINING
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
-        "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+        "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
         "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "o_groups", "o_lora_rank")
 
     vocab_size: int = 129280
@@ -261,6 +261,9 @@ class DeepSeekV4Config(FamilyConfig):
         if model_type != "deepseek_v4":
             raise ValueError(f"model_type {model_type!r} is not 'deepseek_v4': DeepSeekV4Config cannot read it")
         problems = []
+        if "head_dim" in d and d["head_dim"] is None and "head_dim" not in overrides:  # absent: the default, 512
+            problems.append("head_dim is null: transformers' DeepseekV4Config cannot build that model (it needs an "
+                            "integer); write the head width (V4-Flash and V4-Pro: 512), or pass head_dim=...")
         if d.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         for flag in ("mlp_bias", "attention_bias"):
@@ -312,12 +315,12 @@ class DeepSeekV4Config(FamilyConfig):
             factor = d.get("partial_rotary_factor")
         kind = compress.get("rope_type", compress.get("type", "default"))
         kwargs["rope_scaling"] = None if kind == "default" else {**compress, "rope_type": kind}
-        head_dim = d.get("head_dim")
+        head_dim = d.get("head_dim") or cls.head_dim
         if "qk_rope_head_dim" in d:
             kwargs["qk_rope_head_dim"] = int(d["qk_rope_head_dim"])
-        elif factor is not None and head_dim:
+        elif factor is not None:
             kwargs["qk_rope_head_dim"] = int(head_dim * factor)
-        elif head_dim:
+        else:
             kwargs["qk_rope_head_dim"] = int(head_dim * 64 / 512)  # transformers' default_partial_rotary_factor
         names = {f.name for f in dataclasses.fields(cls)}
         plain = {k: v for k, v in d.items() if k in names and k not in kwargs and k not in (

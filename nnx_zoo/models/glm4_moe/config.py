@@ -53,6 +53,7 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
     """
 
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' Glm4MoeConfig default
+    HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its attention fails on "head_dim": null (absent: hidden / heads)
     PARTIAL_ROTARY: ClassVar[bool] = True
 
     n_routed_experts: int = 128

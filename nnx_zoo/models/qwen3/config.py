@@ -47,6 +47,8 @@ class Qwen3Config(DecoderConfig, model_type="qwen3", architecture="Qwen3ForCausa
     """
 
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 32  # transformers' Qwen3Config default
+    HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 128  # its default too; it refuses "head_dim": null
+    HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False
 
     @classmethod
     def _hf_problems(cls, d: dict[str, Any]) -> list[str]:

@@ -48,6 +48,7 @@ class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwe
     """
 
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 4  # transformers' Qwen3MoeConfig default
+    HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its attention fails on "head_dim": null (absent: hidden / heads)
 
     num_experts: int = 128
     moe_intermediate_size: int = 768

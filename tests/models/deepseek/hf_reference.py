@@ -1,5 +1,6 @@
-"""Hugging Face reference models for the DeepSeek tests (V3, and V2 with ``arch="v2"``): tiny random configs,
-checkpoints, outputs.
+"""Hugging Face reference models for the DeepSeek tests (V3, and V2 / V3.2 with ``arch="v2"`` / ``"v32"``; the
+families built on DeepSeek's parts, GLM-5 and Mistral 4, with ``arch="glm5"`` / ``"mistral4"``): tiny random
+configs, checkpoints, outputs.
 
 Weights are redrawn larger than HF's 0.02 init (and norms away from 1, router biases non-zero) so every
 component moves the logits visibly and a wrong transform cannot hide.
@@ -7,6 +8,7 @@ component moves the logits visibly and a wrong transform cannot hide.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ from transformers import (
     DeepseekV3ForCausalLM,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+    Mistral4Config,
+    Mistral4ForCausalLM,
 )
 
 BASE: dict[str, Any] = dict(
@@ -37,9 +43,21 @@ V2_BASE: dict[str, Any] = {k: v for k, v in BASE.items() if k not in ("rope_inte
 # (8 of width 8, rope on the first 4) score with little chance of ties at the top-k boundary.
 V32_BASE: dict[str, Any] = {**{k: v for k, v in BASE.items() if k != "rope_interleave"}, "index_topk": 5,
                             "index_n_heads": 8, "index_head_dim": 8}
+# GlmMoeDsaConfig (GLM-5): V3.2's keys (its MLA always rotates pairs; so does its indexer) on 4 layers, layer 1 and 3
+# reusing the top-k of layers 0 and 2 ("shared"), layers 0-1 dense: every kind of layer stack.
+GLM5_BASE: dict[str, Any] = {**V32_BASE, "num_hidden_layers": 4, "indexer_types": ["full", "shared", "full", "shared"],
+                             "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}
+# Mistral4Config: V3's keys with its rope block (YaRN over an original context of 4 positions, so a 12-token
+# sequence spans three steps of the query scale 1 + 0.1 * log(1 + floor(position / 4))).
+MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 4,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+MISTRAL4_BASE: dict[str, Any] = {**{k: v for k, v in BASE.items() if k != "rope_theta"},
+                                 "rope_parameters": MISTRAL4_ROPE}
 ARCHS = {"v3": (DeepseekV3Config, DeepseekV3ForCausalLM, BASE),
          "v2": (DeepseekV2Config, DeepseekV2ForCausalLM, V2_BASE),
-         "v32": (DeepseekV32Config, DeepseekV32ForCausalLM, V32_BASE)}
+         "v32": (DeepseekV32Config, DeepseekV32ForCausalLM, V32_BASE),
+         "glm5": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, GLM5_BASE),
+         "mistral4": (Mistral4Config, Mistral4ForCausalLM, MISTRAL4_BASE)}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -49,7 +67,8 @@ def make_hf_model(seed: int = 0, arch: str = "v3", **overrides: Any) -> Deepseek
     ``DeepseekV32ForCausalLM``; eager attention, float32) from ``BASE`` (``V2_BASE``, ``V32_BASE``) updated with
     ``overrides``."""
     config_cls, model_cls, base = ARCHS[arch]
-    config = config_cls(**{**base, **overrides}, attn_implementation="eager")
+    # A deep copy: transformers' configs write into the dicts they are given (the rope block).
+    config = config_cls(**copy.deepcopy({**base, **overrides}), attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():

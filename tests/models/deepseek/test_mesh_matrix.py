@@ -14,6 +14,10 @@ bias) runs on FSDP 8 and FSDP 4 x EP 2 under ``default``, ``ep-as-cp`` and ``sha
 (``V2_CASES``, run by tests/models/deepseek/test_v2.py); in CI a V2 case stands in for the V3 case of the same
 mode, mesh, rule set and MoE path, which the plan then leaves out.
 
+GLM-5 and Mistral 4, DeepSeek's model with their own configs, run one case each (``FAMILY_CASES``): GLM-5 with a
+layer reusing the previous layer's top-k under Explicit ``ep-as-cp`` (the sequence split), Mistral 4 with its
+router and query scale under Auto FSDP 4 x TP 2 with two micro-batches.
+
 Cost: compilation dominates (one train-step compile per case, ~10 s of CPU each). CI runs every kept (mesh, rule
 set) pair under both modes with the batch split alternating between pairs (see ``plan``); set
 ``NNX_ZOO_FULL_MATRIX=1`` for the whole product (96 cases: 100 passed in 28 min alone on this 2-core machine; the
@@ -34,8 +38,9 @@ import optax
 import pytest
 from flax import nnx
 
-from nnx_zoo import DeepSeekV3, DeepSeekV3Config
+from nnx_zoo import AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config, Glm5Config, Mistral4Config
 from nnx_zoo.layers import batch_split
+from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.models.causal_lm import CausalLMOutput
 from nnx_zoo.sharding import (
     ShardingError,
@@ -68,15 +73,22 @@ BATCH_SPLITS = (1, 2)
 FULL = os.environ.get("NNX_ZOO_FULL_MATRIX") == "1"  # run the whole product (4x the CI cases' compiles)
 
 
-def tiny_config(**overrides) -> DeepSeekV3Config:
-    """The smallest V3 with every block kind: 1 dense + 2 MoE layers (8 experts, top-2), an MoE MTP head."""
+# The families built on DeepSeek's model: config class and the preset tiny_config starts from.
+FAMILY_PRESETS = {"deepseek": (DeepSeekV3Config, "deepseek3-mini"), "glm5": (Glm5Config, "glm5-tiny"),
+                  "mistral4": (Mistral4Config, "mistral4-tiny")}
+
+
+def tiny_config(family: str = "deepseek", **overrides) -> DeepSeekV3Config:
+    """The smallest V3 with every block kind: 1 dense + 2 MoE layers (8 experts, top-2), an MoE MTP head (or
+    ``family``'s config at these dims)."""
     fields = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
         routed_scaling_factor=1.0, num_nextn_predict_layers=1,
     )
-    return DeepSeekV3Config.preset("deepseek3-mini", **{**fields, **overrides})
+    config_cls, preset = FAMILY_PRESETS[family]
+    return config_cls.preset(preset, **{**fields, **overrides})
 
 
 def _name(sizes: dict[str, int]) -> str:
@@ -209,19 +221,23 @@ def _with_optimizer(model: DeepSeekV3) -> tuple[DeepSeekV3, nnx.Optimizer]:
     return model, nnx.Optimizer(model, _TX, wrt=nnx.Param)
 
 
-@functools.cache
-def _graphdef(rules: str, batch_split: int, moe_impl: str, config_overrides: tuple = ()):
-    config = tiny_config(batch_split_factor=batch_split, moe_impl=moe_impl, **dict(config_overrides))
-    return nnx.graphdef(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0), rules=rules))))
+def _model(config: DeepSeekV3Config, **kwargs) -> DeepSeekV3:
+    return AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0), **kwargs)
 
 
 @functools.cache
-def _initial_state(config_overrides: tuple = ()) -> nnx.State:
+def _graphdef(rules: str, batch_split: int, moe_impl: str, config_overrides: tuple = (), family: str = "deepseek"):
+    config = tiny_config(family, batch_split_factor=batch_split, moe_impl=moe_impl, **dict(config_overrides))
+    return nnx.graphdef(nnx.eval_shape(lambda: _with_optimizer(_model(config, rules=rules))))
+
+
+@functools.cache
+def _initial_state(config_overrides: tuple = (), family: str = "deepseek") -> nnx.State:
     """Model and optimizer state, drawn with numpy (the model's own initializers would compile one program per
     parameter shape): weights N(0, 0.02) (a V3.2 indexer's N(0, 0.5)), norm scales 1, the router bias and the
     optimizer's moments 0."""
-    config = tiny_config(**dict(config_overrides))
-    abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(DeepSeekV3(config, rngs=nnx.Rngs(0)))))
+    config = tiny_config(family, **dict(config_overrides))
+    abstract = nnx.state(nnx.eval_shape(lambda: _with_optimizer(_model(config))))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
@@ -252,9 +268,11 @@ def _train_step(graphdef, state, batch):
     """One AdamW step on the trainer's loss (with the MTP term): (new state, (cross-entropy, parameter grads))."""
     model, optimizer = nnx.merge(graphdef, state)
     model_graph, params, rest = nnx.split(model, nnx.Param, ...)
+    mtp = model.mtp_layers is not None
 
     def loss(p):
-        total, metrics = loss_terms(nnx.merge(model_graph, p, rest), batch, MTP_WEIGHT, (("with_mtp", True),))
+        total, metrics = loss_terms(nnx.merge(model_graph, p, rest), batch, MTP_WEIGHT if mtp else 0.0,
+                                    (("with_mtp", True),) if mtp else ())
         return total / metrics["tokens"], metrics["ce_sum"] / metrics["tokens"]
 
     (_, ce), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -278,6 +296,7 @@ class Setup:
     mode: str = "explicit"
     devices: int = 8
     config: tuple[tuple[str, object], ...] = ()  # tiny_config overrides (e.g. another router)
+    family: str = "deepseek"  # tiny_config's family (FAMILY_PRESETS)
 
     @classmethod
     def of(cls, case: Case, config: tuple[tuple[str, object], ...] = ()) -> Setup:
@@ -296,8 +315,8 @@ def _place(tree, mesh, rules):
 @functools.cache
 def _inputs(setup: Setup):
     """(graphdef, state, batch), placed on the setup's mesh."""
-    graphdef = _graphdef(setup.rules, setup.batch_split, setup.moe_impl, setup.config)
-    state, batch = _initial_state(setup.config), _batch()
+    graphdef = _graphdef(setup.rules, setup.batch_split, setup.moe_impl, setup.config, setup.family)
+    state, batch = _initial_state(setup.config, setup.family), _batch()
     if not setup.sizes:
         return graphdef, state, batch
     mesh = setup.mesh()
@@ -512,3 +531,30 @@ V32_CASES = [  # CI: FSDP 8 under Auto; FSDP 4 x EP 2 under Explicit with the se
 @pytest.mark.parametrize("setup", V32_CASES, ids=lambda s: f"{s.mode}-{_name(dict(s.sizes))}-{s.rules}")
 def test_v32_sparse_attention_on_meshes(setup):
     assert_same(run(setup), run(Setup(config=V32)), f"V3.2 {setup}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The families on DeepSeek's parts, one case each in CI (both modes and meshes with NNX_ZOO_FULL_MATRIX=1).
+# GLM-5 at these dims: layer 0 dense with an indexer, layer 1 MoE reusing its top-k (6 of 16 keys, the indexer's KL
+# trained), layer 2 MoE with an indexer, an MTP head; Explicit FSDP 4 x EP 2 under ep-as-cp splits the sequence, so
+# the reused top-k travels the layer scan split over 'expert'. Mistral 4: its router limited to 1 of 2 groups, YaRN
+# and the query scale over 4 positions (three steps in 16), no MTP head; Auto FSDP 4 x TP 2, two micro-batches.
+GLM5 = (*V32, ("index_rope_interleave", True))
+MISTRAL4 = (("n_group", 2), ("topk_group", 1), ("num_nextn_predict_layers", 0), ("rope_scaling", YarnScaling(
+    factor=4.0, original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
+FAMILY_SETUPS = {"glm5": GLM5, "mistral4": MISTRAL4}
+FAMILY_CASES = [
+    Setup("ep-as-cp", 1, "ep", V32_MESHES[1], "explicit", config=GLM5, family="glm5"),
+    Setup("default", 2, "dense", (("fsdp", 4), ("tensor", 2)), "auto", config=MISTRAL4, family="mistral4"),
+] if not FULL else [
+    Setup(rules, 2 if family == "mistral4" else 1, "ep" if _ep_axes(dict(sizes), rules) else "dense", sizes, mode,
+          config=config, family=family)
+    for family, config in FAMILY_SETUPS.items() for sizes in V32_MESHES for rules in ("default", "ep-as-cp")
+    for mode in MODES
+]
+
+
+@pytest.mark.parametrize("setup", FAMILY_CASES,
+                         ids=lambda s: f"{s.family}-{s.mode}-{_name(dict(s.sizes))}-{s.rules}")
+def test_glm5_and_mistral4_on_meshes(setup):
+    assert_same(run(setup), run(Setup(config=setup.config, family=setup.family)), f"{setup.family} {setup}")
