@@ -30,7 +30,7 @@ from flax import nnx
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rotate_pairs
-from nnx_zoo.models.deepseek4.kernel import IndexerInputs
+from nnx_zoo.models.deepseek4.kernel import IndexerInputs, whole_rows
 from nnx_zoo.sharding import shard
 
 _BL = ("activation_batch", "activation_length")
@@ -69,10 +69,9 @@ def windows(rate: int, token_mask: jax.Array, positions: jax.Array, segment_ids:
     seq = token_mask.shape[1]
     # Whole along the sequence (a window may straddle context-parallel shards), one row at a time (vmap: the
     # batch dim stays where the rules put it, with no collective).
-    whole = ("activation_batch", None)
-    real = shard(jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.int32), whole)
-    positions = shard(jnp.broadcast_to(positions, (batch, seq)), whole)
-    segments = None if segment_ids is None else shard(segment_ids, whole)
+    real = whole_rows(jnp.broadcast_to(token_mask, (batch, seq)).astype(jnp.int32))
+    positions = whole_rows(jnp.broadcast_to(positions, (batch, seq)))
+    segments = None if segment_ids is None else whole_rows(segment_ids)
 
     def row(real: jax.Array, positions: jax.Array, segments: jax.Array | None) -> Windows:
         count = jnp.cumsum(real)  # real tokens up to and including each index
@@ -142,8 +141,8 @@ class Compressor(nnx.Module):
         kv, gate = self.project(x)
         rate = self.rate
         batch = (x.shape[0], where.last.shape[1])  # windows of an unpadded batch are one row for all
-        first = jnp.broadcast_to(jnp.maximum(where.last, rate - 1) - rate + 1, batch)
-        previous, position = (jnp.broadcast_to(a, batch) for a in (where.previous, where.position))
+        first = whole_rows(jnp.broadcast_to(jnp.maximum(where.last, rate - 1) - rate + 1, batch))
+        previous, position = (whole_rows(jnp.broadcast_to(a, batch)) for a in (where.previous, where.position))
         slots = first[:, :, None] + jnp.arange(rate)  # [b, n, rate] token indices of each window
 
         def gather(a: jax.Array, index: jax.Array) -> jax.Array:  # [b, s, c] at [b, n, rate] -> [b, n, rate, c]

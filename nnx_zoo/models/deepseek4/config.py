@@ -220,6 +220,19 @@ class DeepSeekV4Config(FamilyConfig):
         return self.n_routed_experts
 
     @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        """One shared expert of the routed experts' width (transformers builds one whatever n_shared_experts)."""
+        return self.moe_intermediate_size
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return 1  # one shared key-value head
+
+    @property
     def has_routing_bias(self) -> bool:
         """Whether any layer selects on a bias that aux-loss-free balancing moves (the top-k layers do)."""
         return TOPK_MOE in self.mlp_layer_types or self.num_nextn_predict_layers > 0

@@ -19,13 +19,16 @@ minimum, not -inf: the sink keeps every row's softmax finite.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from nnx_zoo.layers.attention import AttentionMask, activation_spec, ambient_mesh, run_per_query_shard
 from nnx_zoo.models.deepseek.dsa import index_scores, indexer_kl
-from nnx_zoo.sharding import shard
+from nnx_zoo.sharding import axes_tuple, shard
 
 XLA_MAX_SCORES = 512 * 512  # as nnx_zoo.layers.attention's CPU threshold
 BLOCK = 128  # queries per block of the blockwise path
@@ -34,6 +37,12 @@ _BLHD = ("activation_batch", "activation_length", "activation_heads", "activatio
 _KEYS = ("activation_batch", "activation_kv_length", None)  # keys whole along the sequence on every device
 _SCORES = ("activation_batch", "activation_heads", "activation_length", None)
 _WHOLE = ("activation_batch", None)
+
+
+def whole_rows(x: jax.Array) -> jax.Array:
+    """``x [b, s]`` whole along the sequence, its rows split as the batch (a mask shared by every row, ``[1, s]``,
+    stays whole)."""
+    return shard(x, _WHOLE if x.shape[0] > 1 else (None, None))
 
 
 class IndexerInputs(NamedTuple):
@@ -69,7 +78,13 @@ class Compressed(NamedTuple):
         """CSA: ``(scores [b, q, n], visible [b, q, n])``: the indexer's float32 scores of the queries (the
         indexer inputs' rows) against every entry, and which entries each query sees."""
         ix = self.indexer
-        return index_scores(ix.q, ix.w, ix.keys), self.visible(q_index, q_segment)
+        scores = index_scores(ix.q, ix.w, ix.keys)
+        # The same layout as the scores (an unpadded batch's visibility is one row for all).
+        visible = jnp.broadcast_to(self.visible(q_index, q_segment), scores.shape)
+        if ambient_mesh() is not None:
+            visible = shard(visible, ("activation_batch", "activation_length", None))
+            scores = shard(scores, ("activation_batch", "activation_length", None))
+        return scores, visible
 
     def chosen(self, q_index: jax.Array, q_segment: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """CSA: ``(idx [b, q, k], valid [b, q, k])``, each query's ``k = min(topk, n)`` best visible entries by its
@@ -121,10 +136,11 @@ def _segment_of(segment_ids: jax.Array | None, q_index: jax.Array) -> jax.Array 
     return jnp.take(segment_ids, jnp.clip(q_index, 0, segment_ids.shape[1] - 1), axis=1)
 
 
-def _kl(entry_probs: jax.Array, index: jax.Array, seen: jax.Array) -> jax.Array:
+def _kl(entry_probs: jax.Array, index: jax.Array, seen: jax.Array, head_axes: tuple[str, ...] = ()) -> jax.Array:
     """Per query ``KL(p || softmax(index))`` over the ``seen`` entries: ``p`` the attention's probabilities on them
-    (``entry_probs [b, h, q, k]``) summed over heads, L1-normalized, detached (``dsa.indexer_kl``)."""
-    return indexer_kl(jnp.moveaxis(entry_probs, 1, 2), jnp.where(seen, index, _MIN), seen)
+    (``entry_probs [b, h, q, k]``) summed over heads (all devices' heads: ``head_axes``), L1-normalized, detached
+    (``dsa.indexer_kl``)."""
+    return indexer_kl(jnp.moveaxis(entry_probs, 1, 2), jnp.where(seen, index, _MIN), seen, head_axes)
 
 
 def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
@@ -134,8 +150,8 @@ def reference(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
     the CSA indexer's per-query KL [b, s] or None)``."""
     seq = q.shape[1]
     index = jnp.arange(seq)
-    kv, token_mask = shard(kv, _KEYS), shard(token_mask, _WHOLE)
-    segment_ids = None if segment_ids is None else shard(segment_ids, _WHOLE)
+    kv, token_mask = shard(kv, _KEYS), whole_rows(token_mask)
+    segment_ids = None if segment_ids is None else whole_rows(segment_ids)
     scores = jnp.einsum("bshd,btd->bhst", q, kv) * jnp.asarray(scale, q.dtype)
     parts = [jnp.where(window_mask(index, index, token_mask, segment_ids, window)[:, None], scores, _MIN)]
     values = [kv]
@@ -162,7 +178,57 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
               compressed: Compressed | None, *, window: int, scale: float, loss: str = "off",
               block: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     """The ``blockwise`` path (arguments and result as ``reference``): ``lax.map`` over blocks of ``block``
-    queries (``BLOCK``), each under ``jax.checkpoint``."""
+    queries (``BLOCK``), each under ``jax.checkpoint``. On a mesh each device runs its own queries (split over the
+    batch, the sequence and the heads as the rules say) against every key and entry of its rows
+    (``run_per_query_shard``): a window's keys may live on the previous sequence shard."""
+    mesh = ambient_mesh()
+    ix = None if compressed is None else compressed.indexer
+    kwargs = dict(window=window, scale=scale, loss=loss, block=block, has_compressed=compressed is not None,
+                  has_segments=compressed is not None and compressed.segment is not None, has_indexer=ix is not None,
+                  topk=0 if ix is None else ix.topk)
+    kv = shard(kv, _KEYS)
+    queries = [q, sinks] + ([ix.q, ix.w] if ix is not None else [])
+    keys = [kv] + ([compressed.entries, compressed.last] if compressed is not None else [])
+    keys += [compressed.segment] if kwargs["has_segments"] else []
+    keys += [ix.keys] if ix is not None else []
+    mask = AttentionMask(0, token_mask, segment_ids)
+    if mesh is None:
+        out, kl = _blockwise_local(*queries, *keys, jnp.zeros((), jnp.int32), token_mask,
+                                   segment_ids, segment_ids, head_axes=(), **kwargs)
+        return shard(out, _BLHD), (kl if loss != "off" and ix is not None else None)
+    q_spec = activation_spec(_BLHD, q.shape)
+    head_axes = axes_tuple(q_spec[2])
+    specs = [q_spec, P(q_spec[2])]
+    if ix is not None:
+        specs += [activation_spec(_BLHD[:2] + (None, None), ix.q.shape),
+                  activation_spec(_BLHD[:2] + (None,), ix.w.shape)]
+    key_specs = [activation_spec(_KEYS, a.shape) if a.ndim == 3 else activation_spec(_WHOLE, a.shape) for a in keys]
+    kl_spec = P(*q_spec[:2]) if loss != "off" and ix is not None else None
+    out, kl = run_per_query_shard(functools.partial(_blockwise_local, head_axes=head_axes, **kwargs),
+                                  queries=list(zip(queries, specs, strict=True)),
+                                  keys=list(zip(keys, key_specs, strict=True)), mask=mask,
+                                  out_specs=(q_spec, kl_spec))
+    return shard(out, _BLHD), kl
+
+
+def _blockwise_local(*args: jax.Array, window: int, scale: float, loss: str, block: int | None,
+                     has_compressed: bool, has_segments: bool, has_indexer: bool, topk: int,
+                     head_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array | None]:
+    """``blockwise`` on one device's queries (``run_per_query_shard``'s argument order: queries, keys, the first
+    query's index ``q_offset``, the keys' validity and the queries' and keys' documents), keys whole."""
+    args = list(args)
+    q, sinks = args.pop(0), args.pop(0)
+    ix_q, ix_w = (args.pop(0), args.pop(0)) if has_indexer else (None, None)
+    kv = args.pop(0)
+    entries, last = (args.pop(0), args.pop(0)) if has_compressed else (None, None)
+    entry_segment = args.pop(0) if has_segments else None
+    index_keys = args.pop(0) if has_indexer else None
+    q_offset, token_mask, _, segment_ids = args
+    token_mask = jnp.ones((1, kv.shape[1]), bool) if token_mask is None else token_mask
+    compressed = None
+    if has_compressed:
+        indexer = IndexerInputs(ix_q, ix_w, index_keys, topk) if has_indexer else None
+        compressed = Compressed(entries, last, entry_segment, indexer)
     b, seq, h, d = q.shape
     block = min(block or BLOCK, seq)
     pad = -seq % block
@@ -177,9 +243,10 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
     @jax.checkpoint
     def one_block(start: jax.Array) -> tuple[jax.Array, jax.Array]:
         qb = jax.lax.dynamic_slice_in_dim(q_padded, start, block, axis=1)
-        keys = jax.lax.dynamic_slice_in_dim(kv_padded, start, block + halo, axis=1)
-        q_index = start + jnp.arange(block)
-        k_index = start - halo + jnp.arange(block + halo)
+        first = q_offset + start  # the block's first query, as an index of the whole sequence
+        keys = jax.lax.dynamic_slice_in_dim(kv_padded, first, block + halo, axis=1)
+        q_index = first + jnp.arange(block)
+        k_index = first - halo + jnp.arange(block + halo)
         visible = window_mask(q_index, k_index, token_mask, segment_ids, window)[:, None]
         scores = jnp.einsum("bshd,btd->bhst", qb, keys) * jnp.asarray(scale, q.dtype)
         parts = [jnp.where(visible, scores, _MIN)]
@@ -211,13 +278,13 @@ def blockwise(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Arr
             values = "bhsn,bnd->bshd" if equation == "bshd,bnd->bhsn" else "bhsk,bskd->bshd"
             out = out + jnp.einsum(values, probs[1].astype(q.dtype), entries)
             if loss != "off" and ix is not None:
-                kl = _kl(probs[1], index, seen)
+                kl = _kl(probs[1], index, seen, head_axes)
         return out, kl
 
     out, kl = jax.lax.map(one_block, jnp.arange(blocks) * block)  # [blocks, b, block, ...]
     out = jnp.moveaxis(out, 0, 1).reshape(b, blocks * block, h, d)[:, :seq]
     kl = jnp.moveaxis(kl, 0, 1).reshape(b, blocks * block)[:, :seq]
-    return shard(out, _BLHD), (None if loss == "off" or ix is None else kl)
+    return out, (None if loss == "off" or ix is None else kl)
 
 
 def attend(q: jax.Array, kv: jax.Array, sinks: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,

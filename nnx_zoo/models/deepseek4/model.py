@@ -272,6 +272,8 @@ class DeepSeekV4(CausalLMBase):
                     kl = result.indexer_loss
                     if kl is None and c.indexer_training != "off":
                         kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
+                    if kl is not None:  # one layout for every layer's, so the layers' records concatenate
+                        kl = shard(kl, ("activation_batch",))
                     records.append(_Record(streams if with_hidden_states else None,
                                            result.expert_indices if with_routing else None, load,
                                            result.dropped_tokens if with_expert_load else None,
