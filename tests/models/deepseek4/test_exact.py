@@ -68,6 +68,24 @@ def test_left_padded_rows_equal_each_row_run_alone(built):
         assert rel(logits[1], alone[1]) < TOL
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_packed_documents_equal_each_document_alone(built, impl, monkeypatch):
+    """Two documents packed in a row (segment ids, positions restarting): each computes what transformers
+    computes for it alone; windows, compressed entries and the indexer never cross the boundary. ``blockwise`` in
+    blocks of 8 queries, so blocks straddle the boundary."""
+    hf, ours, ids, _, _ = built["flash"]
+    monkeypatch.setattr(kernel, "BLOCK", 8)
+    cut = 10
+    segments = np.where(np.arange(SEQ) < cut, 0, 1)[None].repeat(BATCH, 0)
+    positions = np.where(np.arange(SEQ) < cut, np.arange(SEQ), np.arange(SEQ) - cut)[None].repeat(BATCH, 0)
+    model = _with_config(ours, attention_impl=impl)
+    logits = np.asarray(nnx.jit(lambda m, i, s, p: m(i, segment_ids=s, position_ids=p))(
+        model, jnp.asarray(ids), jnp.asarray(segments), jnp.asarray(positions)))
+    for row in range(BATCH):
+        assert rel(logits[row, :cut], hf_outputs(hf, ids[row:row + 1, :cut])["logits"][0]) < TOL
+        assert rel(logits[row, cut:], hf_outputs(hf, ids[row:row + 1, cut:])["logits"][0]) < TOL
+
+
 def test_cached_greedy_decoding_equals_the_uncached_continuation_and_transformers(built):
     hf, ours, ids, _, _ = built["flash"]
     prompt, new = ids[:, :9], 14  # past the 5-token window, several CSA and HCA entries closed while decoding
