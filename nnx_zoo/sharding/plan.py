@@ -338,6 +338,25 @@ def sparse_block_rows(q_len: int, k_len: int, topk: int, heads: int, index_heads
     return min(block, q_len)
 
 
+def compressed_block_rows(q_len: int, window: int, entries: int, topk: int, heads: int, index_heads: int,
+                          width: int, *, max_rows: int = 128) -> int:
+    """Query rows per block of DeepSeek-V4's blockwise attention (``nnx_zoo.models.deepseek4.kernel``), the rule
+    its kernel runs and the plan counts: the largest power of two up to ``max_rows`` whose scratch (a row: its
+    float32 scores over the window's keys and, without a top-k (HCA), over every entry; with one (CSA), the
+    indexer's per-head scores over every entry and the chosen entries gathered) stays under
+    ``SPARSE_BLOCK_BYTES``, at least 8."""
+    def row_bytes(rows: int) -> int:
+        window_scores = heads * (rows + window)
+        if not topk:
+            return 4 * (window_scores + heads * entries)
+        return 4 * (window_scores + index_heads * entries + topk * (width + 2 * heads))
+
+    block = max_rows
+    while block > 8 and block * row_bytes(block) > SPARSE_BLOCK_BYTES:
+        block //= 2
+    return min(block, q_len)
+
+
 def sparse_row_bytes(k_len: int, topk: int, heads: int, index_heads: int, width: int) -> int:
     """One query row's scratch in a sparse attention block: the indexer's float32 scores per head over all keys,
     the chosen keys' entries (``width = kv_lora + rope``), the scores and probabilities over them, the context."""

@@ -29,9 +29,10 @@ from jax.sharding import PartitionSpec as P
 from nnx_zoo.layers.attention import AttentionMask, activation_spec, ambient_mesh, run_per_query_shard
 from nnx_zoo.models.deepseek.dsa import index_scores, indexer_kl
 from nnx_zoo.sharding import axes_tuple, shard
+from nnx_zoo.sharding.plan import compressed_block_rows
 
 XLA_MAX_SCORES = 512 * 512  # as nnx_zoo.layers.attention's CPU threshold
-BLOCK = 128  # queries per block of the blockwise path
+BLOCK = 128  # queries per block of the blockwise path at most (fewer where a block's scratch would pass 64 MiB)
 _MIN = float(jnp.finfo(jnp.float32).min)
 _BLHD = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 _KEYS = ("activation_batch", "activation_kv_length", None)  # keys whole along the sequence on every device
@@ -230,7 +231,10 @@ def _blockwise_local(*args: jax.Array, window: int, scale: float, loss: str, blo
         indexer = IndexerInputs(ix_q, ix_w, index_keys, topk) if has_indexer else None
         compressed = Compressed(entries, last, entry_segment, indexer)
     b, seq, h, d = q.shape
-    block = min(block or BLOCK, seq)
+    block = block or compressed_block_rows(
+        seq, window, 0 if entries is None else entries.shape[1], topk, h,
+        0 if ix_q is None else ix_q.shape[2], d, max_rows=BLOCK)
+    block = min(block, seq)
     pad = -seq % block
     blocks = (seq + pad) // block
     halo = window - 1
