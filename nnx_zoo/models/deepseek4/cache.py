@@ -231,7 +231,14 @@ def decode_attention(attn: V4Attention, x: jax.Array, rope: Rope, rank: jax.Arra
 # ------------------------------------------------------------------------------------------ the model's _extend
 def extend(model: DeepSeekV4, input_ids: jax.Array, token_mask: jax.Array, cache: V4Cache
            ) -> tuple[jax.Array, V4Cache]:
-    """``CausalLMBase._extend`` for DeepSeek-V4: a prompt (``t > 1``) into an empty cache, or one token per row."""
+    """``CausalLMBase._extend`` for DeepSeek-V4: a prompt (``t > 1``) into an empty cache, or one token per row.
+
+    A prompt goes into an empty cache only (its layers run as the forward pass does, then each layer's state is
+    read off its tokens); more tokens after that go one at a time (``decode_step``)."""
+    if input_ids.shape[1] > 1 and not isinstance(cache.length, jax.core.Tracer) and int(cache.length):
+        raise ValueError(f"DeepSeek-V4's prefill runs a prompt into an empty cache, and this one holds "
+                         f"{int(cache.length)} tokens: feed further tokens one at a time with decode_step, or start "
+                         "from model.init_cache(...)")
     rank_before = cache.rank
     positions, _, valid, next_position, length = advance_slots(cache.valid, cache.next_position, cache.length,
                                                                token_mask)
