@@ -17,9 +17,15 @@
   ========== ==============================================================================================
 
   A kernel asked for by name that cannot serve a call (segments or padding for cudnn/tokamax, a missing
-  package, the wrong backend or dtype, a sequence split over devices) falls back to the portable path with one
-  warning line naming the reason and the path used (``AttentionFallbackWarning``): every implementation computes
-  the same attention, so the fallback changes speed, never meaning.
+  package, the wrong backend or dtype, a sequence split over devices, a local-attention feature it lacks) falls
+  back to the portable path with one warning line naming the reason and the path used
+  (``AttentionFallbackWarning``): every implementation computes the same attention, so the fallback changes speed,
+  never meaning.
+- Local attention, per layer (``attention``'s keywords; ``Attention``'s constructor): a sliding ``window``, a
+  ``chunk`` (``nnx_zoo.layers.attention_mask`` says which keys each leaves visible), learned per-head ``sinks`` (an
+  extra softmax column with no value) and logit ``softcap``. ``xla`` and ``blockwise`` run all four (blockwise
+  skips the key blocks outside a window or chunk); cuDNN runs its local-window mode (windows only); tokamax runs
+  windows and soft-capping.
 - ``Attention``: multi-head attention with grouped key/value heads (MHA, GQA, MQA).
 
 Rows with no visible key (a left-padding query): ``xla`` gives the mean of all values there, the other paths 0.
@@ -59,9 +65,9 @@ _BKND = ("activation_batch", "activation_kv_length", "activation_kv_heads", "act
 _QUERY_SIDE = ("activation_batch", "activation_length")
 _KEY_SIDE = ("activation_batch", "activation_kv_length")
 
-__all__ = ["ATTENTION_IMPLS", "Attention", "AttentionFallbackWarning", "AttentionMask", "activation_spec",
-           "ambient_mesh", "attention", "causal_mask", "choose_attention_impl", "dense_mask", "dot_product_attention",
-           "run_per_query_shard", "token_mask_of", "vary_over"]
+__all__ = ["ATTENTION_IMPLS", "LOCAL_FEATURES", "Attention", "AttentionFallbackWarning", "AttentionMask",
+           "activation_spec", "ambient_mesh", "attention", "causal_mask", "choose_attention_impl", "dense_mask",
+           "dot_product_attention", "run_per_query_shard", "token_mask_of", "vary_over"]
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
 
@@ -98,7 +104,9 @@ def token_mask_of(mask: AttentionMask | jax.Array | None, q_len: int) -> jax.Arr
 
 # ------------------------------------------------------------------------------------- the einsum path (reference)
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float, *,
+    window: int | None = None, chunk: int | None = None, sinks: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """``softmax(q k^T * scale + mask) v`` for ``q [b, q, h, d_qk]``, ``k [b, k, n, d_qk]``, ``v [b, k, n, d_v]``
     -> ``[b, q, h, d_v]``, with an ``AttentionMask`` or a boolean ``mask [b or 1, 1, q, k]`` (True = visible).
@@ -108,19 +116,32 @@ def dot_product_attention(
     Keys and values are never repeated per query head: the queries are viewed as ``[b, q, n, h // n, d]``.
     Masked scores are filled with the dtype's minimum, not -inf, so a fully masked row (a left-pad query) stays
     finite. The softmax is computed in float32. This is ``attention_impl="xla"``, the reference.
+
+    Local attention (see the module docstring): ``window`` / ``chunk`` need an ``AttentionMask``; ``softcap``
+    caps the scaled scores (``cap * tanh(s / cap)``) before masking; ``sinks [h]`` join the softmax as one more
+    column per query head, whose probability is dropped.
     """
-    mask = dense_mask(mask, q.shape[1], k.shape[1])
+    if (window is not None or chunk is not None) and not isinstance(mask, AttentionMask):
+        raise ValueError("a sliding window or chunk needs an AttentionMask (causal_mask), not a dense mask")
+    mask = mask.dense(q.shape[1], k.shape[1], window=window, chunk=chunk) if isinstance(mask, AttentionMask) \
+        else mask
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads == heads:
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, q.dtype)
-        probs = _masked_softmax(shard(scores, _SCORE_NAMES), mask, v.dtype)
+        scores = _capped(jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, q.dtype), softcap)
+        sink = None if sinks is None else sinks.reshape(1, heads, 1, 1)
+        probs = _masked_softmax(shard(scores, _SCORE_NAMES), mask, v.dtype, sink)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     q = _grouped_queries(q, k, v)
     # Letters: b batch, q query position, k key position, n kv head, g query head within its group, d feature.
-    scores = jnp.einsum("bqngd,bknd->bngqk", q, k) * jnp.asarray(scale, q.dtype)
+    scores = _capped(jnp.einsum("bqngd,bknd->bngqk", q, k) * jnp.asarray(scale, q.dtype), softcap)
+    sink = None if sinks is None else sinks.reshape(1, kv_heads, heads // kv_heads, 1, 1)
     probs = _masked_softmax(shard(scores, _GROUPED_SCORE_NAMES), None if mask is None else mask[:, :, None],
-                            v.dtype)
+                            v.dtype, sink)
     return _merged_heads(jnp.einsum("bngqk,bknd->bqngd", probs, v))
+
+
+def _capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _grouped_queries(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -140,11 +161,19 @@ def _merged_heads(out: jax.Array) -> jax.Array:
     return jnp.reshape(out, merged, out_sharding=explicit_spec(_BLHD, merged))
 
 
-def _masked_softmax(scores: jax.Array, mask: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
-    """Softmax over the last (key) dim in float32, masked keys filled with the scores dtype's minimum."""
+def _masked_softmax(scores: jax.Array, mask: jax.Array | None, dtype: jnp.dtype,
+                    sink: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last (key) dim in float32, masked keys filled with the scores dtype's minimum; ``sink``
+    (broadcast against the scores without their key dim) is one more logit in each row's normalizer."""
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
+    scores = scores.astype(jnp.float32)
+    if sink is None:
+        return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sink = jnp.broadcast_to(sink.astype(jnp.float32), scores.shape[:-1] + (1,))
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+    exp = jnp.exp(scores - top)
+    return (exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------- the chooser
@@ -169,23 +198,35 @@ def _portable(q_len: int, k_len: int, platform: str) -> str:
     return "xla" if q_len <= ACCELERATOR_XLA_MAX_QUERIES else "blockwise"
 
 
+LOCAL_FEATURES = ("window", "chunk", "sinks", "softcap")
+# What each GPU/TPU kernel runs of the local-attention features (xla and blockwise run them all).
+_KERNEL_FEATURES = {"cudnn": frozenset({"window"}), "tokamax": frozenset({"window", "softcap"})}
+
+
+def _feature_refusal(impl: str, features: frozenset[str]) -> str | None:
+    missing = sorted(features - _KERNEL_FEATURES[impl])
+    return None if not missing else f"local attention with {', '.join(missing)} (it runs: " \
+        f"{', '.join(sorted(_KERNEL_FEATURES[impl])) or 'none'})"
+
+
 def _cudnn_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool, qk_dim: int,
-                   v_dim: int) -> str | None:
+                   v_dim: int, features: frozenset[str] = frozenset()) -> str | None:
     """Why cuDNN flash attention cannot serve a call (None: it can)."""
     if platform != "gpu":
         return f"it runs on NVIDIA GPUs only (platform {platform!r})"
     if qk_dim > CUDNN_MAX_HEAD_DIM or qk_dim % 8 or v_dim > qk_dim:
         return f"head dims {qk_dim}/{v_dim} (needs qk <= {CUDNN_MAX_HEAD_DIM}, a multiple of 8, v <= qk)"
-    return _mask_refusal(q_len, k_len, segments, padding)
+    return _feature_refusal("cudnn", features) or _mask_refusal(q_len, k_len, segments, padding)
 
 
-def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool) -> str | None:
+def _tokamax_refusal(q_len: int, k_len: int, platform: str, segments: bool, padding: bool,
+                     features: frozenset[str] = frozenset()) -> str | None:
     """Why tokamax's attention cannot serve a call (None: it can)."""
     if not tokamax_available():
         return _tokamax_missing()
     if platform not in ("gpu", "tpu"):
         return f"its kernels run on GPUs and TPUs (platform {platform!r})"
-    return _mask_refusal(q_len, k_len, segments, padding)
+    return _feature_refusal("tokamax", features) or _mask_refusal(q_len, k_len, segments, padding)
 
 
 def _mask_refusal(q_len: int, k_len: int, segments: bool, padding: bool) -> str | None:
@@ -201,11 +242,13 @@ def _mask_refusal(q_len: int, k_len: int, segments: bool, padding: bool) -> str 
 
 def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: str | None = None,
                           segments: bool = False, padding: bool = False, qk_dim: int = 128,
-                          v_dim: int = 128) -> str:
+                          v_dim: int = 128, features: Sequence[str] = ()) -> str:
     """The implementation ``attention`` runs for ``attention_impl=requested`` on a call of this shape.
 
     ``platform``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default: JAX's default backend). ``segments``: packed
-    documents; ``padding``: invalid keys (left padding, unwritten cache slots) or a decode step's cache offset.
+    documents; ``padding``: invalid keys (left padding, unwritten cache slots) or a decode step's cache offset;
+    ``features``: the local-attention features the layer uses (``LOCAL_FEATURES``: cuDNN runs ``window`` alone,
+    tokamax ``window`` and ``softcap``).
 
     ``auto``:
       - CPU: ``xla`` while one head's scores ``q_len * k_len`` are at most ``CPU_XLA_MAX_SCORES`` (512 x 512;
@@ -227,11 +270,15 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
     if requested not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {requested!r}; choose one of {ATTENTION_IMPLS}")
     platform = kernels.platform_name(platform)
+    unknown = set(features) - set(LOCAL_FEATURES)
+    if unknown:
+        raise ValueError(f"unknown local-attention features {sorted(unknown)}; they are {LOCAL_FEATURES}")
     if requested in ("xla", "blockwise"):
         return requested
+    features = frozenset(features)
     portable = _portable(q_len, k_len, platform)
-    cudnn_no = _cudnn_refusal(q_len, k_len, platform, segments, padding, qk_dim, v_dim)
-    tokamax_no = _tokamax_refusal(q_len, k_len, platform, segments, padding)
+    cudnn_no = _cudnn_refusal(q_len, k_len, platform, segments, padding, qk_dim, v_dim, features)
+    tokamax_no = _tokamax_refusal(q_len, k_len, platform, segments, padding, features)
     if requested == "cudnn":
         if cudnn_no is None:
             return "cudnn"
@@ -250,12 +297,16 @@ def choose_attention_impl(requested: str, *, q_len: int, k_len: int, platform: s
             return "tokamax"
         if not tokamax_available() and portable == "blockwise":
             _warn_once(f"{_tokamax_missing()}: attention uses {portable!r}")
+        elif portable == "blockwise" and features and (cudnn_no or "").startswith("local attention"):
+            _warn_once(f"no GPU/TPU attention kernel runs {cudnn_no.split(' (')[0]}: attention uses 'blockwise'")
     return portable
 
 
 # -------------------------------------------------------------------------------------------- the one dispatcher
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None, scale: float,
-              impl: str = "auto", *, block_q: int | None = None, block_k: int | None = None) -> jax.Array:
+              impl: str = "auto", *, block_q: int | None = None, block_k: int | None = None,
+              window: int | None = None, chunk: int | None = None, sinks: jax.Array | None = None,
+              softcap: float | None = None) -> jax.Array:
     """Attention of ``q [b, q, h, d_qk]`` over ``k [b, k, n, d_qk]`` and ``v [b, k, n, d_v]`` (``n`` divides
     ``h``: GQA/MQA; ``d_v`` may differ from ``d_qk``: MLA) -> ``[b, q, h, d_v]``, run by ``impl``
     (``ATTENTION_IMPLS``; ``auto`` and fallbacks as ``choose_attention_impl`` says).
@@ -266,16 +317,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
     return what the einsum path returns, laid out the same way. ``block_q`` / ``block_k``: blockwise's tiles
     (default ``blockwise_attention.DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``, read at call time).
 
+    A layer's local attention (module docstring): ``window`` (keys at slots ``> q_slot - window``), ``chunk``
+    (keys of the query's chunk of its document), ``sinks [heads]`` (learned logits, differentiable) and
+    ``softcap`` (scores ``cap * tanh(s / cap)``).
+
     >>> out = attention(q, k, v, causal_mask(seq, pad_mask), head_dim**-0.5, impl="blockwise")
+    >>> out = attention(q, k, v, causal_mask(seq), head_dim**-0.5, window=128, sinks=layer_sinks)
     """
+    local = dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap)
+    features = tuple(name for name, value in local.items() if value is not None)
     if not isinstance(mask, AttentionMask):
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention_impl {impl!r}; choose one of {ATTENTION_IMPLS}")
-        return dot_product_attention(q, k, v, mask, scale)
+        return dot_product_attention(q, k, v, mask, scale, **local)
     q_len, k_len = q.shape[1], k.shape[1]
     padding = mask.kv_valid is not None or not mask.static_start
     chosen = choose_attention_impl(impl, q_len=q_len, k_len=k_len, segments=mask.segment_ids is not None,
-                                   padding=padding, qk_dim=q.shape[3], v_dim=v.shape[3])
+                                   padding=padding, qk_dim=q.shape[3], v_dim=v.shape[3], features=features)
     if chosen in ("cudnn", "tokamax"):
         refusal = _kernel_refusal_here(chosen, q)
         if refusal is not None:
@@ -284,19 +342,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | ja
                 _warn_once(f"attention_impl={chosen!r} cannot serve {refusal}; using {fallback!r}")
             chosen = fallback
     if chosen == "xla":
-        return dot_product_attention(q, k, v, mask, scale)
-    local: Callable[..., jax.Array]
+        return dot_product_attention(q, k, v, mask, scale, **local)
+    kernel: Callable[..., jax.Array]
     if chosen == "blockwise":
-        local = functools.partial(_blockwise_local, scale=scale, block_q=block_q or blockwise.DEFAULT_BLOCK_Q,
-                                  block_k=block_k or blockwise.DEFAULT_BLOCK_K)
+        kernel = functools.partial(_blockwise_local, scale=scale, block_q=block_q or blockwise.DEFAULT_BLOCK_Q,
+                                   block_k=block_k or blockwise.DEFAULT_BLOCK_K, window=window, chunk=chunk,
+                                   softcap=softcap)
     elif chosen == "cudnn":
-        local = functools.partial(_cudnn_local, scale=scale)
+        kernel = functools.partial(_cudnn_local, scale=scale, window=window)
     else:
-        local = functools.partial(_tokamax_local, scale=scale)
+        kernel = functools.partial(_tokamax_local, scale=scale, window=window, softcap=softcap)
     q = _grouped_queries(q, k, v)
     q_spec = activation_spec(_GROUPED_Q_NAMES[:-1] + (None,), q.shape)
     kv_names = ("activation_batch", "activation_kv_length", "activation_kv_heads", None)
-    out = run_per_query_shard(local, queries=[(q, q_spec)], mask=mask, out_specs=q_spec,
+    extras = {}
+    if chosen == "blockwise" and chunk is not None:
+        starts = jnp.broadcast_to(mask.doc_starts(q_len), q.shape[:2])
+        extras["q_doc_start"] = (starts, PartitionSpec(*q_spec[:2]))
+    if chosen == "blockwise" and sinks is not None:  # [heads] -> [kv heads, group], laid out like the queries
+        extras["sinks"] = (sinks.astype(jnp.float32).reshape(q.shape[2:4]), PartitionSpec(*q_spec[2:4]))
+    out = run_per_query_shard(kernel, queries=[(q, q_spec)], mask=mask, out_specs=q_spec, extras=extras,
                               keys=[(k, activation_spec(kv_names, k.shape)), (v, activation_spec(kv_names, v.shape))])
     return _merged_heads(out)
 
@@ -312,10 +377,12 @@ def _kernel_refusal_here(impl: str, q: jax.Array) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------- the per-device kernels
-def _blockwise_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, block_q, block_k):
+def _blockwise_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, block_q, block_k, window, chunk,
+                     softcap, q_doc_start=None, sinks=None):
     return blockwise.blockwise_attention(q, k, v, scale=scale, q_offset=q_offset, kv_valid=kv_valid,
                                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_q=block_q,
-                                         block_k=block_k)
+                                         block_k=block_k, window=window, chunk=chunk, q_doc_start=q_doc_start,
+                                         softcap=softcap, sinks=sinks)
 
 
 def _flat_heads(q: jax.Array) -> jax.Array:
@@ -323,30 +390,35 @@ def _flat_heads(q: jax.Array) -> jax.Array:
     return q.reshape(*q.shape[:2], q.shape[2] * q.shape[3], q.shape[4])
 
 
-def _cudnn_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
+def _local_window(window: int | None) -> tuple[int, int] | None:
+    """jax/tokamax's ``local_window_size`` (keys ``i - left .. i + right``) of a causal window of ``window`` slots."""
+    return None if window is None else (window - 1, 0)
+
+
+def _cudnn_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, window):
     del q_offset, kv_valid, q_seg, kv_seg  # the chooser sent only causal, unpadded, one-document calls here
     b, s, n, g, _ = q.shape
     dv = v.shape[-1]
     if dv < q.shape[-1]:  # MLA: the public API wants value width == query width; zero columns add nothing
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv)))
-    out = jax.nn.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True, implementation="cudnn")
+    out = jax.nn.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True, implementation="cudnn",
+                                       local_window_size=_local_window(window))
     return out[..., :dv].reshape(b, s, n, g, dv)
 
 
-def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale):
+def _tokamax_local(q, k, v, q_offset, kv_valid, q_seg, kv_seg, *, scale, window, softcap):
     del q_offset, kv_valid, q_seg, kv_seg  # causal, unpadded, one document (see _tokamax_refusal)
     import tokamax  # optional; the chooser checked it is installed
 
     b, s, n, g, _ = q.shape
     names = ("mosaic", "triton") if kernels.platform_name() == "gpu" else ("mosaic",)
+    options = dict(scale=scale, is_causal=True, local_window_size=_local_window(window), logits_soft_cap=softcap)
     try:
-        out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
-                                            implementation=names)
+        out = tokamax.dot_product_attention(_flat_heads(q), k, v, implementation=names, **options)
     except ValueError:  # tokamax names a kernel it could not import (e.g. Mosaic GPU): its Triton one alone
         if names[1:] == ():
             raise
-        out = tokamax.dot_product_attention(_flat_heads(q), k, v, scale=scale, is_causal=True,
-                                            implementation=names[1:])
+        out = tokamax.dot_product_attention(_flat_heads(q), k, v, implementation=names[1:], **options)
     return out.reshape(b, s, n, g, v.shape[-1])
 
 
@@ -378,6 +450,7 @@ def activation_spec(names: Sequence[str | None], shape: Sequence[int]) -> Partit
 
 def run_per_query_shard(kernel: Callable[..., Any], *, queries: Sequence[tuple[jax.Array, PartitionSpec]],
                         keys: Sequence[tuple[jax.Array, PartitionSpec]], mask: AttentionMask, out_specs: Any,
+                        extras: dict[str, tuple[jax.Array, PartitionSpec]] | None = None,
                         **kernel_kwargs: Any) -> Any:
     """``kernel(*queries, *keys, q_offset, kv_valid, q_segment_ids, kv_segment_ids, **kernel_kwargs)`` on each
     device's block of queries inside ``shard_map`` when a mesh is ambient (without one: once, on whole arrays).
@@ -391,25 +464,31 @@ def run_per_query_shard(kernel: Callable[..., Any], *, queries: Sequence[tuple[j
     that is None).
 
     A device holding queries ``[start, start + local_q)`` of the sequence passes ``q_offset + start`` to its
-    kernel, so its causal mask (and its query positions) are the global ones.
+    kernel, so its causal mask (and its query positions) are the global ones. ``extras``: more arrays, by the
+    keyword the kernel takes them under, each ``(array, spec)`` (per-query document starts, per-head sinks).
     """
     q_offset = jnp.asarray(mask.q_offset, jnp.int32)
     masks = (mask.kv_valid, mask.query_segment_ids(queries[0][0].shape[1]), mask.segment_ids)
-    arrays = [a for a, _ in (*queries, *keys)]
+    extras = dict(extras or {})
+    names = list(extras)
+    arrays = [a for a, _ in (*queries, *keys)] + [extras[k][0] for k in names]
     mesh = ambient_mesh()
     if mesh is None:
-        return kernel(*arrays, q_offset, *masks, **kernel_kwargs)
+        n = len(arrays) - len(names)
+        return kernel(*arrays[:n], q_offset, *masks, **dict(zip(names, arrays[n:])), **kernel_kwargs)
     q_spec = queries[0][1]
     mask_specs = [activation_spec(_KEY_SIDE, masks[0].shape) if masks[0] is not None else None,
                   PartitionSpec(*q_spec[:2]) if masks[1] is not None else None,
                   activation_spec(_KEY_SIDE, masks[2].shape) if masks[2] is not None else None]
     present = [i for i, m in enumerate(masks) if m is not None]  # shard_map takes arrays, not None
-    specs = [s for _, s in (*queries, *keys)] + [PartitionSpec()] + [mask_specs[i] for i in present]
+    specs = ([s for _, s in (*queries, *keys)] + [extras[k][1] for k in names] + [PartitionSpec()]
+             + [mask_specs[i] for i in present])
     args = [*arrays, q_offset] + [masks[i] for i in present]
     args = [shard_to_spec(a, s) for a, s in zip(args, specs)]
     length_axes = axes_tuple(q_spec[1])
     every_axis = tuple(dict.fromkeys(a for s in specs for e in s for a in axes_tuple(e)))
     n = len(arrays)
+    n_tensors = n - len(names)
 
     def per_device(*local_args):
         tensors, offset, present_masks = local_args[:n], local_args[n], local_args[n + 1:]
@@ -418,10 +497,12 @@ def run_per_query_shard(kernel: Callable[..., Any], *, queries: Sequence[tuple[j
         for i, m in zip(present, present_masks):
             local_masks[i] = m
         # Every input varies over every mesh axis in play, so the kernel's gradients (which do) have the
-        # inputs' types; shard_map then sums the key gradients over the devices that shared them.
+        # inputs' types; shard_map then sums the key gradients (and any extra's, e.g. sinks) over the devices
+        # that shared them.
         tensors = [vary_over(a, every_axis) for a in tensors]
         local_masks = [vary_over(m, every_axis) for m in local_masks]
-        return kernel(*tensors, vary_over(offset + start, every_axis), *local_masks, **kernel_kwargs)
+        return kernel(*tensors[:n_tensors], vary_over(offset + start, every_axis), *local_masks,
+                      **dict(zip(names, tensors[n_tensors:])), **kernel_kwargs)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*args)
 

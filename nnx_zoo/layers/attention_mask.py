@@ -3,6 +3,16 @@
 Kernels read its parts (a causal offset, key validity, segment ids) tile by tile; the einsum path asks for the
 dense boolean array (``.dense``). ``causal_mask`` builds the mask of a forward pass; a decoding cache's
 ``advance`` builds a decode step's (``nnx_zoo.layers.kv_cache``).
+
+Local attention is a per-layer rule on top of the mask (the mask describes the batch, the rule the layer), given
+to ``dense`` and to the kernels as ``window`` / ``chunk``:
+
+- ``window=w``: query slot ``i`` sees key slots ``j > i - w`` (itself and the ``w - 1`` before it; transformers'
+  ``sliding_window``). Within a document slots and positions advance together, so this is the same window in
+  positions, with left padding, packed documents or a cache offset alike.
+- ``chunk=c``: the slots of each document are cut into chunks of ``c`` from its first real token, and a query sees
+  the keys of its own chunk (Llama 4's ``attention_chunk_size``; transformers counts from the row's first real
+  token). ``doc_starts`` gives each query's document start.
 """
 
 from __future__ import annotations
@@ -36,6 +46,9 @@ class AttentionMask(NamedTuple):
     q_offset: jax.Array | int = 0
     kv_valid: jax.Array | None = None
     segment_ids: jax.Array | None = None
+    # [batch, q]: the slot of each query's document's first real token, where the slots do not say it (a decode
+    # step over a window cache that no longer holds it); None: found from kv_valid and segment_ids.
+    doc_start: jax.Array | None = None
 
     @classmethod
     def causal(cls, seq_len: int, attention_mask: jax.Array | None = None,
@@ -68,8 +81,32 @@ class AttentionMask(NamedTuple):
             return shard(self.kv_valid, _QUERY_SIDE)
         return jax.lax.dynamic_slice_in_dim(self.kv_valid, self.q_offset, q_len, axis=1)
 
-    def dense(self, q_len: int, k_len: int) -> jax.Array:
-        """Boolean ``[batch or 1, 1, q_len, k_len]`` (True = visible), for the einsum path.
+    def doc_starts(self, q_len: int) -> jax.Array:
+        """``[batch or 1, q_len]`` int32: the slot of the first real token of each query's document (the row's
+        first real token without segments; a query that is padding gets a slot at or before its own)."""
+        if self.doc_start is not None:
+            return self.doc_start.astype(jnp.int32)
+        if self.kv_valid is None and self.segment_ids is None:
+            return jnp.zeros((1, q_len), jnp.int32)
+        # Whole along the sequence (the key side's layout): the shifts below compare neighbouring slots.
+        valid = None if self.kv_valid is None else shard(self.kv_valid, _KEY_SIDE)
+        seg = None if self.segment_ids is None else shard(self.segment_ids, _KEY_SIDE)
+        k_len = (valid if valid is not None else seg).shape[1]
+        slots = jnp.arange(k_len, dtype=jnp.int32)
+        # A document starts at a real slot whose predecessor is padding, another document, or nothing.
+        real = jnp.ones((1, k_len), bool) if valid is None else valid.astype(bool)
+        before_real = jnp.pad(real[:, :-1], ((0, 0), (1, 0)))
+        starts = real & ~before_real
+        if seg is not None:
+            starts = starts | (real & (seg != jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)))
+        per_slot = jax.lax.cummax(jnp.where(starts, slots, 0), axis=1)
+        if self.static_start and q_len == k_len:
+            return per_slot
+        return jax.lax.dynamic_slice_in_dim(per_slot, self.q_offset, q_len, axis=1)
+
+    def dense(self, q_len: int, k_len: int, *, window: int | None = None, chunk: int | None = None) -> jax.Array:
+        """Boolean ``[batch or 1, 1, q_len, k_len]`` (True = visible), for the einsum path; ``window`` / ``chunk``
+        add a layer's local rule (see the module docstring).
 
         On a mesh it is laid out like the attention scores it masks: queries split like ``activation_length``
         (context parallelism), keys whole (``activation_kv_length``). Inputs split over the sequence are gathered
@@ -77,7 +114,14 @@ class AttentionMask(NamedTuple):
         ``[b, 1, q, k]`` array.
         """
         q_slots = self.q_offset + jnp.arange(q_len)
-        mask = (jnp.arange(k_len)[None, :] <= q_slots[:, None])[None, None]
+        k_slots = jnp.arange(k_len)
+        mask = k_slots[None, :] <= q_slots[:, None]
+        if window is not None:
+            mask = mask & (k_slots[None, :] > q_slots[:, None] - window)
+        mask = mask[None, None]
+        if chunk is not None:
+            starts = q_slots[None, :] - (q_slots[None, :] - self.doc_starts(q_len)) % chunk  # [b, q]
+            mask = mask & (k_slots[None, None, None, :] >= shard(starts, _QUERY_SIDE)[:, None, :, None])
         if self.kv_valid is not None:
             mask = mask & shard(self.kv_valid.astype(bool), _KEY_SIDE)[:, None, None, :]
         if self.segment_ids is not None:
