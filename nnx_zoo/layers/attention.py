@@ -47,7 +47,7 @@ from jax.sharding import AxisType, PartitionSpec
 from nnx_zoo.layers import blockwise_attention as blockwise
 from nnx_zoo.layers import kernels
 from nnx_zoo.layers.attention_mask import AttentionMask, causal_mask
-from nnx_zoo.layers.kv_cache import write_slots
+from nnx_zoo.layers.kv_cache import ring_keys, ring_mask, write_ring, write_slots
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope
@@ -522,7 +522,10 @@ class Attention(nnx.Module):
     ``features / num_heads``. ``use_bias`` adds biases to the q/k/v projections (HF ``attention_bias``; ``o_bias``
     defaults to the same), ``qk_norm`` RMS-normalizes each query and key head over ``head_dim`` before rope
     (HF ``q_norm``/``k_norm``). The softmax scale is ``head_dim ** -0.5`` unless given. ``attention_impl``
-    picks the kernel (``ATTENTION_IMPLS``; see ``attention``).
+    picks the kernel (``ATTENTION_IMPLS``; see ``attention``). A layer's local attention: ``window`` (a sliding
+    window of that many slots, itself included), ``chunk``, ``sinks=True`` (a learned logit per head, ``sinks
+    [heads]``, initialized to 0) and ``softcap`` (see ``attention``); its decoding cache is then a ring of
+    ``ring_slots(max_len, window, chunk)`` slots.
 
     Weights carry logical names: ``q_proj`` ``("embed", "heads", "kv")``, ``k_proj``/``v_proj``
     ``("embed", "kv_heads", "kv")``, ``o_proj`` ``("heads", "kv", "embed")``. The output comes back in the
@@ -547,6 +550,10 @@ class Attention(nnx.Module):
         norm_eps: float = 1e-6,
         scale: float | None = None,
         attention_impl: str = "auto",
+        window: int | None = None,
+        chunk: int | None = None,
+        sinks: bool = False,
+        softcap: float | None = None,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
@@ -558,8 +565,17 @@ class Attention(nnx.Module):
             raise ValueError(f"head_dim must be even (rope rotates pairs), got {head_dim}")
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention_impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+        for name, size in (("window", window), ("chunk", chunk)):
+            if size is not None and (not isinstance(size, int) or size < 1):
+                raise ValueError(f"{name} must be a positive integer (slots) or None, got {size!r}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive or None, got {softcap!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_impl = attention_impl
+        self.window, self.chunk = window, chunk
+        self.softcap = None if softcap is None else float(softcap)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype), out_sharding=("heads",),
+                               eager_sharding=False) if sinks else None
         self.scale = head_dim**-0.5 if scale is None else float(scale)
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.q_proj = Linear(features, (num_heads, head_dim), kernel_names=("embed", "heads", "kv"),
@@ -584,8 +600,13 @@ class Attention(nnx.Module):
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)
         # Keys and values are gathered over the sequence (context parallelism keeps only queries split).
-        out = attention(q, shard(k, _BKND), shard(v, _BKND), mask, self.scale, self.attention_impl)
+        out = self.attend(q, shard(k, _BKND), shard(v, _BKND), mask)
         return restore_sharding(self.o_proj(shard(out, _BLHD), _BLE), in_sharding)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask | jax.Array | None) -> jax.Array:
+        """``attention`` with this layer's scale, kernel and local attention."""
+        return attention(q, k, v, mask, self.scale, self.attention_impl, window=self.window, chunk=self.chunk,
+                         sinks=None if self.sinks is None else self.sinks[...], softcap=self.softcap)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(q [b, s, heads, head_dim], k, v [b, s, kv_heads, head_dim])``: q/k normed (``qk_norm``), then
@@ -602,10 +623,26 @@ class Attention(nnx.Module):
         The new keys and values are written into ``k_cache``/``v_cache [b, max_len, kv_heads, head_dim]`` at
         slots ``start .. start + t``, ``start`` being the cache's ``length`` before ``KVCache.advance``, which
         gives the rope positions behind ``cos``/``sin`` and ``mask`` (``q_offset = start``, the valid slots).
-        Returns
-        ``(out [b, t, embed], k_cache, v_cache)``."""
+        A cache with fewer slots than ``mask`` covers is this layer's ring (a window or chunk layer; see
+        ``nnx_zoo.layers.kv_cache``): the step attends to the ring's keys in slot order and the new ones, then
+        stores the new ones in it. Returns ``(out [b, t, embed], k_cache, v_cache)``."""
         in_sharding = sharding_of(x)
         q, k, v = self.project(x, cos, sin)
-        k_cache, v_cache = write_slots(k_cache, k, start), write_slots(v_cache, v, start)
-        out = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask, self.scale, self.attention_impl)
+        out, k_cache, v_cache = self.attend_cached(q, k, v, k_cache, v_cache, start, mask)
         return restore_sharding(self.o_proj(shard(out, _BLHD), _BLE), in_sharding), k_cache, v_cache
+
+    def attend_cached(self, q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                      start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(attention output, k_cache, v_cache)`` of new ``q, k, v`` against a layer's cache (a full one or a
+        ring), the new keys and values stored in it."""
+        slots = mask.kv_valid.shape[1]
+        if k_cache.shape[1] >= slots:
+            k_cache, v_cache = write_slots(k_cache, k, start), write_slots(v_cache, v, start)
+            return self.attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask), k_cache, v_cache
+        if self.window is None and self.chunk is None:
+            raise ValueError(f"a cache of {k_cache.shape[1]} slots for a full-attention layer over {slots} slots; "
+                             "only window or chunk layers keep a ring")
+        keys, values = ring_keys(k_cache, k, start), ring_keys(v_cache, v, start)
+        out = self.attend(q, keys.astype(q.dtype), values.astype(q.dtype),
+                          ring_mask(mask, k_cache.shape[1], start, q.shape[1]))
+        return out, write_ring(k_cache, k, start), write_ring(v_cache, v, start)

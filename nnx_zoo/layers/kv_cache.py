@@ -5,6 +5,12 @@ drives through a model's ``init_cache`` / ``prefill`` / ``decode_step``: a fixed
 so one compiled decode step serves every token; slots written left to right, the same slot for every row; a
 left-padded prompt leaves its padding slots marked invalid, so they are never attended to, and each row's rope
 positions count only its real tokens.
+
+A layer with a sliding window or chunks needs only its last ``window - 1`` (or ``chunk - 1``) slots: its keys and
+values live in a ring of that many slots (``ring_slots``), slot ``s`` at ring index ``s % ring``, so its memory
+does not grow with the context. ``ring_keys`` reads a ring in slot order with the new tokens after it, and
+``ring_mask`` the step's mask over them; ``write_ring`` stores the new tokens in place. The bookkeeping (``valid``,
+``next_position``, ``length``) stays per slot of the whole cache, a few bytes per token.
 """
 
 from __future__ import annotations
@@ -109,7 +115,9 @@ def advance_slots(valid: jax.Array, next_position: jax.Array, length: jax.Array,
     positions = next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
     positions = jnp.where(token_mask, positions, 0)
     valid = jax.lax.dynamic_update_slice(valid, token_mask, (0, length))
-    mask = AttentionMask(q_offset=length, kv_valid=valid)
+    # A row's tokens are contiguous from its first real one, so its document starts at slot - position.
+    doc_start = length + jnp.arange(t, dtype=jnp.int32) - positions
+    mask = AttentionMask(q_offset=length, kv_valid=valid, doc_start=doc_start)
     next_position = next_position + jnp.sum(token_mask, axis=1, dtype=jnp.int32)
     return positions, mask, valid, next_position, length + t
 
@@ -121,3 +129,40 @@ def write_slots(layer_cache: jax.Array, new: jax.Array, start: jax.Array,
     the names of its own feature dims)."""
     new = shard(new.astype(layer_cache.dtype), names)
     return jax.lax.dynamic_update_slice(layer_cache, new, (0, start) + (0,) * (layer_cache.ndim - 2))
+
+
+def ring_slots(max_len: int, window: int | None, chunk: int | None) -> int:
+    """Slots a layer's cache needs: ``window - 1`` past keys for a window (the new tokens come on top), ``chunk -
+    1`` for a chunk, all ``max_len`` for a full layer (or when the ring would be no smaller)."""
+    sizes = [max_len] + [n - 1 for n in (window, chunk) if n is not None]
+    return max(1, min(sizes))
+
+
+def ring_keys(ring: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """``[batch, ring + t, ...]``: a ring's keys (or values) in slot order, slots ``start - ring .. start - 1``
+    (those before 0 never written), then the ``t`` new ones at ``start ..``; laid out like the ring."""
+    size = ring.shape[1]
+    twice = jnp.concatenate([ring, ring], axis=1)
+    ordered = jax.lax.dynamic_slice_in_dim(twice, start % size, size, axis=1)  # ring index (start + j) % size
+    return jnp.concatenate([ordered, new.astype(ring.dtype)], axis=1)
+
+
+def ring_mask(mask: AttentionMask, size: int, start: jax.Array, t: int) -> AttentionMask:
+    """A decode step's ``mask`` (over every slot of the cache) for keys read by ``ring_keys``: key ``j`` is slot
+    ``start - size + j``; the queries keep their slots relative to it (``q_offset = size``)."""
+    valid = jnp.pad(mask.kv_valid, ((0, 0), (size, 0)))  # slots before 0: never written
+    valid = jax.lax.dynamic_slice_in_dim(valid, start, size + t, axis=1)
+    return AttentionMask(q_offset=size, kv_valid=valid, doc_start=mask.doc_starts(t) - (start - size))
+
+
+def write_ring(ring: jax.Array, new: jax.Array, start: jax.Array,
+               names: tuple[str | None, ...] = LAYER_KV_CACHE_NAMES) -> jax.Array:
+    """``ring [batch, size, ...]`` with ``new [batch, t, ...]`` (slots ``start .. start + t - 1``) written at ring
+    indices ``slot % size``; of more than ``size`` new tokens only the last ``size`` stay."""
+    size, t = ring.shape[1], new.shape[1]
+    kept = min(t, size)
+    new = shard(new[:, t - kept:].astype(ring.dtype), names)
+    if kept == 1:
+        return jax.lax.dynamic_update_slice(ring, new, (0, (start + t - 1) % size) + (0,) * (ring.ndim - 2))
+    index = (start + t - kept + jnp.arange(kept)) % size
+    return ring.at[:, index].set(new)

@@ -219,3 +219,50 @@ def test_kernels_serve_the_features_they_have(monkeypatch, fresh_warnings):
     assert len([w for w in caught if "sinks" in str(w.message)]) == 1
     with pytest.raises(ValueError, match="unknown local-attention features"):
         _pick("auto", "gpu", tokamax=True, monkeypatch=monkeypatch, features=("alibi",))
+
+
+# ------------------------------------------------------------------------------------------- the ring caches
+@pytest.mark.parametrize("local", [dict(window=5, sinks=True), dict(chunk=4, softcap=3.0)], ids=str)
+def test_ring_cache_decode_equals_full_forward(local):
+    """A window-5 (or chunk-4) layer decoding from a ring of 4 (3) slots: a left-padded prompt longer than the
+    ring, then steps of 1, 2 and 3 tokens that wrap around it; every real token's output equals the uncached
+    forward's, and the ring holds the last slots' keys at ``slot % ring``."""
+    from flax import nnx
+
+    from nnx_zoo.layers import Attention, KVCache
+    from nnx_zoo.layers.kv_cache import empty_slots, ring_slots
+    from tests.layers.test_attention import _extend, _forward
+
+    attn = Attention(32, num_heads=4, num_kv_heads=2, head_dim=16, kernel_init=nnx.initializers.normal(0.3),
+                     rngs=nnx.Rngs(0), **local)
+    if attn.sinks is not None:
+        attn.sinks[...] = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+    seq = 16
+    mask = (np.arange(seq)[None, :] >= np.array([[0], [4], [9]])).astype(np.int32)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, seq, 32)), jnp.float32)
+    mask = jnp.asarray(mask)
+    full = _forward(attn, x, jnp.asarray(positions), mask)
+    size = ring_slots(seq + 3, attn.window, attn.chunk)
+    assert size == (local.get("window") or local.get("chunk")) - 1
+    cache = KVCache(k=jnp.zeros((1, x.shape[0], size, 2, 16)), v=jnp.zeros((1, x.shape[0], size, 2, 16)),
+                    **empty_slots(x.shape[0], seq + 3))
+    outs, lo = [], 0
+    for step in (6, 1, 2, 3, 1, 2, 1):
+        out, _, cache = _extend(attn, x[:, lo:lo + step], mask[:, lo:lo + step], cache)
+        outs.append(out)
+        lo += step
+    assert lo == seq
+    real = np.asarray(mask).astype(bool)
+    assert rel_err(np.asarray(jnp.concatenate(outs, axis=1))[real], np.asarray(full)[real]) < 1e-5
+    k_full = np.asarray(attn.project(x, *_rope_of(attn, positions))[1])
+    for slot in range(seq - size, seq):
+        rows = real[:, slot]
+        np.testing.assert_allclose(np.asarray(cache.k[0, :, slot % size])[rows], k_full[rows, slot], rtol=1e-5,
+                                   atol=1e-6)
+
+
+def _rope_of(attn, positions):
+    from tests.layers.test_attention import _rope
+
+    return _rope(attn.head_dim, jnp.asarray(positions))
