@@ -9,7 +9,7 @@ from nnx_zoo.layers.attention import (
     dot_product_attention,
 )
 from nnx_zoo.layers.embed import Embed
-from nnx_zoo.layers.kv_cache import KVCache
+from nnx_zoo.layers.kv_cache import KVCache, StackedKVCache
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.lora import LoRAExperts, LoRALinear, LoRAParam, apply_lora, merge_lora
 from nnx_zoo.layers.mlp import SwiGLU
@@ -49,6 +49,7 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "RoutedExperts",
+    "StackedKVCache",
     "SwiGLU",
     "YarnScaling",
     "apply_lora",

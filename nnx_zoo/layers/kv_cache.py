@@ -166,3 +166,54 @@ def write_ring(ring: jax.Array, new: jax.Array, start: jax.Array,
         return jax.lax.dynamic_update_slice(ring, new, (0, (start + t - 1) % size) + (0,) * (ring.ndim - 2))
     index = (start + t - kept + jnp.arange(kept)) % size
     return ring.at[:, index].set(new)
+
+
+class StackedKVCache(NamedTuple):
+    """The decoding cache of a model whose layers come in stacks of kinds (full attention, sliding window,
+    chunked; ``nnx_zoo.models.causal_lm``): per stack name, ``k``, ``v [layers, batch, slots, kv_heads,
+    head_dim]``, with ``slots`` the whole ``max_len`` for full-attention stacks and a ring (``ring_slots``) for
+    window and chunk ones; the slot bookkeeping (``valid [batch, max_len]``, ``next_position``, ``length``) is
+    ``KVCache``'s, shared by every stack.
+
+    >>> cache = StackedKVCache.zeros({"layers": (4, 64, 2, 16), "sliding_layers": (20, 127, 2, 16)},
+    ...                              batch=2, max_len=8192, dtype=jnp.bfloat16)
+    >>> positions, mask, cache = cache.advance(token_mask)
+    """
+
+    k: dict[str, jax.Array]
+    v: dict[str, jax.Array]
+    valid: jax.Array
+    next_position: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def zeros(cls, stacks: dict[str, tuple[int, int, int, int]], *, batch: int, max_len: int,
+              dtype: jnp.dtype) -> StackedKVCache:
+        """An empty cache: ``stacks`` maps each stack's name to ``(layers, slots, kv_heads, head_dim)``; laid
+        out on the ambient mesh by the cache's logical names."""
+        slots = empty_slots(batch, max_len)
+        arrays = {name: (layers, batch, size, heads, dim) for name, (layers, size, heads, dim) in stacks.items()}
+        return cls(k={n: shard(jnp.zeros(s, dtype), KV_CACHE_NAMES) for n, s in arrays.items()},
+                   v={n: shard(jnp.zeros(s, dtype), KV_CACHE_NAMES) for n, s in arrays.items()}, **slots)
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes the key and value arrays of the full-attention layers hold per cached token per layer (rings
+        hold a fixed number of tokens whatever the context: ``nbytes`` counts everything)."""
+        full = [n for n, k in self.k.items() if k.shape[2] == self.max_len]
+        if not full:
+            return 0
+        layers = sum(self.k[n].shape[0] for n in full)
+        batch = self.valid.shape[0]
+        return sum(self.k[n].nbytes + self.v[n].nbytes for n in full) // (layers * batch * self.max_len)
+
+    def nbytes(self) -> int:
+        """Bytes of every stack's keys and values."""
+        return sum(a.nbytes for a in (*self.k.values(), *self.v.values()))
+
+    def advance(self, token_mask: jax.Array) -> tuple[jax.Array, AttentionMask, StackedKVCache]:
+        """As ``KVCache.advance``: ``(positions, mask over the max_len slots, cache)``."""
+        return advance_cache(self, token_mask)

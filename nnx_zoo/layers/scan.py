@@ -109,6 +109,44 @@ def periodic_runs(kinds: Sequence[Hashable], max_period: int = 4) -> list[tuple[
     return out
 
 
+class Segment(NamedTuple):
+    """Consecutive layers a model runs as one scan (``segments``): its ``pattern`` of stack names ``repeats``
+    times; ``group`` holds, per pattern position, the slice of that stack those repeats use, and ``starts`` the
+    slice's first layer within its stack (a cache's layer index is ``starts[p] + repeat``)."""
+
+    group: Any  # nnx.List of stacked modules
+    pattern: tuple[str, ...]
+    repeats: int
+    starts: tuple[int, ...]
+
+
+def segments(layer_stacks: Sequence[str], stacks: dict[str, Any], max_period: int = 8) -> list[Segment]:
+    """A model's layers as scan segments (``periodic_runs`` over ``layer_stacks``, the stack name of each layer
+    in model order; ``stacks`` maps the names to the stacked modules, whose layers are in model order).
+
+    >>> [(s.pattern, s.repeats) for s in segments(["sliding_layers"] * 5 + ["layers"], model_stacks)]
+    [(('sliding_layers',), 5), (('layers',), 1)]
+    """
+    taken = dict.fromkeys(stacks, 0)
+    out = []
+    for pattern, repeats in periodic_runs(layer_stacks, max_period):
+        parts, starts = [], []
+        for name in pattern:
+            stack, start = stacks[name], taken[name]
+            taken[name] += repeats
+            count = jax.tree.leaves(nnx.state(stack))[0].shape[0]
+            parts.append(stack if repeats == count else take_layers(stack, start, start + repeats))
+            starts.append(start)
+        out.append(Segment(nnx.List(parts), tuple(pattern), repeats, tuple(starts)))  # type: ignore[arg-type]
+    return out
+
+
+def model_order(per_position: Sequence[Any]) -> Any:
+    """A segment's per-layer outputs in model order: ``per_position[p]`` holds pattern position ``p``'s, stacked
+    over the repeats; the layers ran repeat-major (``r0p0, r0p1, ..., r1p0, ...``)."""
+    return jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *per_position)
+
+
 def take_layers(stack: M, start: int, stop: int) -> M:
     """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
     graphdef, state = nnx.split(stack)

@@ -6,10 +6,16 @@ a family adds ``forward`` (one ``CausalLMOutput``, whatever it was asked for), `
 ``from_pretrained`` / ``save_pretrained`` and its ``lora_targets``.
 
 Reading order of the dense model, top down: ``CausalLM.forward`` embeds the tokens (``Embed``), runs the
-scanned stack of ``DecoderLayer``s (``run_stack``), normalizes (``RMSNorm``) and projects to the vocabulary
+scanned stacks of ``DecoderLayer``s (``run_stack``), normalizes (``RMSNorm``) and projects to the vocabulary
 (``lm_head``, or the embedding table when tied). Each ``DecoderLayer`` is pre-norm: ``x + Attention(norm(x))``,
 then ``+ SwiGLU(norm(.))``; ``nnx_zoo.layers.attention`` holds the einsums. Generation (``nnx_zoo.generate``) drives
-``init_cache`` / ``prefill`` / ``decode_step`` over a ``KVCache``.
+``init_cache`` / ``prefill`` / ``decode_step`` over a ``StackedKVCache``.
+
+Layers come in kinds (``config.layer_kinds()``: full or local attention, dense or MoE MLP), one stack per kind
+(``config.layer_stacks()``: Llama's one ``layers``; GPT-OSS's ``sliding_layers`` and ``layers``). The forward
+pass runs them in model order as segments (``nnx_zoo.layers.scan.segments``): a repeating pattern of kinds is one
+scan whose body runs one layer of each (Gemma 3's five sliding layers and a full one: one scan of six-layer
+steps). A window or chunk layer's cache is a ring of its span (``nnx_zoo.layers.kv_cache.ring_slots``).
 
 A family is a subclass naming its config class and its HF key table (``nnx_zoo.models.llama``,
 ``nnx_zoo.models.qwen3``); checkpoint I/O is ``nnx_zoo.hf``'s.
@@ -31,13 +37,13 @@ from jax.sharding import Mesh
 from nnx_zoo.hf import KeyTable, SafetensorsCheckpoint, load_module, save_module
 from nnx_zoo.layers.attention import Attention, AttentionMask, causal_mask
 from nnx_zoo.layers.embed import Embed
-from nnx_zoo.layers.kv_cache import KVCache
+from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
-from nnx_zoo.layers.scan import create_stack, gathered_over_fsdp, run_stack
-from nnx_zoo.models.decoder_config import DecoderConfig
+from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
+from nnx_zoo.models.decoder_config import FULL, DecoderConfig
 from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
@@ -62,14 +68,14 @@ class DecoderLayer(nnx.Module):
     (2, 8, 128)
     """
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, *, kind: Any = FULL, rngs: nnx.Rngs):
         c = config
         init = nnx.initializers.normal(c.initializer_range)
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                               head_dim=c.head_dim, use_bias=c.attention_bias, o_bias=c.attention_output_bias,
                               qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl,
-                              kernel_init=init, rngs=rngs, **_dtypes(c))
+                              kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 
@@ -234,6 +240,12 @@ class CausalLMBase(nnx.Module):
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, jnp.asarray(self.rope_inv_freq, jnp.float32), self.rope_attention_factor)
 
+    def _layer_rope(self, kind: Any, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The rope tables of a layer of ``kind`` (one for every kind here; a family whose local and global
+        layers rope differently answers per kind)."""
+        del kind
+        return self._rope(positions)
+
     def _logits(self, hidden: jax.Array, head: Embed | Linear | None = None) -> jax.Array:
         """The output head's logits for ``hidden [..., batch, seq, embed]`` (leading dims, e.g. the main model and
         its MTP depths stacked, share one head matmul). ``head``: the head module already gathered
@@ -331,14 +343,29 @@ class CausalLM(CausalLMBase):
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
 
     def _init_layers(self, c: DecoderConfig, rngs: nnx.Rngs) -> None:
-        """The decoder stack(s): here one scanned stack ``layers`` (``MoECausalLM`` adds its own kinds)."""
-        self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), c.num_hidden_layers, rngs, STACK_AXIS)
+        """One scanned stack per layer kind, named by ``config.layer_stacks()`` (a plain dense model: ``layers``)."""
+        for name, kind, indices in c.layer_stacks():
+            layer_class = self.layer_class(kind)
+            setattr(self, name, create_stack(lambda r, cls=layer_class, kind=kind: cls(c, kind=kind, rngs=r),
+                                             len(indices), rngs, STACK_AXIS))
 
-    def layer_runs(self) -> list[tuple[nnx.Module, jax.Array]]:
-        """The decoder layers in order, as ``(stack, layer indices)`` runs of consecutive layers that one scan
-        applies (each stack a module of stacked layers; the indices number the layers in the whole model, the
-        cache's layer axis). A dense model is one run."""
-        return [(self.layers, jnp.arange(self.config.num_hidden_layers))]
+    def layer_class(self, kind: Any) -> type[nnx.Module]:
+        """The module of a layer of ``kind``, built as ``cls(config, kind=kind, rngs=rngs)``."""
+        del kind
+        return DecoderLayer
+
+    def layer_stacks(self) -> dict[str, nnx.Module]:
+        """Stack name -> the stacked layers of that kind."""
+        return {name: getattr(self, name) for name, _, _ in self.config.layer_stacks()}
+
+    def layer_segments(self) -> list[Segment]:
+        """The layers in model order as scan segments (``nnx_zoo.layers.scan.segments``)."""
+        c = self.config
+        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
+        return segments([name_of[kind] for kind in c.layer_kinds()], self.layer_stacks())
+
+    def _kinds_by_stack(self) -> dict[str, Any]:
+        return {name: kind for name, kind, _ in self.config.layer_stacks()}
 
     # ---- checkpoints ----
     @classmethod
@@ -386,47 +413,74 @@ class CausalLM(CausalLMBase):
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
-            cos, sin = self._rope(positions)
+            kinds = self._kinds_by_stack()
+            ropes = {name: self._layer_rope(kind, positions) for name, kind in kinds.items()}
             mask = causal_mask(seq_len, attention_mask, segment_ids)
 
-            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, jax.Array | None]:
-                h = layer(h, cos, sin, mask)
-                return h, h if with_hidden_states else None
+            def segment_body(pattern: tuple[str, ...]) -> Any:
+                def body(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, list[jax.Array | None]]:
+                    outputs = []
+                    for name, layer in zip(pattern, group):
+                        h = layer(h, *ropes[name], mask)
+                        outputs.append(h if with_hidden_states else None)
+                    return h, outputs
+                return body
 
-            embeddings = self.embed(input_ids)
-            h, layer_outputs = run_stack(self.layers, layer_body, embeddings, scan=c.scan_layers,
-                                         remat_policy=c.remat_policy)
+            embeddings = h = self.embed(input_ids)
+            layer_outputs = []
+            for segment in self.layer_segments():
+                h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
+                                       remat_policy=c.remat_policy)
+                layer_outputs.append(model_order(outputs))
             final_hidden = self.norm(h)
-            hidden_states = (stack_hidden_states(embeddings, layer_outputs, final_hidden) if with_hidden_states
-                             else None)
+            hidden_states = (stack_hidden_states(embeddings, jnp.concatenate(layer_outputs), final_hidden)
+                             if with_hidden_states else None)
             return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
                                   hidden_states=hidden_states, final_hidden=final_hidden)
 
-    # ---- generation: a fixed-size KVCache ----
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated)."""
+    # ---- generation: a fixed-size cache, rings for local layers ----
+    def init_cache(self, batch: int, max_len: int) -> StackedKVCache:
+        """An empty decoding cache for ``batch`` rows of up to ``max_len`` tokens (prompt and generated): per
+        stack, ``max_len`` slots for full attention, a ring of its span for a window or chunk layer."""
         c = self.config
+        stacks = {}
+        for name, kind, indices in c.layer_stacks():
+            options = c.attention_options(kind)
+            kv_heads, head_dim = self._cache_dims(kind)
+            stacks[name] = (len(indices), ring_slots(max_len, options.get("window"), options.get("chunk")), kv_heads,
+                            head_dim)
         with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
-            return KVCache.zeros(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
-                                 num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=jnp.dtype(c.dtype))
+            return StackedKVCache.zeros(stacks, batch=batch, max_len=max_len, dtype=jnp.dtype(c.dtype))
 
-    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def _cache_dims(self, kind: Any) -> tuple[int, int]:
+        """``(kv heads, head dim)`` a layer of ``kind`` caches."""
+        del kind
+        return self.config.num_key_value_heads, self.config.head_dim
+
+    def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: StackedKVCache
+                ) -> tuple[jax.Array, StackedKVCache]:
         """Write ``t`` new tokens per row into the next ``t`` cache slots, attending to everything cached."""
         start = cache.length
         positions, mask, cache = cache.advance(token_mask)
-        cos, sin = self._rope(positions)
+        ropes = {name: self._layer_rope(kind, positions) for name, kind in self._kinds_by_stack().items()}
 
-        def layer_body(layer: DecoderLayer, carry: Any, index: jax.Array) -> tuple[Any, None]:
-            h, k, v = carry  # k, v: [layers, batch, max_len, kv_heads, head_dim], updated one layer at a time
-            h, k_layer, v_layer = layer.decode(h, cos, sin, jax.lax.dynamic_index_in_dim(k, index, keepdims=False),
-                                               jax.lax.dynamic_index_in_dim(v, index, keepdims=False), start, mask)
-            k = jax.lax.dynamic_update_index_in_dim(k, k_layer, index, 0)
-            v = jax.lax.dynamic_update_index_in_dim(v, v_layer, index, 0)
-            return (h, k, v), None
+        def segment_body(segment: Segment) -> Any:
+            def body(group: nnx.List, carry: Any, repeat: jax.Array) -> tuple[Any, None]:
+                h, k, v = carry  # per stack [layers, batch, slots, kv_heads, head_dim], one layer updated at a time
+                for name, layer, first in zip(segment.pattern, group, segment.starts):
+                    index = first + repeat
+                    h, k_layer, v_layer = layer.decode(
+                        h, *ropes[name], jax.lax.dynamic_index_in_dim(k[name], index, keepdims=False),
+                        jax.lax.dynamic_index_in_dim(v[name], index, keepdims=False), start, mask)
+                    k = {**k, name: jax.lax.dynamic_update_index_in_dim(k[name], k_layer, index, 0)}
+                    v = {**v, name: jax.lax.dynamic_update_index_in_dim(v[name], v_layer, index, 0)}
+                return (h, k, v), None
+            return body
 
         carry = (self.embed(input_ids), cache.k, cache.v)
-        for stack, layer_index in self.layer_runs():
-            carry, _ = run_stack(stack, layer_body, carry, layer_index, scan=self.config.scan_layers)
+        for segment in self.layer_segments():
+            carry, _ = run_stack(segment.group, segment_body(segment), carry, jnp.arange(segment.repeats),
+                                 scan=self.config.scan_layers)
         h, k, v = carry
         logits = shard(self._logits(self.norm(h)), ("activation_batch", "activation_length", None))
         return logits, cache._replace(k=k, v=v)

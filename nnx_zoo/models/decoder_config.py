@@ -30,6 +30,25 @@ from nnx_zoo.layers.scan import REMAT_POLICIES
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
+class LayerKind(NamedTuple):
+    """What sets a decoder layer apart within its model; the layers of one kind share a stack (``layer_stacks``).
+
+    ``attention``: ``"full"``, ``"sliding"`` (a sliding window) or ``"chunked"`` (transformers' ``layer_types``
+    words without ``_attention``); ``moe``: a sparse MoE MLP instead of the dense one. A family with more kinds
+    (Llama 4's NoPE layers, Gemma 4's shared K/V) uses its own NamedTuple with these two fields and its own.
+
+    >>> LayerKind("sliding", moe=True)
+    LayerKind(attention='sliding', moe=True)
+    """
+
+    attention: str = "full"
+    moe: bool = False
+
+
+ATTENTION_KINDS = ("full", "sliding", "chunked")
+FULL = LayerKind()  # a full-attention layer with the dense MLP
+
+
 class ParameterCount(NamedTuple):
     """``total``: every parameter; ``active``: those one token uses (all of them in a dense model; k of the routed
     experts per MoE layer in an MoE one); ``embedding``: the input embedding table (a lookup, not a matmul)."""
@@ -300,6 +319,37 @@ class DecoderConfig(FamilyConfig):
     def attention_head_dims(self) -> tuple[int, int]:
         """``(query/key width, value width)`` of one attention head (both ``head_dim``)."""
         return self.head_dim, self.head_dim
+
+    # ---- the layer schedule ----
+    def layer_kinds(self) -> tuple[Any, ...]:
+        """One ``LayerKind`` per decoder layer (here every layer full attention with the dense MLP; a family with
+        local or MoE layers says which)."""
+        return (LayerKind(),) * self.num_hidden_layers
+
+    def attention_options(self, kind: Any) -> dict[str, Any]:
+        """``Attention``'s local-attention keywords for a layer of ``kind`` (``window``, ``chunk``, ``sinks``,
+        ``softcap``); none for full attention. A family with local layers answers for them."""
+        if kind.attention != "full":
+            raise NotImplementedError(f"{type(self).__name__} has no {kind.attention!r} attention layers")
+        return {}
+
+    def stack_name(self, kind: Any) -> str:
+        """The model attribute holding the stack of ``kind``'s layers: ``layers``, prefixed by the attention kind
+        unless full (``sliding_layers``), and ``dense_`` for the dense layers of a model mixing dense and MoE
+        ones (``dense_layers``, ``sliding_dense_layers``)."""
+        mixed = len({k.moe for k in self.layer_kinds()}) > 1
+        return ("" if kind.attention == "full" else f"{kind.attention}_") + (
+            "dense_" if mixed and not kind.moe else "") + "layers"
+
+    def layer_stacks(self) -> list[tuple[str, Any, tuple[int, ...]]]:
+        """``(stack name, kind, layer indices)`` per kind, in order of the kinds' first layers.
+
+        >>> Llama3Config.preset("llama3-tiny").layer_stacks()
+        [('layers', LayerKind(attention='full', moe=False), (0, 1, 2, 3))]
+        """
+        kinds = self.layer_kinds()
+        return [(self.stack_name(kind), kind, tuple(i for i, k in enumerate(kinds) if k == kind))
+                for kind in dict.fromkeys(kinds)]
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod

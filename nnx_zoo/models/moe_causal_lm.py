@@ -1,12 +1,12 @@
 """The dense core with sparse mixture-of-experts MLPs: ``MoECausalLM``, shared by Qwen3-MoE, Mixtral and GLM-4.5.
 
 A layer is dense (``DecoderLayer``: SwiGLU) or sparse (``MoEDecoderLayer``: ``nnx_zoo.layers.sparse_moe``) as
-``config.is_moe_layer(i)`` says. Parameters: the MoE layers stacked in ``layers`` (so an all-MoE model such as
-Mixtral has the dense families' paths), the dense layers of a mixed model in ``dense_layers``. The forward pass
-applies the layers in order as runs of consecutive layers of one kind, each run one scan over a slice of its
-stack (``layer_runs``): one run when every layer is MoE, two for dense-first-then-MoE (Qwen3-MoE's
-``mlp_only_layers=[0]``), one per layer when the kinds alternate (``decoder_sparse_step=2``: then each scan has
-one step, as unrolled). The KV cache's layer axis runs over all layers in model order. With
+``config.is_moe_layer(i)`` says (its ``LayerKind.moe``). Parameters: the MoE layers stacked in ``layers`` (so an
+all-MoE model such as Mixtral has the dense families' paths), the dense layers of a mixed model in
+``dense_layers`` (with local attention kinds too: ``sliding_layers``, ...; ``config.layer_stacks()``). The forward
+pass applies the layers in order as segments (``CausalLM.layer_segments``): one scan when every layer is MoE, two
+for dense-first-then-MoE (Qwen3-MoE's ``mlp_only_layers=[0]``), one scan of two-layer steps when the kinds
+alternate (``decoder_sparse_step=2``). With
 ``batch_split_factor > 1`` each MoE layer runs on that many micro-batches, its weights gathered once
 (``nnx_zoo.layers.batch_split``: same numbers, the balance sums added up), as DeepSeek's MoE layers do.
 
@@ -21,7 +21,6 @@ PyTorch loop accumulating transformers' per-forward loss would weigh it.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -31,10 +30,9 @@ from flax import nnx
 from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row, Stack
 from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
 from nnx_zoo.layers.routers import BalanceSums, switch_balance_loss
-from nnx_zoo.layers.scan import Summed, batch_split, create_stack, gathered_over_fsdp, run_stack
+from nnx_zoo.layers.scan import Summed, batch_split, gathered_over_fsdp, model_order, run_stack
 from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
 from nnx_zoo.models.causal_lm import (
-    STACK_AXIS,
     CausalLM,
     CausalLMOutput,
     DecoderLayer,
@@ -106,12 +104,6 @@ def _batch_split_layer(layer: MoEDecoderLayer, x: jax.Array, cos: jax.Array, sin
     return h, SparseMoEOutput(None, indices, dropped, balance.value)
 
 
-def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
-    """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
-    graphdef, state = nnx.split(stack)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
-
-
 def _cat(parts: list[Any]) -> Any:
     """Per-layer records of several runs joined along the layer dim (None stays None)."""
     parts = [p for p in parts if p is not None]
@@ -129,42 +121,19 @@ class MoECausalLM(CausalLM):
 
     config_class: ClassVar[type[MoEDecoderConfig]] = MoEDecoderConfig
 
-    def _init_layers(self, c: MoEDecoderConfig, rngs: nnx.Rngs) -> None:
-        moe = c.num_moe_layers
-        dense = c.num_hidden_layers - moe
-        if moe:
-            self.layers = create_stack(lambda r: MoEDecoderLayer(c, rngs=r), moe, rngs, STACK_AXIS)
-        else:
-            self.layers = create_stack(lambda r: DecoderLayer(c, rngs=r), dense, rngs, STACK_AXIS)
-        self.dense_layers = (create_stack(lambda r: DecoderLayer(c, rngs=r), dense, rngs, STACK_AXIS)
-                             if moe and dense else None)
-
-    def _runs(self) -> list[tuple[nnx.Module, jax.Array, bool]]:
-        """``(stack, layer indices, is_moe)`` per run of consecutive layers of one kind, in model order."""
-        c = self.config
-        has_moe = c.num_moe_layers > 0
-        totals = {True: c.num_moe_layers, False: c.num_hidden_layers - c.num_moe_layers}
-        taken = {True: 0, False: 0}
-        runs = []
-        for is_moe, group in itertools.groupby(range(c.num_hidden_layers), key=c.is_moe_layer):
-            indices = list(group)
-            stack = self.layers if is_moe or not has_moe else self.dense_layers
-            start = taken[is_moe]
-            taken[is_moe] += len(indices)
-            if len(indices) != totals[is_moe]:
-                stack = _slice_stack(stack, start, start + len(indices))
-            runs.append((stack, jnp.asarray(indices), is_moe))
-        return runs
-
-    def layer_runs(self) -> list[tuple[nnx.Module, jax.Array]]:
-        return [(stack, indices) for stack, indices, _ in self._runs()]
+    def layer_class(self, kind: Any) -> type[nnx.Module]:
+        return MoEDecoderLayer if kind.moe else DecoderLayer
 
     def update_routing_bias(self, expert_load: jax.Array, rate: float) -> None:
         """Aux-loss-free balancing after an optimizer step: each MoE layer's selection bias moves by ``rate``
         toward balance (``nnx_zoo.layers.routers.balance_routing_bias``), ``expert_load [moe_layers, experts]``
         from ``forward(..., with_expert_load=True)``. A router without a bias (softmax top-k): a no-op."""
-        if self.config.num_moe_layers:
-            self.layers.mlp.balance_bias(expert_load, rate)
+        c = self.config
+        moe_layers = [i for i, kind in enumerate(c.layer_kinds()) if kind.moe]
+        for name, kind, indices in c.layer_stacks():
+            if kind.moe:  # this stack's rows of expert_load (model order over the MoE layers)
+                rows = jnp.asarray([moe_layers.index(i) for i in indices])
+                getattr(self, name).mlp.balance_bias(expert_load[rows], rate)
 
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
@@ -182,11 +151,12 @@ class MoECausalLM(CausalLM):
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
-            cos, sin = self._rope(positions)
+            ropes = {name: self._layer_rope(kind, positions) for name, kind in self._kinds_by_stack().items()}
             mask = causal_mask(seq_len, attention_mask, segment_ids)
             token_mask = token_mask_of(mask, seq_len)  # a real token may attend to itself
 
-            def layer_body(layer: DecoderLayer, h: jax.Array, _: Any) -> tuple[jax.Array, _Record]:
+            def layer_body(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array
+                           ) -> tuple[jax.Array, _Record]:
                 if not isinstance(layer, MoEDecoderLayer):
                     h = layer(h, cos, sin, mask)
                     return h, _Record(hidden=h if with_hidden_states else None)
@@ -202,19 +172,29 @@ class MoECausalLM(CausalLM):
                 return h, _Record(h if with_hidden_states else None, moe.expert_indices if with_routing else None,
                                   load, moe.dropped_tokens if with_expert_load else None, moe.balance)
 
-            embeddings = self.embed(input_ids)
-            h, records, moe_records = embeddings, [], []
-            for stack, _, is_moe in self._runs():
-                h, record = run_stack(stack, layer_body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
-                records.append(record)
-                if is_moe:
-                    moe_records.append(record)
+            def segment_body(pattern: tuple[str, ...]) -> Any:
+                def body(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, list[_Record]]:
+                    records = []
+                    for name, layer in zip(pattern, group):
+                        h, record = layer_body(layer, h, *ropes[name])
+                        records.append(record)
+                    return h, records
+                return body
+
+            embeddings = h = self.embed(input_ids)
+            hidden, moe_records = [], []
+            for segment in self.layer_segments():
+                h, records = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
+                                       remat_policy=c.remat_policy)
+                hidden.append(model_order([r.hidden for r in records]))
+                moe_positions = [r for r, layer in zip(records, segment.group) if isinstance(layer, MoEDecoderLayer)]
+                if moe_positions:  # the MoE layers' records in model order (dense layers keep none)
+                    moe_records.append(model_order(moe_positions))
             final_hidden = self.norm(h)
             moe = _Record(*(_cat([getattr(r, f) for r in moe_records]) for f in _Record._fields))
             hidden_states = None
             if with_hidden_states:
-                layers = jnp.concatenate([r.hidden for r in records], axis=0)
-                hidden_states = stack_hidden_states(embeddings, layers, final_hidden)
+                hidden_states = stack_hidden_states(embeddings, jnp.concatenate(hidden, axis=0), final_hidden)
             aux_loss = None
             if moe.balance is not None:
                 pooled = BalanceSums(*(jnp.sum(a, axis=0) for a in moe.balance))  # over the MoE layers

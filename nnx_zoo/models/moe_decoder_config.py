@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
 from nnx_zoo.layers.routers import ROUTERS
-from nnx_zoo.models.decoder_config import DecoderConfig, ParameterCount
+from nnx_zoo.models.decoder_config import DecoderConfig, LayerKind, ParameterCount
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 
@@ -97,6 +97,9 @@ class MoEDecoderConfig(DecoderConfig):
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` (from 0) has the sparse MoE MLP (else the dense SwiGLU)."""
         raise NotImplementedError
+
+    def layer_kinds(self) -> tuple[Any, ...]:
+        return tuple(LayerKind(moe=self.is_moe_layer(i)) for i in range(self.num_hidden_layers))
 
     @property
     def router_kind(self) -> str:
