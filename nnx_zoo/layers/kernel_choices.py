@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nnx_zoo.layers.attention import choose_attention_impl
+from nnx_zoo.layers.attention import LOCAL_FEATURES, choose_attention_impl
 from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl
 from nnx_zoo.layers.moe import default_moe_impl
 
@@ -19,14 +19,29 @@ def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platfor
                    ) -> dict[str, str]:
     """``{"attention": ..., "moe": ..., "grouped_matmul": ...}``: the implementation each kernel setting of
     ``config`` resolves to for training sequences of ``seq_len`` tokens (``segments``: packed documents) on
-    ``platform`` (default: JAX's default backend). MoE entries appear only for configs with MoE layers.
+    ``platform`` (default: JAX's default backend). MoE entries appear only for configs with MoE layers; layers of
+    a local attention kind whose features need another kernel (sinks, a chunk: no cuDNN) get
+    ``"attention_<kind>"`` (``"attention_sliding": "blockwise"``).
 
     >>> kernel_choices(Llama3Config.preset("llama3-tiny"), seq_len=64, platform="cpu")
     {'attention': 'xla'}
     """
     qk_dim, v_dim = config.attention_head_dims
-    choices = {"attention": choose_attention_impl(config.attention_impl, q_len=seq_len, k_len=seq_len,
-                                                  platform=platform, segments=segments, qk_dim=qk_dim, v_dim=v_dim)}
+
+    def attention(features: tuple[str, ...] = ()) -> str:
+        return choose_attention_impl(config.attention_impl, q_len=seq_len, k_len=seq_len, platform=platform,
+                                     segments=segments, qk_dim=qk_dim, v_dim=v_dim, features=features)
+
+    # Layers of another attention kind (a window, a chunk, sinks) may need another kernel: "attention_<kind>".
+    per_kind: dict[str, str] = {}
+    if hasattr(config, "layer_kinds") and hasattr(config, "attention_options"):
+        for kind in dict.fromkeys(config.layer_kinds()):
+            options = config.attention_options(kind)
+            features = tuple(k for k in LOCAL_FEATURES if options.get(k) not in (None, False))
+            per_kind.setdefault(kind.attention, attention(features))
+    full = per_kind.pop("full", None)
+    choices = {"attention": full or (next(iter(per_kind.values())) if per_kind else attention())}
+    choices.update({f"attention_{kind}": impl for kind, impl in per_kind.items() if impl != choices["attention"]})
     sparse_keys = getattr(config, "sparse_attention_keys", None)
     topk = sparse_keys(seq_len) if sparse_keys is not None else 0
     if topk:  # a family's sparse attention: each query's top-k keys gathered, no score matrix

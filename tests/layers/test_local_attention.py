@@ -266,3 +266,31 @@ def _rope_of(attn, positions):
     from tests.layers.test_attention import _rope
 
     return _rope(attn.head_dim, jnp.asarray(positions))
+
+
+def test_kernel_choices_name_the_local_layers_kernel(monkeypatch, fresh_warnings):
+    """A model whose full layers run cuDNN and whose sliding layers carry sinks (cuDNN has none): the report names
+    both (GPT-OSS's shape), and a window alone keeps cuDNN."""
+    from nnx_zoo.layers import attention as attn_module
+    from nnx_zoo.layers.kernel_choices import kernel_choices
+    from nnx_zoo.models.decoder_config import LayerKind
+
+    monkeypatch.setattr(attn_module, "tokamax_available", lambda: False)
+
+    class Config:
+        attention_impl, attention_head_dims = "auto", (64, 64)
+
+        def __init__(self, sliding: dict):
+            self.sliding = sliding
+
+        def layer_kinds(self):
+            return (LayerKind("sliding"), LayerKind())
+
+        def attention_options(self, kind):
+            return self.sliding if kind.attention == "sliding" else {}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AttentionFallbackWarning)
+        assert kernel_choices(Config(dict(window=128, sinks=True)), seq_len=4096, platform="gpu") == {
+            "attention": "cudnn", "attention_sliding": "blockwise"}
+        assert kernel_choices(Config(dict(window=128)), seq_len=4096, platform="gpu") == {"attention": "cudnn"}
