@@ -33,6 +33,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.layers.attention import activation_spec, ambient_mesh, vary_over
+from nnx_zoo.sharding import axes_tuple
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 DELTA_RULE_IMPLS = ("auto", "chunked", "recurrent")
 DEFAULT_CHUNK = 64
@@ -92,10 +97,73 @@ def gated_delta_rule(
     if impl == "auto":
         impl = "recurrent" if s <= chunk_size else "chunked"
     run = _recurrent if impl == "recurrent" else functools.partial(_chunked, chunk_size=chunk_size)
-    out, state = run(q, k, v, g, beta, segments, state)
+    out, state = _per_device(run, q, k, v, g, beta, segments, state)
     if token_mask is not None:
         out = jnp.where(token_mask.astype(bool)[:, :, None, None], out, 0.0)
     return out.astype(out_dtype), state
+
+
+# ---------------------------------------------------------------------------------------------- under a mesh
+_BSHD = ("activation_batch", "activation_length", "activation_heads", None)
+
+
+def _per_device(run, q, k, v, g, beta, segments, state):
+    """``run`` on each device's block inside ``shard_map`` when a mesh is ambient (batch and heads split as the
+    rules say; without a mesh, once). With the sequence split too (context parallelism) each device runs its
+    tokens from an empty state, as an affine map of the state it will be handed; the devices exchange those maps
+    (``[d_k, d_k + d_v]`` per head, all-gathered over the sequence axes), each composes its predecessors' to get the
+    state it starts from, and adds that state's part to its outputs."""
+    mesh = ambient_mesh()
+    if mesh is None:
+        return run(q, k, v, g, beta, segments, state)
+    spec = activation_spec(_BSHD, q.shape)
+    token_spec = PartitionSpec(*spec[:3]) if g.ndim == 3 else spec
+    state_spec = PartitionSpec(spec[0], spec[2], None, None)  # batch and heads as the tokens have them
+    specs = (spec, spec, spec, token_spec, PartitionSpec(*spec[:3]), PartitionSpec(*spec[:2]), state_spec)
+    args = [shard_to_spec(a, p) for a, p in zip((q, k, v, g, beta, segments, state), specs)]
+    length_axes = axes_tuple(spec[1])
+    every_axis = tuple(dict.fromkeys(a for p in specs for e in p for a in axes_tuple(e)))
+
+    def local(*xs):
+        xs = [vary_over(x, every_axis) for x in xs]
+        if not length_axes:
+            return run(*xs)
+        return _handed_over(run, *xs, length_axes=length_axes, every_axis=every_axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(spec, state_spec))(*args)
+
+
+def _handed_over(run, q, k, v, g, beta, segments, state, *, length_axes, every_axis):
+    """One device's block of a sequence split over ``length_axes``: its run from an empty state with the identity
+    beside its values (so the outputs and final state come back as affine maps of the state it starts from), the
+    maps of every device gathered and composed in order."""
+    b, _, h, dv = v.shape
+    dk = k.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=v.dtype), (b, h, dk, dk))
+    # Value columns [v | 0] with the state [0 | I]: outputs [o(0) | O], final state [U | T]; from a state S the
+    # block's outputs are o(0) + O S and its final state U + T S (every step is linear in the state, per column).
+    wide_v = jnp.concatenate([v, jnp.zeros((*v.shape[:3], dk), v.dtype)], axis=-1)
+    start = jnp.concatenate([jnp.zeros((b, h, dk, dv), v.dtype), eye], axis=-1)
+    out, final = run(q, k, wide_v, g, beta, segments, vary_over(start, every_axis))
+    # The segment the block starts in continues the previous block's last one only if the ids match.
+    first, last = segments[:, 0], segments[:, -1]
+    maps = [jax.lax.all_gather(x, length_axes) for x in (final, first, last)]  # each [devices, ...]
+    me = jax.lax.axis_index(length_axes)
+
+    def hand_over(S, device):
+        U, T = maps[0][device][..., :dv], maps[0][device][..., dv:]
+        starts = jnp.where(device == 0, state, S)
+        # The block's first segment continues the state only if the previous block ended in it.
+        joined = (device == 0) | (maps[1][device] == maps[2][jnp.maximum(device - 1, 0)])
+        starts = jnp.where(joined[:, None, None, None], starts, 0.0)
+        return U + jnp.einsum("bhkj,bhjv->bhkv", T, starts), starts
+
+    count = maps[0].shape[0]
+    final, starts = jax.lax.scan(hand_over, jnp.zeros_like(state), jnp.arange(count))
+    mine = starts[me]
+    outputs = out[..., :dv] + jnp.einsum("bshk,bhkv->bshv", out[..., dv:], mine)
+    # Every device composed the same final state; the last one's, summed over the sequence axes, is typed whole.
+    return outputs, jax.lax.psum(jnp.where(me == count - 1, final, 0.0), length_axes)
 
 
 # ------------------------------------------------------------------------------------------------- recurrent

@@ -54,7 +54,9 @@ def inputs(seq: int, *, channel_decay: bool, heads=(2, 4), dk=6, dv=5, batch=2, 
 
 
 def _values_and_grads(fn, args):
-    weight = jax.random.normal(jax.random.key(3), fn(*args)[0].shape)
+    """``fn``'s outputs and the gradients of a loss of them with respect to its first six arguments (any more are
+    masks, passed through)."""
+    weight = jax.random.normal(jax.random.key(3), jax.eval_shape(fn, *args)[0].shape)
 
     def loss(*a):
         out, state = fn(*a)
@@ -134,3 +136,38 @@ def test_refuses_what_it_cannot_run():
         gated_delta_rule(q[:, :, :1].repeat(3, axis=2), k[:, :, :1].repeat(3, axis=2), v, g, beta, scale=1.0)
     with pytest.raises(ValueError, match="g .* must be"):
         gated_delta_rule(q, k, v, g[..., :1], beta, scale=1.0)
+
+
+MESHES = [({"fsdp": 2, "tensor": 2}, "default", "explicit"), ({"fsdp": 2, "expert": 2}, "ep-as-cp", "explicit"),
+          ({"fsdp": 2, "context": 2, "expert": 2}, "ep-as-cp", "auto")]
+
+
+@pytest.mark.parametrize(("sizes", "rules", "mode"), MESHES, ids=lambda v: str(v).replace(" ", ""))
+def test_under_a_mesh_equals_one_device(sizes, rules, mode):
+    """Batch and heads split (FSDP x TP), and the sequence split over 2 and 4 devices (ep-as-cp), with a document
+    boundary inside a device's block, one on a block edge and one document spanning blocks, left padding and an
+    initial state: values and gradients equal one device's."""
+    import math
+
+    from nnx_zoo.sharding import make_mesh, named_sharding, use_rules
+
+    q, k, v, g, beta, state = inputs(16, channel_decay=False, heads=(2, 4), batch=4, seed=4)
+    segments = np.zeros((4, 16), np.int32)
+    segments[0, 4:], segments[1, 7:], segments[2, 11:] = 1, 1, 1
+    mask = np.ones((4, 16), bool)
+    mask[3, :5] = False
+    segments, mask = jnp.asarray(segments), jnp.asarray(mask)
+
+    def fn(q, k, v, g, beta, state, segments, mask):
+        return gated_delta_rule(q, k, v, g, beta, scale=SCALE, initial_state=state, segment_ids=segments,
+                                token_mask=mask, impl="chunked", chunk_size=2)
+
+    want = _values_and_grads(fn, (q, k, v, g, beta, state, segments, mask))
+    mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:math.prod(sizes.values())])
+    with jax.set_mesh(mesh), use_rules(rules):
+        tokens = named_sharding(("activation_batch", "activation_length", None, None), rules, mesh)
+        side = named_sharding(("activation_batch", "activation_length"), rules, mesh)
+        assert (tokens.spec[1] is not None) == (rules == "ep-as-cp")
+        got = _values_and_grads(fn, (jax.device_put(q, tokens), jax.device_put(k, tokens), jax.device_put(v, tokens),
+                                     g, beta, state, jax.device_put(segments, side), jax.device_put(mask, side)))
+    _assert_close(got, want)
