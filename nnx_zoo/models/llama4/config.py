@@ -88,7 +88,8 @@ class Llama4Config(MoEDecoderConfig, model_type="llama4_text", architecture="Lla
     """
 
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' Llama4TextConfig default
-    HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 128  # its default; null is hidden_size // num_attention_heads
+    HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 128  # its default
+    HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its strict config class refuses "head_dim": null
 
     num_local_experts: int = 16
     intermediate_size_mlp: int = 16384
