@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM, Llama4, Llama4Config, generate
+from nnx_zoo.models.llama4.config import SCOUT_ROPE
 from tests.models.dense_reference import left_padded_batch, rel_err
 from tests.models.llama4.reference import CASES, hf_outputs, make_hf, make_multimodal
 
@@ -240,7 +241,7 @@ def test_hub_config_json_resolves_the_schedule_as_transformers_does():
         assert [i for i in range(48) if ours.is_moe_layer(i)] == theirs.moe_layers
         assert [int(k.rope) for k in ours.layer_kinds()] == theirs.no_rope_layers
         assert [k.attention + "_attention" for k in ours.layer_kinds()] == theirs.layer_types
-        assert ours.attn_temperature_tuning is True and ours.rope_scaling == Llama4Config.preset("llama4-scout").rope_scaling
+        assert ours.attn_temperature_tuning is True and ours.rope_scaling == SCOUT_ROPE
     with pytest.raises(ValueError, match="no auxiliary loss for Llama 4"):
         Llama4Config.preset("llama4-tiny", output_router_logits=True)
     with pytest.raises(ValueError, match=r"layers \[3\] are NoPE .* with chunked attention"):
