@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32."""
+"""RMSNorm (and its weightless form, ``L2Norm``), computed in float32."""
 
 from __future__ import annotations
 
@@ -63,6 +63,24 @@ class RMSNorm(nnx.Module):
         xf = xf * factor
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
         return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+
+
+class L2Norm(nnx.Module):
+    """``x / sqrt(mean(x**2) + eps)`` over the last dim, with no weight (an RMSNorm without its scale; transformers
+    calls it an L2 norm, e.g. Llama 4's query/key norm). Statistics and product in float32, returned in ``x``'s
+    dtype. A module so it can stand where an ``RMSNorm`` stands (``Attention.q_norm`` / ``k_norm``).
+
+    >>> L2Norm(eps=1e-5)(jnp.array([3.0, 4.0]))  # rms 3.54
+    Array([0.8485, 1.1314], dtype=float32)
+    """
+
+    def __init__(self, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        del rngs  # no parameters; accepted so every norm is built the same way
+        self.eps = float(eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):

@@ -70,14 +70,18 @@ class DecoderLayer(nnx.Module):
     (2, 8, 128)
     """
 
+    # The attention module, built with ``config.attention_options(kind)``'s keywords (a family's subclass of
+    # ``Attention`` takes its own ones there too).
+    attention_class: ClassVar[type[Attention]] = Attention
+
     def __init__(self, config: DecoderConfig, *, kind: Any = FULL, rngs: nnx.Rngs):
         c = config
         init = nnx.initializers.normal(c.initializer_range)
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
-        self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, use_bias=c.attention_bias, o_bias=c.attention_output_bias,
-                              qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl,
-                              kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
+        self.attn = self.attention_class(
+            c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            use_bias=c.attention_bias, o_bias=c.attention_output_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+            attention_impl=c.attention_impl, kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 

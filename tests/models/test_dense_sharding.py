@@ -31,6 +31,8 @@ from nnx_zoo import (
     Glm4MoEConfig,
     Llama3,
     Llama3Config,
+    Llama4,
+    Llama4Config,
     Mixtral,
     MixtralConfig,
     Qwen3,
@@ -54,7 +56,10 @@ MOE_FAMILIES = {
                                                  batch_split_factor=2)),
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
-                                               n_group=2, topk_group=1, tie_word_embeddings=False))}
+                                               n_group=2, topk_group=1, tie_word_embeddings=False)),
+    # Four layers: chunked dense, chunked MoE, chunked dense, NoPE MoE; chunks of 4 and temperature from slot 3.
+    "llama4": (Llama4, Llama4Config.preset("llama4-tiny", **{**TINY, "num_hidden_layers": 4, "intermediate_size": 32},
+                                           moe_impl="ep", attention_chunk_size=4, floor_scale=4))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
@@ -70,7 +75,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
-             ("glm4_moe", "fsdp4-ep2", "explicit", "default")]
+             ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
+             ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp")]
 
 
 @functools.cache
