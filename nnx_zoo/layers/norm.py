@@ -31,9 +31,16 @@ class RMSNorm(nnx.Module):
     and the result is returned in ``dtype``. Rows whose mean square overflows float32 (|x| beyond ~1.8e19) are
     rescaled by an exact power of two first, so they still norm to a finite, unit-RMS value with finite gradients.
 
+    ``axes`` trailing dims share one statistic (default 1: the last dim). With ``axes=2`` on ``[..., heads,
+    head_dim]`` the norm runs over all heads at once, as a norm over a whole projection's output before it is split
+    into heads; the scale is stored flat, ``[dim]`` with ``dim = heads * head_dim`` (the checkpoint's layout), and
+    viewed as those dims.
+
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
     (2, 8, 64)
+    >>> RMSNorm(4 * 16, axes=2)(jnp.ones((2, 8, 4, 16))).shape     # one statistic over 4 heads of 16
+    (2, 8, 4, 16)
     """
 
     def __init__(
@@ -41,16 +48,21 @@ class RMSNorm(nnx.Module):
         dim: int,
         *,
         eps: float = 1e-6,
+        axes: int = 1,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
     ):
         del rngs  # ones-initialized; accepted so every layer is built the same way
+        if not (isinstance(axes, int) and axes >= 1):
+            raise ValueError(f"axes must be a positive integer (trailing dims one statistic spans), got {axes!r}")
         self.eps = float(eps)
+        self.axes = axes
         self.dtype = dtype
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        dims = tuple(range(-self.axes, 0))
         xf = x.astype(jnp.float32)
         # Where |x| is past ~1.8e19 (the root of float32's max), x * x overflows: the mean square is inf and
         # rsqrt(inf) = 0 makes the output, and every gradient through it, silently 0, until the backward's
@@ -58,11 +70,12 @@ class RMSNorm(nnx.Module):
         # rows are normed from x * 2**-96 (exact; eps * 2**-192 is 0 next to their mean square). The factor is a
         # constant to differentiation (the result does not depend on it), and 1 in every other row, which are
         # computed bit for bit as before (and as Hugging Face does).
-        overflow = jnp.isinf(jnp.mean(xf * xf, axis=-1, keepdims=True))
+        overflow = jnp.isinf(jnp.mean(xf * xf, axis=dims, keepdims=True))
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
-        return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=dims, keepdims=True) + self.eps * factor * factor)
+        scale = self.scale[...] if self.axes == 1 else self.scale[...].reshape(x.shape[-self.axes:])
+        return scale.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
 
 
 class LayerNorm(nnx.Module):
