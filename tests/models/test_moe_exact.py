@@ -1,14 +1,14 @@
-"""Qwen3-MoE, Mixtral, GLM-4.5 and MiniMax-M2 against transformers (PyTorch, CPU, float32): logits within relative 1e-5 on tiny
-random checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts, dense layers
-mixed in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``, GLM-4.5's ``first_k_dense_replace``), and
-for GLM-4.5 partial rotary (0.5 and 0.25), q/k/v biases on and off, q/k norm on and off, one or two shared
-experts and group-limited sigmoid + bias routing with ``routed_scaling_factor``, for MiniMax-M2 its full-width q/k
-norm, rope on a quarter of each head (``rotary_dim``) and sigmoid routing with a selection-only bias, on a
-left-padded masked batch and an unpadded one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef``
-x transformers' ``outputs.aux_loss``, padded and not, MiniMax-M2's on the softmax of its sigmoid router's logits;
-GLM-4.5 has none in transformers, nor here) and goes both
-ways: transformers' ``save_pretrained``
-(per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
+"""Qwen3-MoE, Mixtral, GLM-4.5 and MiniMax-M2 against transformers (PyTorch, CPU, float32): logits within relative
+1e-5 on tiny random checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts,
+dense layers mixed in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``, GLM-4.5's
+``first_k_dense_replace``), for GLM-4.5 partial rotary (0.5 and 0.25), q/k/v biases on and off, q/k norm on and
+off, one or two shared experts and group-limited sigmoid + bias routing with ``routed_scaling_factor``, and for
+MiniMax-M2 its full-width q/k norm, rope on a quarter of each head (``rotary_dim``) and sigmoid routing with a
+selection-only bias, on a left-padded masked batch and an unpadded one. Each case also checks the Switch
+load-balancing loss (``aux_loss`` = ``router_aux_loss_coef`` x transformers' ``outputs.aux_loss``, padded and not;
+MiniMax-M2's on the softmax of its sigmoid router's logits, as transformers computes it; GLM-4.5 has none in
+transformers, nor here) and goes both ways: transformers' ``save_pretrained`` (per-expert keys, what transformers 5
+writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
 transformers-5's fused expert layout loads too (each family; GLM-4.5's top-1 with tied embeddings), every
 ``moe_impl`` path gives the same logits on it, and LoRA on the routed experts merges into the weights it adapted.
 """
