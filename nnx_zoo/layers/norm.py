@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 # In the rows whose mean square overflows, the squares sum past 2**128 and none exceeds 2**256. Scaled by 2**-96,
 # their mean square lies in [2**-64 / n, 2**64]: its sum cannot overflow, and rsqrt's derivative (mean square to
@@ -74,7 +77,11 @@ class RMSNorm(nnx.Module):
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=dims, keepdims=True) + self.eps * factor * factor)
-        scale = self.scale[...] if self.axes == 1 else self.scale[...].reshape(x.shape[-self.axes:])
+        scale = self.scale[...]
+        if self.axes > 1:
+            # Kept replicated, as the flat scale is ('norm'): its [heads, head_dim] view beside heads split over
+            # devices would otherwise lead XLA to split it, its gradient and its Adam moments the same way.
+            scale = shard_to_spec(scale.reshape(x.shape[-self.axes:]), PartitionSpec())
         return scale.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
 
 
