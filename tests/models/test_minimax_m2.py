@@ -8,6 +8,7 @@ settings that transformers would build otherwise are refused, naming the key."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_turning_each_part_off_moves_the_logits(built, monkeypatch):
     moved["rope on whole heads"] = rel_err(logits, ref["logits"], keep=mask)
 
     unbiased = MiniMaxM2.from_pretrained(path)
-    unbiased.layers.mlp.e_score_correction_bias[...] = 0.0 * unbiased.layers.mlp.e_score_correction_bias[...]
+    unbiased.layers.mlp.e_score_correction_bias[...] = jnp.zeros_like(unbiased.layers.mlp.e_score_correction_bias[...])
     logits, _, experts = _run(unbiased, ids, mask)
     moved["no selection bias"] = rel_err(logits, ref["logits"], keep=mask)
     assert not _same_choices(experts, ref["experts"], mask)
