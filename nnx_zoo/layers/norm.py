@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 # In the rows whose mean square overflows, the squares sum past 2**128 and none exceeds 2**256. Scaled by 2**-96,
 # their mean square lies in [2**-64 / n, 2**64]: its sum cannot overflow, and rsqrt's derivative (mean square to
@@ -31,9 +34,16 @@ class RMSNorm(nnx.Module):
     and the result is returned in ``dtype``. Rows whose mean square overflows float32 (|x| beyond ~1.8e19) are
     rescaled by an exact power of two first, so they still norm to a finite, unit-RMS value with finite gradients.
 
+    ``axes`` trailing dims share one statistic (default 1: the last dim). With ``axes=2`` on ``[..., heads,
+    head_dim]`` the norm runs over all heads at once, as a norm over a whole projection's output before it is split
+    into heads; the scale is stored flat, ``[dim]`` with ``dim = heads * head_dim`` (the checkpoint's layout), and
+    viewed as those dims.
+
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
     (2, 8, 64)
+    >>> RMSNorm(4 * 16, axes=2)(jnp.ones((2, 8, 4, 16))).shape     # one statistic over 4 heads of 16
+    (2, 8, 4, 16)
     """
 
     def __init__(
@@ -41,16 +51,21 @@ class RMSNorm(nnx.Module):
         dim: int,
         *,
         eps: float = 1e-6,
+        axes: int = 1,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
     ):
         del rngs  # ones-initialized; accepted so every layer is built the same way
+        if not (isinstance(axes, int) and axes >= 1):
+            raise ValueError(f"axes must be a positive integer (trailing dims one statistic spans), got {axes!r}")
         self.eps = float(eps)
+        self.axes = axes
         self.dtype = dtype
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        dims = tuple(range(-self.axes, 0))
         xf = x.astype(jnp.float32)
         # Where |x| is past ~1.8e19 (the root of float32's max), x * x overflows: the mean square is inf and
         # rsqrt(inf) = 0 makes the output, and every gradient through it, silently 0, until the backward's
@@ -58,11 +73,16 @@ class RMSNorm(nnx.Module):
         # rows are normed from x * 2**-96 (exact; eps * 2**-192 is 0 next to their mean square). The factor is a
         # constant to differentiation (the result does not depend on it), and 1 in every other row, which are
         # computed bit for bit as before (and as Hugging Face does).
-        overflow = jnp.isinf(jnp.mean(xf * xf, axis=-1, keepdims=True))
+        overflow = jnp.isinf(jnp.mean(xf * xf, axis=dims, keepdims=True))
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
-        return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=dims, keepdims=True) + self.eps * factor * factor)
+        scale = self.scale[...]
+        if self.axes > 1:
+            # Kept replicated, as the flat scale is ('norm'): its [heads, head_dim] view beside heads split over
+            # devices would otherwise lead XLA to split it, its gradient and its Adam moments the same way.
+            scale = shard_to_spec(scale.reshape(x.shape[-self.axes:]), PartitionSpec())
+        return scale.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
 
 
 class L2Norm(nnx.Module):
