@@ -6,7 +6,9 @@ then an MoE layer, Mixtral), with ``moe_impl='ep'`` and the Switch aux loss on, 
 FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets; so does
 GLM-4.5 (a dense then an MoE layer, group-limited sigmoid + bias routing, shared experts, partial rotary, biases;
 no aux loss) with aux-loss-free balancing on (the routing bias moves after each step, so step 2 routes by the
-bias step 1 left), in CI on FSDP 4 x EP 2, Explicit.
+bias step 1 left), in CI on FSDP 4 x EP 2, Explicit. GPT-OSS (a window of 4 on alternating layers, sinks,
+biased router and experts, the clamped SwiGLU) in CI on FSDP 4 x EP 2 under ``ep-as-cp`` (Auto: the sequence split,
+so a window's keys sit on the previous shard) and ``default`` (Explicit).
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs each family on both meshes, once per mode;
@@ -29,6 +31,8 @@ from flax import nnx
 from nnx_zoo import (
     Glm4MoE,
     Glm4MoEConfig,
+    GptOss,
+    GptOssConfig,
     Llama3,
     Llama3Config,
     Mixtral,
@@ -54,7 +58,9 @@ MOE_FAMILIES = {
                                                  batch_split_factor=2)),
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
-                                               n_group=2, topk_group=1, tie_word_embeddings=False))}
+                                               n_group=2, topk_group=1, tie_word_embeddings=False)),
+    "gpt_oss": (GptOss, GptOssConfig.preset("gpt-oss-tiny", **TINY, **MOE, sliding_window=4, swiglu_limit=1.0,
+                                            tie_word_embeddings=False))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
@@ -70,7 +76,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
-             ("glm4_moe", "fsdp4-ep2", "explicit", "default")]
+             ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
+             ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default")]
 
 
 @functools.cache

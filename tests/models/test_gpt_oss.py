@@ -212,7 +212,7 @@ def test_the_release_config_reads_as_the_preset_and_as_transformers_reads_it():
     from transformers import GptOssConfig as HFConfig
 
     ours = GptOssConfig.from_hf(HUB_20B)
-    assert ours == GptOssConfig.preset("gpt-oss-20b")
+    assert ours == GptOssConfig.preset("gpt-oss-20b") and ours.layer_types is None  # the default alternation
     theirs = HFConfig(**HUB_20B)
     # Without a rope block, layer types or kv heads: transformers' defaults (YaRN x32, alternating, 8).
     bare = {k: v for k, v in HUB_20B.items() if k not in ("rope_scaling", "rope_theta", "layer_types",
@@ -221,7 +221,7 @@ def test_the_release_config_reads_as_the_preset_and_as_transformers_reads_it():
         rope = {k: v for k, v in mine.to_hf_dict()["rope_scaling"].items() if k != "type"}
         assert rope == {k: v for k, v in hub.rope_parameters.items() if k != "rope_theta"}
         assert mine.rope_theta == hub.rope_parameters["rope_theta"]
-        assert list(mine.layer_types) == hub.layer_types
+        assert list(mine.attention_types) == hub.layer_types
         for name in ("num_key_value_heads", "head_dim", "swiglu_alpha", "swiglu_limit", "sliding_window"):
             assert getattr(mine, name) == getattr(hub, name), name
     with pytest.raises(ValueError, match="head_dim is null"):

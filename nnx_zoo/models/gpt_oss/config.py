@@ -5,7 +5,9 @@ The class defaults are gpt-oss-120b (transformers' ``GptOssConfig`` defaults, wh
 config.json). Shared fields, validation, HF mapping and cost formulas live in
 ``nnx_zoo.models.moe_decoder_config``; what is GPT-OSS's own:
 - ``layer_types``: each layer ``"sliding_attention"`` (a window of ``sliding_window`` tokens, itself included) or
-  ``"full_attention"``; absent, they alternate from a sliding layer 0, as transformers fills them. Every layer
+  ``"full_attention"``; None (absent in a file) means they alternate from a sliding layer 0, as transformers fills
+  them, and a list equal to that alternation is kept as None (so ``num_hidden_layers`` overrides keep it). Every
+  layer
   has learned per-head sinks (an extra softmax logit per head with no value) and q/k/v/o biases
   (``attention_bias``, true unless the file says otherwise).
 - YaRN rope: a file without a rope block gets transformers' default (factor 32 over 4,096 positions, betas 32 / 1,
@@ -74,20 +76,31 @@ class GptOssConfig(MoEDecoderConfig, model_type="gpt_oss", architecture="GptOssF
 
     num_local_experts: int = 128
     sliding_window: int | None = 128  # None: the sliding layers see the whole context
-    layer_types: tuple[str, ...] | None = None  # None: sliding, full, sliding, ... (transformers' default)
+    layer_types: tuple[str, ...] | None = None  # None: sliding, full, sliding, ... (``attention_types``)
     swiglu_limit: float | None = 7.0
     swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
-        types = self.layer_types
-        if types is None and isinstance(self.num_hidden_layers, int):
-            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)]
-        object.__setattr__(self, "layer_types", None if types is None else tuple(types))  # JSON gives a list
+        types = None if self.layer_types is None else tuple(self.layer_types)  # JSON gives a list
+        object.__setattr__(self, "layer_types", None if types == self._alternating() else types)
         super().__post_init__()
+
+    def _alternating(self) -> tuple[str, ...] | None:
+        """transformers' default schedule: sliding, full, sliding, ... from layer 0."""
+        if not isinstance(self.num_hidden_layers, int):
+            return None
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers))
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's HF attention type: ``layer_types``, or the default alternation when None."""
+        return self._alternating() if self.layer_types is None else self.layer_types
 
     def _problems(self) -> list[str]:
         p = super()._problems()
-        types = self.layer_types or ()
+        if p:
+            return p
+        types = self.attention_types
         if len(types) != self.num_hidden_layers:
             p.append(f"layer_types has {len(types)} entries for num_hidden_layers={self.num_hidden_layers}")
         unknown = sorted({t for t in types if t not in LAYER_TYPES})
@@ -105,7 +118,7 @@ class GptOssConfig(MoEDecoderConfig, model_type="gpt_oss", architecture="GptOssF
         return True
 
     def layer_kinds(self) -> tuple[LayerKind, ...]:
-        return tuple(LayerKind(LAYER_TYPES[t], moe=True) for t in self.layer_types)
+        return tuple(LayerKind(LAYER_TYPES[t], moe=True) for t in self.attention_types)
 
     def attention_options(self, kind: Any) -> dict[str, Any]:
         """Every layer has sinks; a sliding layer its window."""
@@ -127,6 +140,10 @@ class GptOssConfig(MoEDecoderConfig, model_type="gpt_oss", architecture="GptOssF
         if "num_local_experts" not in d and "num_experts" in d:  # transformers' attribute_map alias
             d["num_local_experts"] = d["num_experts"]
         return super()._from_hf_dict(d, overrides)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """``MoEDecoderConfig.to_hf_dict`` with every layer's type written out."""
+        return {**super().to_hf_dict(), "layer_types": list(self.attention_types)}
 
     # ---- sizes and cost ----
     def _layer_params(self) -> int:
