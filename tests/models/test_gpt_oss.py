@@ -224,6 +224,10 @@ def test_the_release_config_reads_as_the_preset_and_as_transformers_reads_it():
         assert list(mine.attention_types) == hub.layer_types
         for name in ("num_key_value_heads", "head_dim", "swiglu_alpha", "swiglu_limit", "sliding_window"):
             assert getattr(mine, name) == getattr(hub, name), name
+    # The default rope is written as such: a null rope block would read back (here and in transformers) as YaRN.
+    plain = GptOssConfig.preset("gpt-oss-tiny", rope_scaling=None).to_hf_dict()
+    assert GptOssConfig.from_hf(plain).rope_scaling is None
+    assert HFConfig(**plain).rope_parameters["rope_type"] == "default"
     with pytest.raises(ValueError, match="head_dim is null"):
         GptOssConfig.from_hf({**HUB_20B, "head_dim": None})
     with pytest.raises(ValueError, match="layer_types"):

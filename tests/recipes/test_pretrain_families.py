@@ -66,6 +66,7 @@ def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
 @pytest.mark.parametrize(("preset", "layers"), [
     ("qwen3-moe-tiny", ["--model.num_hidden_layers", "2", "--model.mlp_only_layers", "[0]"]),  # dense, then MoE
     ("mixtral-tiny", []),
+    ("gpt-oss-tiny", ["--model.num_hidden_layers", "2", "--model.sliding_window", "4"]),  # sliding, full; sinks
 ])
 def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset, layers):
     """Qwen3-MoE and Mixtral train with the recipe; ``--model.output_router_logits true`` adds the Switch
@@ -76,8 +77,9 @@ def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset,
     assert recipe.main(args) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    # About coef * k for a near-uniform router (a fresh model's): 0.001 * 2 for Qwen3-MoE, 0.02 * 2 for Mixtral.
-    coef = 0.001 if preset.startswith("qwen3") else 0.02
+    # About coef * k for a near-uniform router (a fresh model's): 0.001 * 2 for Qwen3-MoE, 0.02 * 2 for Mixtral,
+    # 0.9 * 2 for GPT-OSS (its release's coefficient).
+    coef = {"qwen3-moe-tiny": 0.001, "mixtral-tiny": 0.02, "gpt-oss-tiny": 0.9}[preset]
     assert all(0.9 * 2 * coef < r["aux_loss"] < 1.5 * 2 * coef for r in rows), rows
     assert f"{preset} (" in capsys.readouterr().err
 

@@ -142,8 +142,12 @@ class GptOssConfig(MoEDecoderConfig, model_type="gpt_oss", architecture="GptOssF
         return super()._from_hf_dict(d, overrides)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """``MoEDecoderConfig.to_hf_dict`` with every layer's type written out."""
-        return {**super().to_hf_dict(), "layer_types": list(self.attention_types)}
+        """``MoEDecoderConfig.to_hf_dict`` with every layer's type written out, and the default rope said so
+        (``rope_scaling: null`` would read as transformers' default for GPT-OSS: YaRN x32)."""
+        d = {**super().to_hf_dict(), "layer_types": list(self.attention_types)}
+        if self.rope_scaling is None:
+            d["rope_scaling"] = {"rope_type": "default"}
+        return d
 
     # ---- sizes and cost ----
     def _layer_params(self) -> int:
