@@ -290,7 +290,7 @@ def nonfinite_count(a: np.ndarray, chunk: int = 1 << 20) -> int:
     """How many NaN / infinite values ``a`` (a floating array) holds; checked in chunks, so no full-size mask (nor,
     for a strided view such as a dequantized MXFP4 tensor, a full-size copy: one leading slice at a time)."""
     if not a.flags.c_contiguous and a.ndim > 1:
-        return sum(nonfinite_count(part, chunk) for part in a)
+        return sum(int(np.count_nonzero(~np.isfinite(part))) for part in a)
     flat = a.reshape(-1)
     return sum(int(np.count_nonzero(~np.isfinite(flat[i : i + chunk]))) for i in range(0, flat.size, chunk))
 
@@ -321,13 +321,15 @@ def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, 
 FP4_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                            np.float32)
 _FP4_BYTE_PAIRS = np.stack([FP4_E2M1_VALUES[np.arange(256) & 0xF], FP4_E2M1_VALUES[np.arange(256) >> 4]], axis=-1)
+# The same pairs, each as one 8-byte item: indexing a 1-D table by the bytes is ~10x faster than the [256, 2] one.
+_FP4_BYTE_PAIRS_64 = np.ascontiguousarray(_FP4_BYTE_PAIRS).view(np.uint64).reshape(256)
 
 
 def dequantize_fp4(packed: np.ndarray, scale: np.ndarray, group: int = FP4_GROUP) -> np.ndarray:
     """``packed [out, in / 2]`` (``int8``, two E2M1 values a byte, low nibble first: input ``2j`` in the low
     nibble of byte ``j``) times its ``scale [out, ceil(in / group)]`` (UE8M0 or float) -> float32 ``[out, in]``."""
     rows = packed.shape[0]
-    out = _FP4_BYTE_PAIRS[packed.view(np.uint8)].reshape(rows, -1)  # one float32 array, the result's own
+    out = _FP4_BYTE_PAIRS_64[packed.view(np.uint8)].view(np.float32).reshape(rows, -1)  # the result's own array
     cols = out.shape[1]
     factors = scale_to_float32(scale)
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite results are reported by the loader
