@@ -187,6 +187,12 @@ def test_presets_count_what_transformers_builds_and_what_was_published(preset):
     total, active = PUBLISHED[preset]
     assert round(counts.total / 1e7) == round(total / 1e7) and round((counts.active - counts.embedding) / 1e7) == \
         round(active / 1e7), counts
+    # Training FLOPs count a sliding layer's attention over its window (128 keys), not half the sequence.
+    full = config.with_overrides(sliding_window=None)
+    per_key = 12 * config.num_attention_heads * config.head_dim
+    saved = config.num_hidden_layers // 2 * per_key * (4096 / 2 - (128 * 129 / 2 + (4096 - 128) * 128) / 4096)
+    assert full.train_flops_per_token(4096) - config.train_flops_per_token(4096) == pytest.approx(saved)
+    assert config.train_flops_per_token(128) == full.train_flops_per_token(128)  # the window covers it all
 
 
 # The release's gpt-oss-20b config.json (its model-defining keys; 120b differs in num_hidden_layers=36 and
