@@ -361,8 +361,11 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
             arrays = [s.transform.to_hf(host.get(s.path)[s.index]) for s in parts]
             if len(arrays) == 1:
                 return arrays[0]
-            join = getattr(parts[0].transform, "join", None)  # interleaved parts; else fused halves on dim 1
-            return join(arrays) if join is not None else np.concatenate(arrays, axis=1)
+            join = getattr(parts[0].transform, "join", None)  # interleaved parts (``Interleaved.join``), else
+            if join is not None:
+                return join(arrays)
+            # fused halves, in order, joined on dim 1 (or the dim the transform names: ``join_axis``)
+            return np.concatenate(arrays, axis=getattr(parts[0].transform, "join_axis", 1))
 
         return TensorToWrite(parts[0].key, nbytes, tensor)
 

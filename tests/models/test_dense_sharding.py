@@ -35,6 +35,8 @@ from nnx_zoo import (
     GptOssConfig,
     Llama3,
     Llama3Config,
+    Llama4,
+    Llama4Config,
     Mixtral,
     MixtralConfig,
     Qwen3,
@@ -59,6 +61,9 @@ MOE_FAMILIES = {
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
                                                n_group=2, topk_group=1, tie_word_embeddings=False)),
+    # Four layers: chunked dense, chunked MoE, chunked dense, NoPE MoE; chunks of 4 and temperature from slot 3.
+    "llama4": (Llama4, Llama4Config.preset("llama4-tiny", **{**TINY, "num_hidden_layers": 4, "intermediate_size": 32},
+                                           moe_impl="ep", attention_chunk_size=4, floor_scale=4)),
     "gpt_oss": (GptOss, GptOssConfig.preset("gpt-oss-tiny", **TINY, **MOE, sliding_window=4, swiglu_limit=1.0,
                                             tie_word_embeddings=False))}
 FAMILIES.update(MOE_FAMILIES)
@@ -77,6 +82,7 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
              ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
+             ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default")]
 
 

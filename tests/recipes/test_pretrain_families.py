@@ -104,6 +104,9 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
                    "--routing-bias-rate", "0.01"]),
     # Mistral 4: every layer MoE, its softmax group-limited router (no bias to balance), YaRN, the query scale.
     ("mistral4-tiny", []),
+    # Llama 4: a chunked dense layer (chunks of 4 in the 16-token sequences), a NoPE MoE one (temperature tuning).
+    ("llama4-tiny", ["--model.num_hidden_layers", "2", "--model.no_rope_layers", "[1, 0]",
+                     "--model.attention_chunk_size", "4"]),
 ])
 def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     run_dir = tmp_path / "run"

@@ -489,3 +489,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "mlp_layer_types": hash_schedule(6, 2)},
 }
 DeepSeekV4Config.PRESETS = PRESETS
+
+
+def kind_name(kind: tuple[str, str]) -> str:
+    """A stack's attribute-safe name: ``sliding_hash``, ``csa_moe``, ``hca_moe``, ..."""
+    short = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    return f"{short[kind[0]]}_{'hash' if kind[1] == HASH_MOE else 'moe'}"

@@ -14,10 +14,10 @@ what is written here. The published checkpoints store the two expert matrices in
 from __future__ import annotations
 
 from nnx_zoo.hf import DENSE, Interleaved, KeyTable, Row, Stack
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.gpt_oss.config import GptOssConfig
-from nnx_zoo.models.llama import hf as llama_hf
 
-ATTENTION_ROWS = tuple(r for r in llama_hf.LAYER_TABLE if not r.hf.startswith("mlp.")) + (
+ATTENTION_ROWS = tuple(r for r in dense_hf.LAYER_TABLE if not r.hf.startswith("mlp.")) + (
     Row("self_attn.sinks", "attn.sinks"),
 )
 MOE_ROWS = (
@@ -38,6 +38,6 @@ def key_table(config: GptOssConfig) -> KeyTable:
     """The HF key table of a GPT-OSS model with this config (one stack per attention kind)."""
     stacks = tuple(Stack(name, "model.layers.{i}.", indices, ATTENTION_ROWS + MOE_ROWS)  # type: ignore[arg-type]
                    for name, _, indices in config.layer_stacks())
-    return KeyTable(top=llama_hf.TOP_TABLE, stacks=stacks, aliases=MXFP4_ALIASES,
+    return KeyTable(top=dense_hf.TOP_TABLE, stacks=stacks, aliases=MXFP4_ALIASES,
                     ignored=(r"^lm_head\.weight$",) if config.tie_word_embeddings else (),
                     source="nnx_zoo/models/gpt_oss/hf.py")
