@@ -74,6 +74,11 @@ class FamilyConfig:
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        """The ``config.json`` ``model_type`` values this config reads (each family's config names them)."""
+        return ()
+
+    @classmethod
     def check_field_names(cls, names: Any) -> None:
         """Raise ``TypeError`` naming each of ``names`` that is not a field of this config, with close matches
         (a misspelt override must not become a raw dataclass error, or silently nothing)."""
@@ -352,6 +357,10 @@ class DecoderConfig(FamilyConfig):
                 for kind in dict.fromkeys(kinds)]
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
+    @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE,)
+
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DecoderConfig:
         model_type = d.get("model_type", cls.MODEL_TYPE)

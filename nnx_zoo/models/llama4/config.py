@@ -207,6 +207,10 @@ class Llama4Config(MoEDecoderConfig, model_type="llama4_text", architecture="Lla
         return super()._with_required(_text_model(d), overrides)
 
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE, "llama4")  # llama4: the multimodal file, whose text_config is read
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Llama4Config:
         d = _text_model(d)
         # transformers' defaults for keys the file leaves out; output_router_logits only records logits there.

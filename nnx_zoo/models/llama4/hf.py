@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from nnx_zoo.hf import DENSE, SAME, KeyTable, Row, Stack
-from nnx_zoo.models.llama import hf as llama_hf
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.llama4.config import Llama4Config
 
 
@@ -42,7 +42,7 @@ class GateUpColumns:
         return a
 
 
-ATTENTION_ROWS = tuple(r for r in llama_hf.LAYER_TABLE if not r.hf.startswith("mlp."))
+ATTENTION_ROWS = tuple(r for r in dense_hf.LAYER_TABLE if not r.hf.startswith("mlp."))
 DENSE_ROWS = ATTENTION_ROWS + (
     Row("feed_forward.gate_proj.weight", "mlp.gate.kernel", DENSE),
     Row("feed_forward.up_proj.weight", "mlp.up.kernel", DENSE),
@@ -77,5 +77,5 @@ def key_table(config: Llama4Config) -> KeyTable:
         else:
             stacks.append(Stack(name, "model.layers.{i}.", indices, DENSE_ROWS))
     tied = (r"^lm_head\.weight$",) if config.tie_word_embeddings else ()
-    return KeyTable(top=llama_hf.TOP_TABLE, stacks=tuple(stacks), ignored=tied + MULTIMODAL_IGNORED,
+    return KeyTable(top=dense_hf.TOP_TABLE, stacks=tuple(stacks), ignored=tied + MULTIMODAL_IGNORED,
                     aliases=MULTIMODAL_ALIASES, source="nnx_zoo/models/llama4/hf.py")
