@@ -7,6 +7,7 @@ from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
+from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.llama4 import Llama4, Llama4Config
 from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
@@ -28,6 +29,8 @@ __all__ = [
     "Glm4MoEConfig",
     "Glm5",
     "Glm5Config",
+    "GptOss",
+    "GptOssConfig",
     "Llama3",
     "Llama3Config",
     "Llama4",

@@ -42,7 +42,7 @@ Table vocabulary (``table``): ``Row(hf, ours, transform)``; ``Stack(path, hf_pre
 alternates)`` for stacked modules (``{e}`` in a row's key numbers the second stacked dim, e.g. routed experts;
 ``alternates`` map one key to whole-layer slots, e.g. transformers-5 fused experts); ``KeyTable.copies`` are keys
 repeating another weight (written on export, skipped on import); transforms ``Same``, ``Dense(n_in)``,
-``FusedGateUp(half)``, ``FusedDown``.
+``FusedGateUp(half)``, ``FusedDown``, ``Interleaved(half)`` (a key filling several Variables has a row per part).
 """
 
 from nnx_zoo.hf.config_io import config_json_path, fp4_experts, fp8_block_size, json_kind, read_json_object
@@ -62,6 +62,7 @@ from nnx_zoo.hf.table import (
     FusedDown,
     FusedGateUp,
     GroupedDense,
+    Interleaved,
     KeyTable,
     Row,
     Same,
@@ -80,6 +81,7 @@ __all__ = [
     "FusedDown",
     "FusedGateUp",
     "GroupedDense",
+    "Interleaved",
     "KeyTable",
     "Row",
     "SafetensorsCheckpoint",

@@ -81,3 +81,14 @@ def fp4_experts(config: dict[str, Any], source: Path) -> bool:
     if value not in ("fp8", "fp4", None):
         raise CheckpointFormatError(f"{source}: {where} must be \"fp8\" or \"fp4\", got {value!r}")
     return value == "fp4"
+
+
+def mxfp4_blocks(config: dict[str, Any], source: Path) -> bool:
+    """Whether a ``config.json`` dict read from ``source`` declares HF's MXFP4 format (``quantization_config``
+    ``quant_method: "mxfp4"``, GPT-OSS's release): only then is a ``U8`` tensor ``<name>_blocks`` read as packed
+    E2M1 values with its ``<name>_scales``."""
+    quantization = config.get("quantization_config") or {}
+    if not isinstance(quantization, dict):
+        raise CheckpointFormatError(f"{source}: quantization_config must be a JSON object, got "
+                                    f"{json_kind(quantization)}")
+    return quantization.get("quant_method") == "mxfp4"

@@ -2,7 +2,10 @@
 
 A transform maps one HF tensor to (part of) one Variable: ``Same``; ``Dense`` (an ``nn.Linear`` weight
 ``[out, in]`` <-> our kernel ``[*in, *out]``); ``FusedGateUp`` / ``FusedDown`` (transformers-5 fused expert
-tensors; exported only by a stack that asks for them, ``Stack.export_alternates``). Stacked Variables (scanned
+tensors; exported only by a stack that asks for them, ``Stack.export_alternates``); ``Interleaved`` (one of two
+Variables whose entries alternate along a tensor's last dim, GPT-OSS's gate/up). One HF key may fill several
+Variables (a row per part, each with its part's transform): export joins the parts back into one tensor (the
+transform's ``join``, else along dim 1), in the order of their ``half``. Stacked Variables (scanned
 layers, routed experts) are filled slot by slot: a ``Slot`` is one HF key and the leading index it fills, ``()``
 for a plain Variable, ``(layer,)`` or ``(layer, expert)`` for a stacked one.
 """
@@ -105,6 +108,29 @@ class FusedDown:
         return a.transpose(0, 2, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+    """One of two Variables stored interleaved along the last dim of one HF tensor: ``half`` 0 takes the even
+    entries, 1 the odd ones (GPT-OSS's ``experts.gate_up_proj [E, H, 2I]``: gate ``[..., ::2]``, up ``[..., 1::2]``,
+    and its bias ``[E, 2I]``). Our part ``[..., n]`` <-> the HF tensor ``[..., 2n]``."""
+
+    half: int
+
+    def hf_shape(self, ours: Shape) -> Shape:
+        return (*ours[:-1], 2 * ours[-1])
+
+    def to_ours(self, a: np.ndarray, ours: Shape) -> np.ndarray:
+        return a[..., self.half :: 2]
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def join(parts: list[np.ndarray]) -> np.ndarray:
+        """The HF tensor from both parts (half 0 first): their entries alternating along the last dim."""
+        return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+
+
 SAME, DENSE = Same(), Dense()
 # Buffers some older checkpoints carry that no model needs (rope frequencies are recomputed from the config).
 ALWAYS_IGNORED = (r"(^|\.)rotary_emb\.inv_freq$",)
@@ -205,7 +231,11 @@ class KeyTable:
                 for j, layer in enumerate(stack.layers):
                     key = stack.hf_prefix.format(i=layer) + hf
                     slots += [Slot(key, path, (j,), t) for path, t in parts]
-        return slots + list(self.copies)
+        by_key: dict[str, list[Slot]] = {}  # a key filling several Variables: its parts consecutive, in join order
+        for slot in slots:
+            by_key.setdefault(slot.key, []).append(slot)
+        return [s for parts in by_key.values() for s in sorted(parts, key=lambda s: getattr(s.transform, "half", 0))
+                ] + list(self.copies)
 
     def alternate_slots(self, shapes: Mapping[str, Shape]) -> dict[str, list[Slot]]:
         """HF key -> the whole-layer slots it fills, for each stack's alternate layouts."""

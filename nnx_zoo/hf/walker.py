@@ -27,6 +27,7 @@ from nnx_zoo.hf.safetensors_io import (
     FP4_GROUP,
     FP8_SCALE_SUFFIX,
     INTEGER_DTYPES,
+    MXFP4_DTYPE,
     SCALE_DTYPES,
     SCALE_SUFFIX,
     SafetensorsCheckpoint,
@@ -52,6 +53,7 @@ class AliasedCheckpoint:
 
     def __init__(self, ckpt: SafetensorsCheckpoint, table: KeyTable):
         self.ckpt, self.directory, self.fp8_block, self.fp4 = ckpt, ckpt.directory, ckpt.fp8_block, ckpt.fp4
+        self.mxfp4 = ckpt.mxfp4
         self.original = {}
         for key in ckpt.entries:
             renamed = table.canonical(key)
@@ -64,6 +66,9 @@ class AliasedCheckpoint:
 
     def is_quantized(self, key: str) -> bool:
         return self.ckpt.is_quantized(self.original[key])
+
+    def is_mxfp4(self, key: str) -> bool:
+        return self.ckpt.is_mxfp4(self.original[key])
 
     def scale_keys(self, key: str) -> list[str]:
         return [self.renamed[k] for k in self.ckpt.scale_keys(self.original[key])]
@@ -90,7 +95,9 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
     """Slots of every Variable, from headers only; raises ``CheckpointMismatchError`` listing every problem.
     ``integer``: the paths of integer Variables (a hash router's table), filled from integer tensors only."""
     canonical = table.slots(shapes)
-    expected = {s.key: s for s in canonical}
+    expected: dict[str, list[Slot]] = {}  # one key may fill several Variables (a row per part)
+    for s in canonical:
+        expected.setdefault(s.key, []).append(s)
     alternates = table.alternate_slots(shapes)
     depth = {s.path: len(s.index) for s in canonical}  # stacked dims a canonical key indexes
     skipped = table.skipped()
@@ -102,7 +109,7 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
     for key in sorted(ckpt.entries):
         if skipped.search(key):
             continue
-        slots = [expected[key]] if key in expected else alternates.get(key, [])
+        slots = expected.get(key) or alternates.get(key, [])
         if not slots:
             unpaired = _unpaired_scale(ckpt, key, scale_of)
             if unpaired != "":  # "": a scale beside its quantized weight, checked with that weight's slot
@@ -120,7 +127,7 @@ def plan_load(ckpt: SafetensorsCheckpoint, table: KeyTable, shapes: Mapping[str,
                 problems[problem[0]][problem[1]] = None
             else:
                 found.setdefault(slot.path, []).append(slot)
-    missing = [s.key for s in canonical if (s.path, s.index) not in covered]
+    missing = list(dict.fromkeys(s.key for s in canonical if (s.path, s.index) not in covered))
     wrong, wrong_dtypes = list(problems["shape"]), list(problems["dtype"])
     if missing or unexpected or wrong or wrong_dtypes:
         raise CheckpointMismatchError(missing, unexpected, wrong, str(ckpt.directory), wrong_dtypes)
@@ -169,6 +176,8 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
         # a scaled I8 looks like packed FP4, which is read only where config.json says so: say what it lacks
         hint = (" (config.json does not declare FP4 weights: no expert_dtype \"fp4\" in it or its "
                 "quantization_config)" if dtype == FP4_DTYPE and ckpt.scale_keys(slot.key) else "")
+        if dtype == MXFP4_DTYPE and ckpt.scale_keys(slot.key):  # MXFP4 blocks in a file that does not say so
+            hint = " (config.json does not declare MXFP4: no quantization_config quant_method \"mxfp4\")"
         return "dtype", f"{slot.key}: {dtype} in {file.name}, where a floating-point weight belongs{hint}"
     if tuple(hf_shape) != want:
         return "shape", f"{slot.key}: checkpoint has {list(hf_shape)}, the model needs {list(want)}"
@@ -176,7 +185,9 @@ def _slot_problem(ckpt: SafetensorsCheckpoint, slot: Slot, shapes: Mapping[str, 
 
 
 def _quantized_problem(ckpt: Any, key: str, want: Shape) -> tuple[str, str] | None:
-    """Why quantized weight ``key`` (float8, or FP4) cannot be dequantized to shape ``want``, or None."""
+    """Why quantized weight ``key`` (float8, FP4 or MXFP4) cannot be dequantized to shape ``want``, or None."""
+    if ckpt.is_mxfp4(key):
+        return _mxfp4_problem(ckpt, key, want)
     _, stored, dtype = ckpt.entries[key]
     fp4 = dtype == FP4_DTYPE
     what = "FP4 (packed E2M1)" if fp4 else "float8"
@@ -205,6 +216,30 @@ def _quantized_problem(ckpt: Any, key: str, want: Shape) -> tuple[str, str] | No
     if tuple(scale.shape) != grid:
         return "shape", (f"{scale_key} in {_where(ckpt, scale_key)}: checkpoint has {list(scale.shape)}, {how} of "
                          f"{list(want)} need {list(grid)}")
+    return None
+
+
+def _mxfp4_problem(ckpt: Any, key: str, want: Shape) -> tuple[str, str] | None:
+    """Why MXFP4 blocks ``key`` (with their scales) cannot be dequantized to ``want [..., in, out]``, or None."""
+    _, stored, _ = ckpt.entries[key]
+    if len(want) < 2 or want[-2] % FP4_GROUP:
+        return "shape", (f"{key}: MXFP4 blocks in {_where(ckpt, key)} for a {list(want)} tensor, whose inputs (the "
+                         f"next-to-last dim) are not a multiple of the {FP4_GROUP} values one scale covers")
+    *lead, inputs, outputs = want
+    blocks, grid = (*lead, outputs, inputs // FP4_GROUP, FP4_GROUP // 2), (*lead, outputs, inputs // FP4_GROUP)
+    if tuple(stored) != blocks:
+        return "shape", (f"{key}: checkpoint has {list(stored)} in {_where(ckpt, key)}, the model needs MXFP4 blocks "
+                         f"{list(blocks)} for {list(want)} ([..., out, in / 32, 16])")
+    scales = ckpt.scale_keys(key)
+    if len(scales) != 1:
+        names = " or ".join(scale_key_candidates(ckpt.file_key(key)))
+        return "shape", f"{key}: MXFP4 blocks in {_where(ckpt, key)} with {len(scales)} scales ({names}); need one"
+    scale = ckpt.entries[scales[0]]
+    if scale.dtype not in (MXFP4_DTYPE, "F8_E8M0"):
+        return "dtype", f"{scales[0]}: {scale.dtype} in {_where(ckpt, scales[0])}, where UE8M0 scale bytes belong"
+    if tuple(scale.shape) != grid:
+        return "shape", (f"{scales[0]} in {_where(ckpt, scales[0])}: checkpoint has {list(scale.shape)}, one scale "
+                         f"per {FP4_GROUP} inputs of {list(want)} needs {list(grid)}")
     return None
 
 
@@ -324,9 +359,13 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
 
         def tensor() -> np.ndarray:
             arrays = [s.transform.to_hf(host.get(s.path)[s.index]) for s in parts]
-            # Fused halves, in order, joined on dim 1 (or the dim the transform names: ``join_axis``).
-            return arrays[0] if len(arrays) == 1 else np.concatenate(
-                arrays, axis=getattr(parts[0].transform, "join_axis", 1))
+            if len(arrays) == 1:
+                return arrays[0]
+            join = getattr(parts[0].transform, "join", None)  # interleaved parts (``Interleaved.join``), else
+            if join is not None:
+                return join(arrays)
+            # fused halves, in order, joined on dim 1 (or the dim the transform names: ``join_axis``)
+            return np.concatenate(arrays, axis=getattr(parts[0].transform, "join_axis", 1))
 
         return TensorToWrite(parts[0].key, nbytes, tensor)
 
@@ -337,14 +376,17 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
 
 
 class _HostCache:
-    """Host copies of Variables, keeping only the most recent (export walks Variables in order)."""
+    """Host copies of Variables, keeping only the two most recent (export walks Variables in order; a key joined
+    from two Variables, fused or interleaved gate/up, alternates between them layer by layer)."""
 
-    def __init__(self, variables: dict[str, nnx.Variable]):
+    def __init__(self, variables: dict[str, nnx.Variable], keep: int = 2):
         self.variables = variables
-        self.path: str | None = None
-        self.value: np.ndarray | None = None
+        self.keep = keep
+        self.values: dict[str, np.ndarray] = {}
 
     def get(self, path: str) -> np.ndarray:
-        if path != self.path:
-            self.path, self.value = path, np.asarray(jax.device_get(self.variables[path][...]))
-        return self.value
+        if path not in self.values:
+            if len(self.values) >= self.keep:
+                del self.values[next(iter(self.values))]  # the oldest
+            self.values[path] = np.asarray(jax.device_get(self.variables[path][...]))
+        return self.values[path]

@@ -1,4 +1,5 @@
-"""The SwiGLU feed-forward block, and its activation (``Glu``: plain, or with clamped pre-activations)."""
+"""The SwiGLU feed-forward block, and its activation (``Glu``: plain, or with clamped pre-activations, a sigmoid
+gain and a shifted up projection)."""
 
 from __future__ import annotations
 
@@ -18,19 +19,28 @@ _OUT = ("activation_batch", "activation_length", "activation_embed")
 class Glu:
     """The gated activation ``silu(gate) * up`` of a SwiGLU, with optional clamping (``limit``): the gate's
     pre-activation is capped at ``limit`` and the up projection's clipped to ``[-limit, limit]`` (DeepSeek-V4's
-    ``swiglu_limit``). Frozen and hashable: modules keep it as a static attribute.
+    ``swiglu_limit``). ``alpha`` is the sigmoid's gain, ``gate * sigmoid(alpha * gate)`` (1: silu), and
+    ``up_offset`` is added to the (clipped) up projection. Frozen and hashable: modules keep it as a static
+    attribute.
 
     >>> Glu()(gate, up)                  # silu(gate) * up
     >>> Glu(limit=10.0)(gate, up)        # silu(min(gate, 10)) * clip(up, -10, 10)
+    >>> Glu(7.0, 1.702, 1.0)(gate, up)   # g * sigmoid(1.702 g) * (clip(up, -7, 7) + 1), g = min(gate, 7)
     """
 
     limit: float | None = None
+    alpha: float = 1.0
+    up_offset: float = 0.0
 
     def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         if self.limit is not None:
             gate = jnp.minimum(gate, jnp.asarray(self.limit, gate.dtype))
             up = jnp.clip(up, -jnp.asarray(self.limit, up.dtype), jnp.asarray(self.limit, up.dtype))
-        return jax.nn.silu(gate) * up
+        if self.up_offset:  # Python constants: the defaults trace nothing beyond silu(gate) * up
+            up = up + jnp.asarray(self.up_offset, up.dtype)
+        if self.alpha == 1.0:
+            return jax.nn.silu(gate) * up
+        return gate * jax.nn.sigmoid(jnp.asarray(self.alpha, gate.dtype) * gate) * up
 
 
 PLAIN = Glu()  # silu(gate) * up, unclamped

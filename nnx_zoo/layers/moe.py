@@ -27,6 +27,10 @@ routing decision ``(expert_idx [T, k], weights [T, k])`` for flat tokens ``x [T,
   axes on the batch and sequence dims and flattens locally (always when dropless; under a capacity only when the
   group's tokens then come in the same order as the flattened path's, else it flattens first).
 - ``auto`` picks ``dense`` or ``gmm`` for the backend by measurement (``default_moe_impl``).
+
+Experts may carry biases (``use_bias``), ``b_gate``/``b_up [E, moe_mlp]`` added to each expert's gate
+and up projections and ``b_down [E, embed]`` to its output before the routing weight: every path adds the biases
+of the expert a row runs on (the local experts' own under ``ep``).
 """
 
 from __future__ import annotations
@@ -60,12 +64,17 @@ _TOKENS_TOPK = ("activation_tokens", "activation_topk")
 _BL = ("activation_batch", "activation_length")
 _WI_NAMES = ("exp", "embed_no_exp", "moe_mlp")
 _WO_NAMES = ("exp", "moe_mlp", "embed_no_exp")
+_B_IN_NAMES = ("exp", "moe_mlp")
+_B_OUT_NAMES = ("exp", "embed_no_exp")
 
 
 class RoutedExperts(nnx.Module):
     """``num_experts`` SwiGLU experts, stacked: ``wi_gate``/``wi_up [E, embed, moe_mlp]``, ``wo [E, moe_mlp, embed]``.
 
-    ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``).
+    ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``). The gated
+    activation is ``Glu(limit, alpha, up_offset)`` (plain ``silu(gate) * up`` by default). ``use_bias`` adds
+    per-expert biases ``wi_gate_bias``/``wi_up_bias [E, moe_mlp]`` and ``wo_bias [E, embed]`` (initialized to 0):
+    ``expert_e(x) = down(act(x W_gate + b_gate, x W_up + b_up)) + b_down``.
 
     >>> experts = RoutedExperts(8, 64, 32, rngs=nnx.Rngs(0))
     >>> idx, w = jnp.zeros((10, 2), jnp.int32), jnp.full((10, 2), 0.5)
@@ -84,12 +93,16 @@ class RoutedExperts(nnx.Module):
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
         grouped_matmul_impl: str = "auto",
         limit: float | None = None,
+        alpha: float = 1.0,
+        up_offset: float = 0.0,
+        use_bias: bool = False,
         rngs: nnx.Rngs,
     ):
         self.num_experts = num_experts
         self.dtype = dtype
         self.grouped_matmul_impl = grouped_matmul_impl
-        self.act = Glu(limit)  # silu(gate) * up, pre-activations clamped at ``limit`` when set (DeepSeek-V4)
+        # silu(gate) * up by default; clamped pre-activations, a sigmoid gain and a shifted up projection as set
+        self.act = Glu(limit, alpha, up_offset)
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)
@@ -97,6 +110,14 @@ class RoutedExperts(nnx.Module):
         self.wi_gate = param((num_experts, features, hidden), _WI_NAMES)
         self.wi_up = param((num_experts, features, hidden), _WI_NAMES)
         self.wo = param((num_experts, hidden, features), _WO_NAMES)
+
+        def bias(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param | None:
+            return nnx.Param(jnp.zeros(shape, param_dtype), out_sharding=names, eager_sharding=False) if use_bias \
+                else None
+
+        self.wi_gate_bias = bias((num_experts, hidden), _B_IN_NAMES)
+        self.wi_up_bias = bias((num_experts, hidden), _B_IN_NAMES)
+        self.wo_bias = bias((num_experts, features), _B_OUT_NAMES)
 
     def __call__(
         self,
@@ -135,8 +156,15 @@ class RoutedExperts(nnx.Module):
     def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return tuple(w[...].astype(self.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
 
+    def _biases(self) -> tuple[jax.Array, ...]:
+        """``(b_gate, b_up, b_down)`` in the compute dtype, or ``()`` without biases."""
+        if self.wo_bias is None:
+            return ()
+        return tuple(b[...].astype(self.dtype) for b in (self.wi_gate_bias, self.wi_up_bias, self.wo_bias))
+
     def _dense(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         wi_gate, wi_up, wo = self._weights()
+        biases = self._biases()
         # [T, E] combine weights: zero for experts a token did not choose.
         combine = jnp.sum(jax.nn.one_hot(expert_idx, self.num_experts, dtype=weights.dtype) * weights[..., None], -2)
         h_names = ("activation_tokens", "activation_exp", "activation_moe_mlp")
@@ -145,8 +173,15 @@ class RoutedExperts(nnx.Module):
         wi_gate, wi_up = (gather_fsdp_axes("th,ehi->tei", x, w, _WI_NAMES, h_names) for w in (wi_gate, wi_up))
         gate = _expert_in_proj(x, wi_gate, h_names)
         up = _expert_in_proj(x, wi_up, h_names)
+        if biases:  # each expert's own, laid out like its slice of the activations
+            gate = gate + shard(biases[0], h_names[1:])
+            up = up + shard(biases[1], h_names[1:])
         h = shard(self.act(gate, up) * combine[:, :, None].astype(self.dtype), h_names)
-        return shard(weight_einsum("tei,eih->th", h, wo, _TOKENS, weight_names=_WO_NAMES), _TOKENS)
+        out = shard(weight_einsum("tei,eih->th", h, wo, _TOKENS, weight_names=_WO_NAMES), _TOKENS)
+        if biases:  # sum_k w_k b_down[e_k]: the combine weights times the output biases
+            out = out + shard(weight_einsum("te,eh->th", combine.astype(self.dtype), biases[2], _TOKENS,
+                                            weight_names=_B_OUT_NAMES), _TOKENS)
+        return out
 
     def _gmm(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array) -> jax.Array:
         local = _grouped_swiglu(self.num_experts, self.grouped_matmul_impl, self.act)
@@ -156,8 +191,9 @@ class RoutedExperts(nnx.Module):
             # chunk of expert weights at a time: no whole bf16 copy of f32 weights and no bf16 round trip of their
             # gradient (one DeepSeek-V2-Lite MoE layer's grad at 1 x 2048 tokens, bf16: 3.46 -> 0.81 GiB temp).
             stored = (w[...] for w in (self.wi_gate, self.wi_up, self.wo))
-            return local(x.astype(self.dtype), expert_idx, weights, *stored)
+            return local(x.astype(self.dtype), expert_idx, weights, *stored, *self._biases())
         wi_gate, wi_up, wo = self._weights()  # cast before the gather below: half the bytes in bf16
+        biases = tuple(_replicate(b) for b in self._biases())
         tokens = resolve_activation(_TOKENS[:1] + (None,), x.shape)
         x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
         expert_idx = shard(expert_idx, _TOKENS_TOPK)
@@ -168,9 +204,9 @@ class RoutedExperts(nnx.Module):
         out = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(tokens, tokens, tokens, replicated, replicated, replicated),
+            in_specs=(tokens, tokens, tokens, replicated, replicated, replicated) + (replicated,) * len(biases),
             out_specs=tokens,
-        )(x, expert_idx, weights, wi_gate, wi_up, wo)
+        )(x, expert_idx, weights, wi_gate, wi_up, wo, *biases)
         return shard(out, _TOKENS)
 
     def _ep(
@@ -178,6 +214,7 @@ class RoutedExperts(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """Expert parallelism: ``(out [T, embed] or [batch, seq, embed] like x, dropped)``; see the module docstring."""
         wi_gate, wi_up, wo = self._weights()
+        biases = self._biases()
         mesh = ambient_mesh_or_none()
         ep_axes = _ep_axes(mesh)
         if mesh is not None and self.num_experts % math.prod(mesh.shape[a] for a in ep_axes):
@@ -197,7 +234,7 @@ class RoutedExperts(nnx.Module):
         local = _ep_shard(self.num_experts, capacity_factor, ep_axes, (), (), dropless=self._ep_dropless(),
                           act=self.act)
         if mesh is None:
-            out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo)
+            out, dropped = local(x.astype(self.dtype), expert_idx, weights, wi_gate, wi_up, wo, *biases)
             return out, dropped
         tokens = resolve_activation(_TOKENS[:1] + (None,), x.shape)
         token_axes = axes_tuple(tokens[0])
@@ -212,7 +249,7 @@ class RoutedExperts(nnx.Module):
         x = shard(x.astype(self.dtype), _TOKENS[:1] + (None,))
         expert_idx = shard(expert_idx, _TOKENS_TOPK)
         weights = shard(weights, _TOKENS_TOPK)
-        experts = tuple(shard(w, ("exp", None, None)) for w in (wi_gate, wi_up, wo))
+        experts = tuple(shard(w, ("exp",) + (None,) * (w.ndim - 1)) for w in (wi_gate, wi_up, wo, *biases))
         out, dropped = _on_mesh(local, mesh, ep_axes, tokens, tokens, x, expert_idx, weights, experts)
         return shard(out, _TOKENS), dropped
 
@@ -229,7 +266,7 @@ class RoutedExperts(nnx.Module):
         """``_ep`` on ``x [batch, seq, embed]`` laid out as activations: each shard gathers its block over the EP
         axes of the batch and sequence dims (the sequence first), flattens it locally, and scatters the partial
         sums back the same way: no all-to-all to reach a flat token layout."""
-        experts = tuple(shard(w, ("exp", None, None)) for w in self._weights())
+        experts = tuple(shard(w, ("exp",) + (None,) * (w.ndim - 1)) for w in (*self._weights(), *self._biases()))
         spec = resolve_activation(_BL + (None,), x.shape)
         batch_axes, length_axes = axes_tuple(spec[0]), axes_tuple(spec[1])
         dims = ((1, tuple(a for a in length_axes if a in ep_axes)), (0, tuple(a for a in batch_axes if a in ep_axes)))
@@ -246,13 +283,14 @@ class RoutedExperts(nnx.Module):
 
 def _on_mesh(local, mesh, ep_axes, x_spec, routing_spec, x, expert_idx, weights, experts):
     """Run a per-shard EP function (``_ep_shard``) over ``mesh``: ``x`` laid out as ``x_spec``, its routing
-    (``expert_idx``, ``weights``) as ``routing_spec``, the stacked expert weights split over ``ep_axes``; returns
-    ``(out laid out like x, dropped count)``."""
-    expert_spec = PartitionSpec(ep_axes or None, None, None)  # what shard(w, ("exp", None, None)) gave them
+    (``expert_idx``, ``weights``) as ``routing_spec``, the stacked expert weights (and biases) split over
+    ``ep_axes``; returns ``(out laid out like x, dropped count)``."""
+    # what shard(w, ("exp", None, ...)) gave them
+    expert_specs = tuple(PartitionSpec(ep_axes or None, *(None,) * (w.ndim - 1)) for w in experts)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(x_spec, routing_spec, routing_spec, expert_spec, expert_spec, expert_spec),
+        in_specs=(x_spec, routing_spec, routing_spec, *expert_specs),
         out_specs=(x_spec, PartitionSpec()),
     )(x, expert_idx, weights, *experts)
 
@@ -326,9 +364,10 @@ def _replicate(w: jax.Array) -> jax.Array:
 
 def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = PLAIN):
     """The per-shard grouped-matmul expert computation (no collectives); ``impl``: ``grouped_matmul``'s, ``act``
-    the gated activation."""
+    the gated activation; ``biases`` (optional ``b_gate, b_up, b_down``) are taken per row by its expert (none for
+    an expert index past the table: another shard's)."""
 
-    def run(x, expert_idx, weights, wi_gate, wi_up, wo):
+    def run(x, expert_idx, weights, wi_gate, wi_up, wo, *biases):
         num_tokens, k = expert_idx.shape
         flat_expert = expert_idx.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)  # (token, slot) pairs grouped by expert
@@ -336,13 +375,23 @@ def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = PLAIN):
         group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
         gate = grouped_matmul(rows, wi_gate, group_sizes, impl=impl)
         up = grouped_matmul(rows, wi_up, group_sizes, impl=impl)
+        row_expert = flat_expert[order]
+        if biases:
+            gate = gate + _rows_of(biases[0], row_expert, gate.dtype)
+            up = up + _rows_of(biases[1], row_expert, up.dtype)
         out_sorted = grouped_matmul(act(gate, up), wo, group_sizes, impl=impl)
+        if biases:
+            out_sorted = out_sorted + _rows_of(biases[2], row_expert, out_sorted.dtype)
         out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
         out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
         return out.reshape(num_tokens, k, -1).sum(axis=1)
 
     return run
 
+
+def _rows_of(bias: jax.Array, expert: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``bias [E, n]`` row of each ``expert`` index (zeros for an index outside ``[0, E)``), in ``dtype``."""
+    return jnp.take(bias, expert, axis=0, mode="fill", fill_value=0).astype(dtype)
 
 
 def _ep_axes(mesh: jax.sharding.AbstractMesh | None) -> tuple[str, ...]:
@@ -375,7 +424,7 @@ def _ep_shard(
     """
     dropless = dropless or functools.partial(_dense_local, act=act)
 
-    def run(x, expert_idx, weights, wi_gate, wi_up, wo):
+    def run(x, expert_idx, weights, wi_gate, wi_up, wo, *biases):
         local_experts = wi_gate.shape[0]
         if gather_axes:
             x, expert_idx, weights = (
@@ -392,11 +441,11 @@ def _ep_shard(
         first = jax.lax.axis_index(ep_axes) * local_experts if ep_axes else 0
         local_idx = expert_idx - first  # outside [0, local_experts): another shard's expert
         if capacity_factor is None:
-            out, dropped = dropless(x, local_idx, weights, wi_gate, wi_up, wo), jnp.zeros((), jnp.int32)
+            out, dropped = dropless(x, local_idx, weights, wi_gate, wi_up, wo, *biases), jnp.zeros((), jnp.int32)
         else:
             capacity = math.ceil(capacity_factor * x.shape[0] * expert_idx.shape[1] / num_experts)
             capacity = max(1, min(capacity, x.shape[0]))  # a token picks an expert at most once
-            out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act)
+            out, dropped = _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act, biases)
         if gather_axes:
             out = jax.lax.psum_scatter(out, gather_axes, scatter_dimension=0, tiled=True)
         if block is not None:
@@ -418,25 +467,28 @@ def _grouped_local(impl: str, act: Glu = PLAIN):
     ``[0, local experts)`` (another shard's expert) becomes one trailing group that ``group_sizes`` leaves out, so
     those pairs sort past every local group and the grouped matmul gives them zero rows."""
 
-    def run(x, local_idx, weights, wi_gate, wi_up, wo):
+    def run(x, local_idx, weights, wi_gate, wi_up, wo, *biases):
         local_experts = wi_gate.shape[0]
         is_local = (local_idx >= 0) & (local_idx < local_experts)
         idx = jnp.where(is_local, local_idx, local_experts)
-        return _grouped_swiglu(local_experts, impl, act)(x, idx, weights, wi_gate, wi_up, wo)
+        return _grouped_swiglu(local_experts, impl, act)(x, idx, weights, wi_gate, wi_up, wo, *biases)
 
     return run
 
 
-def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, act: Glu = PLAIN):
+def _dense_local(x, local_idx, weights, wi_gate, wi_up, wo, *biases, act: Glu = PLAIN):
     """Dropless: every local expert on every token, weighted by the combine weights (zero where not routed)."""
     combine = jnp.sum(jax.nn.one_hot(local_idx, wi_gate.shape[0], dtype=weights.dtype) * weights[..., None], -2)
     gate = _expert_in_proj(x, wi_gate)
     up = _expert_in_proj(x, wi_up)
+    if biases:
+        gate, up = gate + biases[0].astype(gate.dtype), up + biases[1].astype(up.dtype)
     h = act(gate, up) * combine[:, :, None].astype(x.dtype)
-    return jnp.einsum("tei,eih->th", h, wo)
+    out = jnp.einsum("tei,eih->th", h, wo)
+    return out + jnp.einsum("te,eh->th", combine.astype(out.dtype), biases[2].astype(out.dtype)) if biases else out
 
 
-def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Glu = PLAIN):
+def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Glu = PLAIN, biases=()):
     """At most ``capacity`` tokens per local expert (first come, in token order), as one batched einsum over
     ``[local_experts, capacity]`` slots. Returns ``(out, number of local (token, expert) pairs dropped)``."""
     local_experts = wi_gate.shape[0]
@@ -453,7 +505,12 @@ def _capacity_local(x, local_idx, weights, wi_gate, wi_up, wo, capacity, act: Gl
     buffer = buffer.reshape(local_experts, capacity, -1)
     gate = jnp.einsum("ech,ehi->eci", buffer, wi_gate)
     up = jnp.einsum("ech,ehi->eci", buffer, wi_up)
-    out = jnp.einsum("eci,eih->ech", act(gate, up), wo).reshape(local_experts * capacity, -1)
+    if biases:  # each slot row's expert's own (empty slots compute too, and are never read)
+        gate, up = gate + biases[0][:, None].astype(gate.dtype), up + biases[1][:, None].astype(up.dtype)
+    out = jnp.einsum("eci,eih->ech", act(gate, up), wo)
+    if biases:
+        out = out + biases[2][:, None].astype(out.dtype)
+    out = out.reshape(local_experts * capacity, -1)
     pairs = out.at[slot].get(mode="fill", fill_value=0)
     pairs = pairs * (weights.reshape(-1) * keep).astype(pairs.dtype)[:, None]
     return pairs.reshape(num_tokens, k, -1).sum(axis=1), dropped

@@ -2,12 +2,12 @@
 top-k, or sigmoid scores with a selection bias and group limit), routed SwiGLU experts (``RoutedExperts``: every
 ``moe_impl`` path and grouped-matmul kernel), optional shared experts.
 
-``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = route(router, x W_router)``; with
+``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = route(router, x W_router (+ b_router))``; with
 ``scale_inputs`` the weight scales each chosen expert's input instead, ``out = sum_k expert_{i_k}(w_k * x)`` (Llama 4;
 not the same for a SwiGLU, which is not linear). The router
-weight ``[embed, exp_router]`` is applied in float32 (logits ``[tokens, E]`` whole along the experts: top-k needs
-the whole row). The block returns ``SparseMoEOutput`` (always the same fields, a fixed shape), restored to the
-sharding its input arrived with.
+weight ``[embed, exp_router]`` (and its optional bias) is applied in float32 (logits ``[tokens, E]`` whole along the
+experts: top-k needs the whole row). The block returns ``SparseMoEOutput`` (always the same fields, a fixed shape),
+restored to the sharding its input arrived with.
 """
 
 from __future__ import annotations
@@ -77,8 +77,12 @@ class SparseMoE(nnx.Module):
     ``"sqrtsoftplus_bias"`` (the same on ``sqrt(softplus)`` scores, no groups), or a hash router
     (``"sqrtsoftplus_hash"``: each token's experts are row ``input_ids`` of a frozen ``tid2eid [vocab_size, k]``
     table, a ``HashTable`` Variable; the router's scores weight them). ``swiglu_limit`` clamps the experts' and
-    shared experts' pre-activations (``Glu``). ``scale_inputs``: each chosen expert runs on its token times the
-    routing weight and its output is added unweighted (run as ``k`` top-1 dispatches, so every ``moe_impl`` serves it).
+    shared experts' pre-activations (``Glu``); ``swiglu_alpha`` and ``swiglu_up_offset`` set the routed experts'
+    sigmoid gain and up-projection shift (``Glu``'s ``alpha`` / ``up_offset``). ``router_bias`` adds a learned bias
+    ``router_bias [E]`` to the router logits (a ``Linear`` with bias, trained like the weight; not a selection
+    bias); ``expert_bias`` gives the routed experts biases (``RoutedExperts``' ``use_bias``). ``scale_inputs``: each
+    chosen expert runs on its token times the routing weight and its output is added unweighted (run as ``k`` top-1
+    dispatches, so every ``moe_impl`` serves it).
     Weights are times ``routed_scaling_factor``. ``renormalize``: divide the ``k`` chosen weights by their sum.
     ``balance_softmax``: the balance sums read the softmax of the router logits and its top-k (what transformers'
     ``load_balancing_loss_func`` computes whatever the router) instead of this router's own scores and choice.
@@ -96,8 +100,9 @@ class SparseMoE(nnx.Module):
                  renormalize: bool, shared_hidden: int = 0, router: str = "softmax", n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, moe_impl: MoeImpl = "auto",
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
-                 swiglu_limit: float | None = None, vocab_size: int | None = None, scale_inputs: bool = False,
-                 balance_softmax: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.0, swiglu_up_offset: float = 0.0,
+                 router_bias: bool = False, expert_bias: bool = False, vocab_size: int | None = None,
+                 scale_inputs: bool = False, balance_softmax: bool = False,
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
@@ -110,6 +115,8 @@ class SparseMoE(nnx.Module):
         self.balance_softmax = balance_softmax
         self.router = nnx.Param(kernel_init(rngs.params(), (features, num_experts), param_dtype),
                                 out_sharding=("embed", "exp_router"), eager_sharding=False)
+        self.router_bias = nnx.Param(jnp.zeros((num_experts,), param_dtype), out_sharding=("exp_router",),
+                                     eager_sharding=False) if router_bias else None
         # float32 whatever param_dtype: a bf16 bias could not take the balancing rule's small steps.
         self.e_score_correction_bias = RouterBias(
             jnp.zeros((num_experts,), jnp.float32), out_sharding=("exp_router",), eager_sharding=False
@@ -121,7 +128,8 @@ class SparseMoE(nnx.Module):
                                  eager_sharding=False) if router in HASH_ROUTERS else None
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.experts = RoutedExperts(num_experts, features, expert_hidden, grouped_matmul_impl=grouped_matmul_impl,
-                                     limit=swiglu_limit, **kw)
+                                     limit=swiglu_limit, alpha=swiglu_alpha, up_offset=swiglu_up_offset,
+                                     use_bias=expert_bias, **kw)
         self.shared_experts = SwiGLU(features, shared_hidden, limit=swiglu_limit, **kw) if shared_hidden else None
 
     def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, with_balance: bool = False,
@@ -164,6 +172,8 @@ class SparseMoE(nnx.Module):
             tokens = jnp.reshape(x, (batch * seq, hidden), out_sharding=explicit_spec(_TE, (batch * seq, hidden)))
             tokens = shard(tokens, _TE)
             logits = shard(weight_einsum("th,he->te", tokens.astype(jnp.float32), router, _T_EXPERTS), _T_EXPERTS)
+        if self.router_bias is not None:  # whole along the experts, like the logits
+            logits = logits + shard(self.router_bias[...].astype(jnp.float32), (None,))
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
         chosen = None
         if self.tid2eid is not None:  # the table's rows of the tokens, laid out like the logits

@@ -18,6 +18,7 @@ from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
+from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.llama4 import Llama4, Llama4Config
 from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
@@ -44,6 +45,7 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "glm_moe_dsa": (Glm5Config, Glm5),  # GLM-5: DeepSeek-V3.2's parts, its indexer rope, cross-layer top-k reuse
     "mistral4": (Mistral4Config, Mistral4),  # Mistral 4: DeepSeek-V3's parts, its router and query scale
     "minimax_m2": (MiniMaxM2Config, MiniMaxM2),
+    "gpt_oss": (GptOssConfig, GptOss),  # GPT-OSS: sliding/full layers with sinks, biased router and experts, MXFP4
 }
 
 

@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral / GLM-4.5 / MiniMax-M2: ``MOE_FAMILIES``) checkpoints
-(PyTorch, CPU, float32) for the families' tests on the dense core.
+"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral / GLM-4.5 / MiniMax-M2 / GPT-OSS:
+``MOE_FAMILIES``) checkpoints (PyTorch, CPU, float32) for the families' tests on the dense core.
 
 ``make_hf(family, **config)`` builds transformers' own model with every weight drawn at random (norm scales
 around 1, so a transposed or misplaced scale shows; a router's selection bias, a buffer, random too); ``save_hf``
@@ -18,6 +18,8 @@ import torch
 from transformers import (
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MiniMaxM2Config,
@@ -30,7 +32,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from nnx_zoo import Glm4MoE, Llama3, MiniMaxM2, Mixtral, Qwen3, Qwen3MoE
+from nnx_zoo import Glm4MoE, GptOss, Llama3, MiniMaxM2, Mixtral, Qwen3, Qwen3MoE
 
 # family -> (our class, HF config class, HF model class)
 FAMILIES = {
@@ -43,6 +45,7 @@ MOE_FAMILIES = {
     "mixtral": (Mixtral, MixtralConfig, MixtralForCausalLM),
     "glm4_moe": (Glm4MoE, Glm4MoeConfig, Glm4MoeForCausalLM),
     "minimax_m2": (MiniMaxM2, MiniMaxM2Config, MiniMaxM2ForCausalLM),
+    "gpt_oss": (GptOss, GptOssConfig, GptOssForCausalLM),
 }
 MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
@@ -52,6 +55,9 @@ MOE_DEFAULTS = {
                      attention_bias=True),
     # Every layer 8 experts top-2 (sigmoid + selection bias), width 16; rope on half of each head (the hub's key).
     "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, rotary_dim=4),
+    # Sliding (window 4) and full layers alternating; the SwiGLU clamp at 1 so that it bites on random weights.
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, sliding_window=4,
+                    swiglu_limit=1.0),
 }
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,

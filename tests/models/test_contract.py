@@ -24,7 +24,7 @@ from nnx_zoo.sharding.axes import STACK_AXES
 PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
              "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
-             "MiniMaxM2": "minimax-m2-tiny"}
+             "MiniMaxM2": "minimax-m2-tiny", "GptOss": "gpt-oss-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -50,6 +50,8 @@ LORA_DEFAULT = {
     "Mistral4": {f"moe_layers/attn/{p}" for p in _MLA},  # every layer MoE, no MTP
     # Layer 0 a dense chunked one (its SwiGLU too), layer 1 an MoE chunked one (attention only).
     "Llama4": {f"chunked_dense_layers/{p}" for p in _GQA_SWIGLU} | {f"chunked_layers/{p}" for p in _GQA_SWIGLU[:4]},
+    # Every layer MoE, in two stacks (sliding-window and full attention): attention only.
+    "GptOss": {f"{stack}/{p}" for stack in ("sliding_layers", "layers") for p in _GQA_SWIGLU[:4]},
 }
 
 

@@ -1,14 +1,16 @@
-"""Llama 3 and Qwen3 under meshes: on FSDP 8 and FSDP 4 x TP 2 (default rules), Auto and Explicit axes, two AdamW
-steps of the trainer (``train_step`` + ``make_optimizer``) give the losses and gradient norms of one device
-(float32, relative 1e-5); parameters and Adam moments stay on their resolved shardings, and under Explicit axes
-the logits come back laid out by their logical names. The MoE families on the same core (Qwen3-MoE with a dense
-then an MoE layer, Mixtral), with ``moe_impl='ep'`` and the Switch aux loss on, do the same (aux loss included) on
-FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets; so does
-GLM-4.5 (a dense then an MoE layer, group-limited sigmoid + bias routing, shared experts, partial rotary, biases;
-no aux loss) with aux-loss-free balancing on (the routing bias moves after each step, so step 2 routes by the
-bias step 1 left), in CI on FSDP 4 x EP 2, Explicit; and MiniMax-M2 (sigmoid routing with a selection-only bias,
-partial rotary, the Switch aux loss and bias balancing both on) on those meshes and on FSDP 4 x TP 2, where tensor
-parallelism splits the heads its q/k norm spans, in CI on FSDP 4 x TP 2, Explicit, and FSDP 4 x EP 2, Auto, ep-as-cp.
+"""Llama 3 and Qwen3 under meshes: on FSDP 8 and FSDP 4 x TP 2 (default rules), Auto and Explicit axes, two AdamW steps
+of the trainer (``train_step`` + ``make_optimizer``) give the losses and gradient norms of one device (float32, relative
+1e-5); parameters and Adam moments stay on their resolved shardings, and under Explicit axes the logits come back laid
+out by their logical names. The MoE families on the same core (Qwen3-MoE with a dense then an MoE layer, Mixtral), with
+``moe_impl='ep'`` and the Switch aux loss on, do the same (aux loss included) on FSDP 8 and on FSDP 4 x EP 2 under the
+``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets; so does GLM-4.5 (a dense then an MoE layer, group-limited
+sigmoid + bias routing, shared experts, partial rotary, biases; no aux loss) with aux-loss-free balancing on (the
+routing bias moves after each step, so step 2 routes by the bias step 1 left), in CI on FSDP 4 x EP 2, Explicit; and
+MiniMax-M2 (sigmoid routing with a selection-only bias, partial rotary, the Switch aux loss and bias balancing both on)
+on those meshes and on FSDP 4 x TP 2, where tensor parallelism splits the heads its q/k norm spans, in CI on FSDP 4 x TP
+2, Explicit, and FSDP 4 x EP 2, Auto, ep-as-cp. GPT-OSS (a window of 4 on alternating layers, sinks, biased router and
+experts, the clamped SwiGLU) in CI on FSDP 4 x EP 2 under ``ep-as-cp`` (Auto: the sequence split, so a window's keys sit
+on the previous shard) and ``default`` (Explicit).
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs each family on both meshes, once per mode;
@@ -31,6 +33,8 @@ from flax import nnx
 from nnx_zoo import (
     Glm4MoE,
     Glm4MoEConfig,
+    GptOss,
+    GptOssConfig,
     Llama3,
     Llama3Config,
     Llama4,
@@ -64,7 +68,9 @@ MOE_FAMILIES = {
     # Four layers: chunked dense, chunked MoE, chunked dense, NoPE MoE; chunks of 4 and temperature from slot 3.
     "llama4": (Llama4, Llama4Config.preset("llama4-tiny", **{**TINY, "num_hidden_layers": 4, "intermediate_size": 32},
                                            moe_impl="ep", attention_chunk_size=4, floor_scale=4)),
-    "minimax_m2": (MiniMaxM2, MiniMaxM2Config.preset("minimax-m2-tiny", **TINY, **MOE, tie_word_embeddings=False))}
+    "minimax_m2": (MiniMaxM2, MiniMaxM2Config.preset("minimax-m2-tiny", **TINY, **MOE, tie_word_embeddings=False)),
+    "gpt_oss": (GptOss, GptOssConfig.preset("gpt-oss-tiny", **TINY, **MOE, sliding_window=4, swiglu_limit=1.0,
+                                            tie_word_embeddings=False))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
@@ -85,7 +91,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
              ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
              ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp"),
-             ("minimax_m2", "fsdp4-tp2", "explicit", "default"), ("minimax_m2", "fsdp4-ep2", "auto", "ep-as-cp")]
+             ("minimax_m2", "fsdp4-tp2", "explicit", "default"), ("minimax_m2", "fsdp4-ep2", "auto", "ep-as-cp"),
+             ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default")]
 
 
 @functools.cache

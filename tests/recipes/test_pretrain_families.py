@@ -68,9 +68,10 @@ def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
     ("mixtral-tiny", []),
     # Sigmoid routing with a selection bias: the Switch loss on the softmax of its logits, and bias balancing too.
     ("minimax-m2-tiny", ["--routing-bias-rate", "0.01"]),
+    ("gpt-oss-tiny", ["--model.num_hidden_layers", "2", "--model.sliding_window", "4"]),  # sliding, full; sinks
 ])
 def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset, layers):
-    """Qwen3-MoE, Mixtral and MiniMax-M2 train with the recipe; ``--model.output_router_logits true`` adds the
+    """Qwen3-MoE, Mixtral, MiniMax-M2 and GPT-OSS train with the recipe; ``--model.output_router_logits true`` adds the
     Switch load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
     run_dir = tmp_path / "run"
     args = ["--model", preset, *TINY, *layers, *SHORT, "--steps", "2", "--moe-impl", "dense",
@@ -78,8 +79,9 @@ def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset,
     assert recipe.main(args) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    # About coef * k for a near-uniform router (a fresh model's): 0.02 * 2 for Mixtral, 0.001 * 2 for the others.
-    coef = 0.02 if preset.startswith("mixtral") else 0.001
+    # About coef * k for a near-uniform router (a fresh model's): 0.001 * 2 for Qwen3-MoE and MiniMax-M2, 0.02 * 2
+    # for Mixtral, 0.9 * 2 for GPT-OSS (its release's coefficient).
+    coef = {"qwen3-moe-tiny": 0.001, "minimax-m2-tiny": 0.001, "mixtral-tiny": 0.02, "gpt-oss-tiny": 0.9}[preset]
     assert all(0.9 * 2 * coef < r["aux_loss"] < 1.5 * 2 * coef for r in rows), rows
     assert f"{preset} (" in capsys.readouterr().err
 
