@@ -5,6 +5,7 @@ from nnx_zoo.generate import GenerateOutput, generate
 from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
+from nnx_zoo.models.gemma3 import Gemma3, Gemma3Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
@@ -21,6 +22,8 @@ __all__ = [
     "DeepSeekV3Config",
     "DeepSeekV4",
     "DeepSeekV4Config",
+    "Gemma3",
+    "Gemma3Config",
     "GenerateOutput",
     "Glm4MoE",
     "Glm4MoEConfig",

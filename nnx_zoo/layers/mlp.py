@@ -1,8 +1,10 @@
-"""The SwiGLU feed-forward block, and its activation (``Glu``: plain, or with clamped pre-activations)."""
+"""The gated feed-forward block (``SwiGLU``), and its activation (``Glu``: SiLU or tanh-approximated GELU on the
+gate, plain or with clamped pre-activations)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,23 +16,40 @@ _HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
 _OUT = ("activation_batch", "activation_length", "activation_embed")
 
 
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation, ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (PyTorch's
+    ``gelu(approximate="tanh")``, HF's ``gelu_pytorch_tanh``)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+# Gate activations by name (HF ``hidden_act`` / ``hidden_activation`` values map onto these).
+GATE_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh}
+
+
 @dataclasses.dataclass(frozen=True)
 class Glu:
-    """The gated activation ``silu(gate) * up`` of a SwiGLU, with optional clamping (``limit``): the gate's
-    pre-activation is capped at ``limit`` and the up projection's clipped to ``[-limit, limit]`` (DeepSeek-V4's
-    ``swiglu_limit``). Frozen and hashable: modules keep it as a static attribute.
+    """The gated activation ``act(gate) * up`` of a gated MLP: ``act`` is ``silu`` (a SwiGLU) or ``gelu_tanh``
+    (a GeGLU with tanh-approximated GELU), by name (``GATE_ACTIVATIONS``); with optional clamping (``limit``):
+    the gate's pre-activation is capped at ``limit`` and the up projection's clipped to ``[-limit, limit]``
+    (DeepSeek-V4's ``swiglu_limit``). Frozen and hashable: modules keep it as a static attribute.
 
-    >>> Glu()(gate, up)                  # silu(gate) * up
-    >>> Glu(limit=10.0)(gate, up)        # silu(min(gate, 10)) * clip(up, -10, 10)
+    >>> Glu()(gate, up)                        # silu(gate) * up
+    >>> Glu(limit=10.0)(gate, up)              # silu(min(gate, 10)) * clip(up, -10, 10)
+    >>> Glu(activation="gelu_tanh")(gate, up)  # gelu_tanh(gate) * up
     """
 
     limit: float | None = None
+    activation: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"unknown gate activation {self.activation!r}; choose one of {sorted(GATE_ACTIVATIONS)}")
 
     def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         if self.limit is not None:
             gate = jnp.minimum(gate, jnp.asarray(self.limit, gate.dtype))
             up = jnp.clip(up, -jnp.asarray(self.limit, up.dtype), jnp.asarray(self.limit, up.dtype))
-        return jax.nn.silu(gate) * up
+        return GATE_ACTIVATIONS[self.activation](gate) * up
 
 
 PLAIN = Glu()  # silu(gate) * up, unclamped
@@ -38,7 +57,8 @@ PLAIN = Glu()  # silu(gate) * up, unclamped
 
 class SwiGLU(nnx.Module):
     """``down(act(gate(x), up(x)))`` with weights named ``("embed", "mlp")`` / ``("mlp", "embed")``; ``act`` is
-    ``Glu(limit)``: ``silu(gate) * up``, with the pre-activations clamped when ``limit`` is set.
+    ``Glu(limit, activation)``: ``silu(gate) * up`` (or ``gelu_tanh(gate) * up`` with
+    ``activation="gelu_tanh"``: a GeGLU), with the pre-activations clamped when ``limit`` is set.
 
     >>> mlp = SwiGLU(64, 256, rngs=nnx.Rngs(0))
     >>> mlp(jnp.ones((2, 8, 64))).shape
@@ -54,9 +74,10 @@ class SwiGLU(nnx.Module):
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
         limit: float | None = None,
+        activation: str = "silu",
         rngs: nnx.Rngs,
     ):
-        self.act = Glu(limit)
+        self.act = Glu(limit, activation)
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.gate = Linear(features, hidden, kernel_names=("embed", "mlp"), **kw)
         self.up = Linear(features, hidden, kernel_names=("embed", "mlp"), **kw)

@@ -23,7 +23,8 @@ from nnx_zoo.sharding.axes import STACK_AXES
 # One small preset per family, shrunk further (2 layers, 256 tokens) so the whole file runs in seconds.
 PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
-             "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny"}
+             "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny",
+             "Gemma3": "gemma3-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -46,6 +47,7 @@ LORA_DEFAULT = {
     "Glm5": {f"{stack}/attn/{p}" for stack in ("dense_layers", "shared_topk_moe_layers", "mtp_layers/layer")
              for p in _MLA},
     "Mistral4": {f"moe_layers/attn/{p}" for p in _MLA},  # every layer MoE, no MTP
+    "Gemma3": {f"{stack}/{p}" for stack in ("sliding_layers", "layers") for p in _GQA_SWIGLU},  # a sliding, a global
 }
 
 

@@ -27,6 +27,8 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import (
+    Gemma3,
+    Gemma3Config,
     Glm4MoE,
     Glm4MoEConfig,
     Llama3,
@@ -45,7 +47,10 @@ BATCH, SEQ, VOCAB = 8, 16, 128
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 FAMILIES = {"llama": (Llama3, Llama3Config.preset("llama3-tiny", **TINY)),
-            "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False))}
+            "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False)),
+            # A sliding layer (4-token window) then a global one; soft caps on, the embedding tied.
+            "gemma3": (Gemma3, Gemma3Config.preset("gemma3-tiny", **TINY, sliding_window=4,
+                                                   attn_logit_softcapping=20.0, final_logit_softcapping=30.0))}
 MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
 MOE_FAMILIES = {
     # Its MoE layer runs on two micro-batches (batch_split_factor): on every mesh the same as on one device.
@@ -70,7 +75,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
-             ("glm4_moe", "fsdp4-ep2", "explicit", "default")]
+             ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
+             ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default")]
 
 
 @functools.cache
