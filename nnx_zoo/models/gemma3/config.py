@@ -210,7 +210,7 @@ class Gemma3Config(DecoderConfig, model_type="gemma3_text", architecture="Gemma3
             pattern = d.get("sliding_window_pattern")
             if _positive_int(pattern) and d["layer_types"] == pattern_layer_types(len(d["layer_types"]), pattern):
                 d["layer_types"] = None  # the pattern's: kept as the pattern, so a layer-count override still fits
-        return super()._from_hf_dict({**d, "model_type": cls.MODEL_TYPE}, overrides)  # type: ignore[return-value]
+        return super()._from_hf_dict(d, overrides)  # type: ignore[return-value]
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` dict of a ``gemma3_text`` model (transformers-5 rope form: one entry per layer

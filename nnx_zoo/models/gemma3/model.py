@@ -44,6 +44,15 @@ def gemma_norm(dim: int, c: Any) -> RMSNorm:
     return RMSNorm(dim, eps=c.rms_norm_eps, offset=1.0, scale_in_float32=True, **_dtypes(c))
 
 
+def warn_if_multimodal(cls: type, path: str | Path) -> None:
+    """Warn that only the text model of a multimodal checkpoint (``cls.config_class.MULTIMODAL_MODEL_TYPE``) loads."""
+    multimodal = cls.config_class.MULTIMODAL_MODEL_TYPE
+    if read_json_object(config_json_path(path), "model config").get("model_type") == multimodal:
+        warnings.warn(f"{path} is a {multimodal!r} multimodal checkpoint: loading its text model (language_model "
+                      "weights, text_config); its vision (and audio) towers and projectors are not loaded "
+                      f"(nnx_zoo's {cls.__name__} is the text model, and saves as one)", stacklevel=3)
+
+
 class Gemma3DecoderLayer(nnx.Module):
     """Gemma 3's sandwich block: ``h = x + post_attn_norm(attn(input_norm(x)))``, then
     ``h + post_mlp_norm(mlp(pre_mlp_norm(h)))``; every norm ``(1 + w)``.
@@ -134,11 +143,7 @@ class Gemma3(CausalLM):
         """``CausalLM.from_pretrained``; a multimodal checkpoint (``model_type`` ``gemma3``) gives its text model,
         with a warning that its vision tower and projector are left out. A config with ``attn_logit_softcapping``
         set warns that transformers' Gemma 3 ignores it (nnx_zoo applies it)."""
-        multimodal = cls.config_class.MULTIMODAL_MODEL_TYPE
-        if read_json_object(config_json_path(path), "model config").get("model_type") == multimodal:
-            warnings.warn(f"{path} is a {multimodal!r} image-text checkpoint: loading its text model "
-                          "(language_model weights, text_config); its vision tower and multimodal projector are not "
-                          f"loaded (nnx_zoo's {cls.__name__} is the text model, and saves as one)", stacklevel=2)
+        warn_if_multimodal(cls, path)
         model = super().from_pretrained(path, mesh=mesh, rules=rules, dtype=dtype, allow_partial=allow_partial,
                                         **config_overrides)
         if model.config.attn_logit_softcapping is not None:

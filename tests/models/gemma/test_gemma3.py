@@ -70,7 +70,7 @@ def built(tmp_path_factory):
         hf.save_pretrained(path)
         if spec.get("multimodal"):
             _as_hub_config(path)
-            with pytest.warns(UserWarning, match="image-text checkpoint: loading its text model"):
+            with pytest.warns(UserWarning, match="multimodal checkpoint: loading its text model"):
                 ours = AutoModelForCausalLM.from_pretrained(path, attention_impl="xla")
         else:
             with pytest.warns(UserWarning, match="attn_logit_softcapping=5.0 is applied here"):
