@@ -65,7 +65,8 @@ _WO_NAMES = ("exp", "moe_mlp", "embed_no_exp")
 class RoutedExperts(nnx.Module):
     """``num_experts`` SwiGLU experts, stacked: ``wi_gate``/``wi_up [E, embed, moe_mlp]``, ``wo [E, moe_mlp, embed]``.
 
-    ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``).
+    ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``);
+    ``activation`` the gate's (``nnx_zoo.layers.mlp.GATE_ACTIVATIONS``: ``"gelu_tanh"`` makes GeGLU experts).
 
     >>> experts = RoutedExperts(8, 64, 32, rngs=nnx.Rngs(0))
     >>> idx, w = jnp.zeros((10, 2), jnp.int32), jnp.full((10, 2), 0.5)
@@ -84,12 +85,14 @@ class RoutedExperts(nnx.Module):
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
         grouped_matmul_impl: str = "auto",
         limit: float | None = None,
+        activation: str = "silu",
         rngs: nnx.Rngs,
     ):
         self.num_experts = num_experts
         self.dtype = dtype
         self.grouped_matmul_impl = grouped_matmul_impl
-        self.act = Glu(limit)  # silu(gate) * up, pre-activations clamped at ``limit`` when set (DeepSeek-V4)
+        # act(gate) * up: silu (or ``activation``, e.g. gelu_tanh), pre-activations clamped at ``limit`` when set.
+        self.act = Glu(limit, activation)
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)
