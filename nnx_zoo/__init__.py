@@ -6,6 +6,7 @@ from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.gemma3 import Gemma3, Gemma3Config
+from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
@@ -24,6 +25,8 @@ __all__ = [
     "DeepSeekV4Config",
     "Gemma3",
     "Gemma3Config",
+    "Gemma4",
+    "Gemma4Config",
     "GenerateOutput",
     "Glm4MoE",
     "Glm4MoEConfig",

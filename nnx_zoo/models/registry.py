@@ -17,6 +17,7 @@ from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.gemma3 import Gemma3, Gemma3Config
+from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
@@ -42,6 +43,8 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "mistral4": (Mistral4Config, Mistral4),  # Mistral 4: DeepSeek-V3's parts, its router and query scale
     "gemma3_text": (Gemma3Config, Gemma3),
     "gemma3": (Gemma3Config, Gemma3),  # Gemma 3's image-text checkpoints: their text model (language_model)
+    "gemma4_text": (Gemma4Config, Gemma4),
+    "gemma4": (Gemma4Config, Gemma4),  # Gemma 4's multimodal checkpoints: their text model (language_model)
 }
 
 

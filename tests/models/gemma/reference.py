@@ -3,7 +3,9 @@
 ``make_gemma3(**config)`` builds transformers' ``Gemma3ForCausalLM`` (or, with ``multimodal=True``, a
 ``Gemma3ForConditionalGeneration`` around the same text model and a one-layer SigLIP tower) with every weight drawn
 at random: ``(1 + w)`` norm weights around 0 (scales near 1, but a transposed or misplaced one shows), the rest
-N(0, 0.3). ``hf_outputs`` runs it once: logits and every hidden state.
+N(0, 0.3). ``make_gemma4`` does the same for Gemma 4 (``Gemma4ForCausalLM`` or ``Gemma4ForConditionalGeneration``;
+its norms apply ``w``, drawn around 1, and each layer's ``layer_scalar`` buffer is drawn too). ``hf_outputs`` runs
+one once: logits, every hidden state and, for an MoE model, each layer's chosen experts.
 """
 
 from __future__ import annotations
@@ -20,16 +22,16 @@ GEMMA3_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidd
                    sliding_window=4, query_pre_attn_scalar=24, rope_theta=1e6, rope_local_base_freq=1e4)
 
 
-def randomize(model: torch.nn.Module, seed: int, *, norm_center: float = 0.0) -> torch.nn.Module:
+def randomize(model: torch.nn.Module, seed: int, *, norm_center: float = 0.0, std: float = 0.3) -> torch.nn.Module:
     """Every parameter of ``model`` drawn at random (``seed``): norm weights ``norm_center + N(0, 0.1)``, the rest
-    N(0, 0.3); eval mode."""
+    N(0, std); eval mode."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name.rsplit(".", 2)[-2]:
                 p.copy_(norm_center + 0.1 * torch.randn_like(p))
             else:
-                p.copy_(0.3 * torch.randn_like(p))
+                p.copy_(std * torch.randn_like(p))
     return model.eval()
 
 
@@ -70,12 +72,52 @@ def gemma3_attention_softcap() -> Iterator[None]:
         modeling_gemma3.eager_attention_forward = plain
 
 
+GEMMA4_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=128,
+                   rms_norm_eps=1e-6, sliding_window=4, hidden_size_per_layer_input=0, vocab_size_per_layer_input=96,
+                   final_logit_softcapping=3.0)
+
+
+def make_gemma4(seed: int = 0, *, multimodal: bool = False, **overrides) -> torch.nn.Module:
+    """transformers' Gemma 4 text model (``Gemma4ForCausalLM``) on ``GEMMA4_TINY`` with ``overrides``, or the
+    multimodal ``Gemma4ForConditionalGeneration`` holding it (no vision or audio tower); random weights and layer
+    scalars, eager attention, eval mode."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = Gemma4TextConfig(**copy.deepcopy({**GEMMA4_TINY, **overrides}))
+    if multimodal:
+        model = Gemma4ForConditionalGeneration._from_config(Gemma4Config(text_config=text.to_dict()),
+                                                            attn_implementation="eager")
+    else:
+        model = Gemma4ForCausalLM._from_config(text, attn_implementation="eager")
+    randomize(model, seed, norm_center=1.0)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+        # Gemma 4 attends at scale 1 over normed queries and keys: with their norms' weights near 1 the scores are
+        # ~head_dim and the softmax so sharp that float32 rounding grows ~3x a layer; weights near 0.5 keep the
+        # comparison at rounding level (and still exercise every weight).
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.sub_(0.5)
+    return model
+
+
 def hf_outputs(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """``{"logits": [b, s, vocab], "hidden": [layers + 1, b, s, embed]}`` of transformers' forward."""
+    """``{"logits": [b, s, vocab], "hidden": [layers + 1, b, s, embed]}`` of transformers' forward, and
+    ``"experts": [layers, b, s, k]`` (sorted) for a model with routed experts."""
+    config = model.config.get_text_config()
+    moe = getattr(config, "enable_moe_block", False)
     with torch.no_grad():
         out = model(torch.as_tensor(ids, dtype=torch.long), output_hidden_states=True,
+                    output_router_logits=moe or None,
                     attention_mask=None if mask is None else torch.as_tensor(mask, dtype=torch.long))
-    return {"logits": out.logits.numpy(), "hidden": np.stack([h.numpy() for h in out.hidden_states])}
+    result = {"logits": out.logits.numpy(), "hidden": np.stack([h.numpy() for h in out.hidden_states])}
+    if moe:
+        probs = np.stack([p.numpy().reshape(*ids.shape, -1) for p in out.router_logits])
+        result["experts"] = np.sort(np.argsort(-probs, axis=-1)[..., :config.top_k_experts], axis=-1)
+    return result
 
 
 def rel(ours, ref, keep: np.ndarray | None = None) -> float:
