@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.models.causal_lm import check_ids_fit
+from nnx_zoo.models.inputs import check_ids_fit
 from nnx_zoo.sharding import restore_sharding
 
 

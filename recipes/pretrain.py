@@ -520,8 +520,8 @@ def plan(args: argparse.Namespace, config: Any) -> int:
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
-    from nnx_zoo.layers.kernels import describe as describe_kernels
-    from nnx_zoo.layers.kernels import kernel_choices
+    from nnx_zoo.layers.kernel_choices import describe as describe_kernels
+    from nnx_zoo.layers.kernel_choices import kernel_choices
     from nnx_zoo.sharding import make_abstract_mesh
     from nnx_zoo.sharding.plan import memory_plan
     from nnx_zoo.train.loss import default_chunk_tokens
@@ -630,8 +630,8 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
-    from nnx_zoo.layers.kernels import describe as describe_kernels
-    from nnx_zoo.layers.kernels import kernel_choices
+    from nnx_zoo.layers.kernel_choices import describe as describe_kernels
+    from nnx_zoo.layers.kernel_choices import kernel_choices
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 

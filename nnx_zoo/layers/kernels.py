@@ -1,9 +1,8 @@
-"""Which kernels a model config will run on this backend (what the recipe prints at start and in its summary), and
-the few facts every kernel chooser asks: the platform, whether tokamax imports, one warning line per fallback.
+"""The few facts every kernel chooser asks: the platform, whether tokamax imports, one warning line per fallback.
 
-The choices themselves are made where the kernels are dispatched (``choose_attention_impl`` in
-``nnx_zoo.layers.attention``, ``default_moe_impl`` in ``nnx_zoo.layers.moe``, ``choose_grouped_matmul_impl`` in
-``nnx_zoo.layers.grouped_matmul``); ``kernel_choices`` only asks them, for any family's config.
+The lowest room of the kernels: the choosers (``choose_attention_impl`` in ``nnx_zoo.layers.attention``,
+``default_moe_impl`` in ``nnx_zoo.layers.moe``, ``choose_grouped_matmul_impl`` in ``nnx_zoo.layers.grouped_matmul``)
+import it, and ``nnx_zoo.layers.kernel_choices`` asks them all for a config.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import importlib
 import warnings
 from types import ModuleType
-from typing import Any
 
 import jax
 
@@ -65,47 +63,3 @@ def warn_once(message: str, category: type[Warning] = RuntimeWarning) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, category, stacklevel=3)
-
-
-def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platform: str | None = None
-                   ) -> dict[str, str]:
-    """``{"attention": ..., "moe": ..., "grouped_matmul": ...}``: the implementation each kernel setting of
-    ``config`` resolves to for training sequences of ``seq_len`` tokens (``segments``: packed documents) on
-    ``platform`` (default: JAX's default backend). MoE entries appear only for configs with MoE layers.
-
-    >>> kernel_choices(Llama3Config.preset("llama3-tiny"), seq_len=64, platform="cpu")
-    {'attention': 'xla'}
-    """
-    from nnx_zoo.layers.attention import choose_attention_impl
-
-    qk_dim, v_dim = config.attention_head_dims
-    choices = {"attention": choose_attention_impl(config.attention_impl, q_len=seq_len, k_len=seq_len,
-                                                  platform=platform, segments=segments, qk_dim=qk_dim, v_dim=v_dim)}
-    sparse_keys = getattr(config, "sparse_attention_keys", None)
-    topk = sparse_keys(seq_len) if sparse_keys is not None else 0
-    if topk:  # a family's sparse attention: each query's top-k keys gathered, no score matrix
-        choices["attention"] = f"sparse-top{topk}"
-    moe_impl = getattr(config, "moe_impl", None)
-    if moe_impl is not None and getattr(config, "num_moe_layers", 0) > 0:
-        from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl
-        from nnx_zoo.layers.moe import default_moe_impl
-
-        moe = default_moe_impl(platform) if moe_impl == "auto" else moe_impl
-        choices["moe"] = moe
-        # ep computes its own experts by the platform's dropless path: a grouped matmul where that is gmm.
-        if moe == "gmm" or (moe == "ep" and default_moe_impl(platform) == "gmm"):
-            choices["grouped_matmul"] = choose_grouped_matmul_impl(config.grouped_matmul_impl, platform)
-    return choices
-
-
-def describe(config: Any, choices: dict[str, str]) -> str:
-    """One line: each kernel and, where it was not asked for by name, the setting it came from.
-
-    >>> describe(config, {"attention": "blockwise", "moe": "gmm"})  # config: attention_impl 'auto', moe_impl 'gmm'
-    'attention blockwise (attention_impl=auto), moe gmm'
-    """
-    parts = []
-    for kernel, chosen in choices.items():
-        asked = getattr(config, f"{kernel}_impl", None)
-        parts.append(f"{kernel} {chosen}" if asked == chosen else f"{kernel} {chosen} ({kernel}_impl={asked})")
-    return ", ".join(parts)

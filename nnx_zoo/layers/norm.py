@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32."""
+"""RMSNorm (and its weightless form, ``L2Norm``), computed in float32."""
 
 from __future__ import annotations
 
@@ -86,6 +86,24 @@ class RMSNorm(nnx.Module):
         return scale * normed.astype(x.dtype).astype(self.dtype)
 
 
+class L2Norm(nnx.Module):
+    """``x / sqrt(mean(x**2) + eps)`` over the last dim, with no weight (an RMSNorm without its scale; transformers
+    calls it an L2 norm, e.g. Llama 4's query/key norm). Statistics and product in float32, returned in ``x``'s
+    dtype. A module so it can stand where an ``RMSNorm`` stands (``Attention.q_norm`` / ``k_norm``).
+
+    >>> L2Norm(eps=1e-5)(jnp.array([3.0, 4.0]))  # rms 3.54
+    Array([0.8485, 1.1314], dtype=float32)
+    """
+
+    def __init__(self, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        del rngs  # no parameters; accepted so every norm is built the same way
+        self.eps = float(eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+
+
 class LayerNorm(nnx.Module):
     """``scale * (x - mean) / sqrt(var + eps) + bias`` over the last dim, statistics in float32 (PyTorch's
     ``nn.LayerNorm``, which DeepSeek-V3.2's indexer uses on its keys). Returned in ``dtype``.
@@ -109,3 +127,41 @@ class LayerNorm(nnx.Module):
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
         return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(sum(x**2) + eps)`` over the last dim in float32 (the linear-attention layers' q/k normalization,
+    as the FLA kernels and transformers compute it), returned in ``x``'s dtype.
+
+    >>> l2_normalize(jnp.array([3.0, 4.0]))
+    Array([0.6, 0.8], dtype=float32)
+    """
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """``scale * rms_normalize(x) * act(gate)``: a linear-attention layer's output norm, gated by another projection
+    of the layer's input (Gated DeltaNet's, with SiLU). The normalized value is cast to ``x``'s dtype before the
+    scale multiplies it and the gate is applied in float32, as transformers does.
+
+    >>> norm = GatedRMSNorm(64, rngs=nnx.Rngs(0))
+    >>> norm(jnp.ones((2, 8, 4, 64)), jnp.ones((2, 8, 4, 64))).shape
+    (2, 8, 4, 64)
+    """
+
+    ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, activation: str = "silu", dtype: jnp.dtype = jnp.float32,
+                 param_dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
+        del rngs  # ones-initialized
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(self.ACTIVATIONS)}")
+        self.eps, self.activation, self.dtype = float(eps), activation, dtype
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
+
+    def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        out = self.scale[...].astype(jnp.float32) * normed.astype(jnp.float32)
+        return (out * self.ACTIVATIONS[self.activation](gate.astype(jnp.float32))).astype(self.dtype)

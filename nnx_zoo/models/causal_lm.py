@@ -30,11 +30,12 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from nnx_zoo.hf import KeyTable, SafetensorsCheckpoint, load_module, save_module
+from nnx_zoo.generate import generate
+from nnx_zoo.hf import CheckpointFormatError, KeyTable, SafetensorsCheckpoint, load_module, save_module
+from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.layers.attention import Attention, AttentionMask, causal_mask
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
@@ -44,6 +45,8 @@ from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
+from nnx_zoo.models.inputs import check_forward_inputs
+from nnx_zoo.models.inputs import check_ids_fit as check_ids_fit  # re-exported: its old home
 from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
@@ -68,14 +71,18 @@ class DecoderLayer(nnx.Module):
     (2, 8, 128)
     """
 
+    # The attention module, built with ``config.attention_options(kind)``'s keywords (a family's subclass of
+    # ``Attention`` takes its own ones there too).
+    attention_class: ClassVar[type[Attention]] = Attention
+
     def __init__(self, config: DecoderConfig, *, kind: Any = FULL, rngs: nnx.Rngs):
         c = config
         init = nnx.initializers.normal(c.initializer_range)
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
-        self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, use_bias=c.attention_bias, o_bias=c.attention_output_bias,
-                              qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl,
-                              kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
+        self.attn = self.attention_class(
+            c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            use_bias=c.attention_bias, o_bias=c.attention_output_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+            attention_impl=c.attention_impl, kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 
@@ -137,6 +144,14 @@ class CausalLMOutput(NamedTuple):
     indexer_loss: jax.Array | None = None
 
 
+def _subclasses(cls: type) -> list[type]:
+    """``cls``'s subclasses that have a config class, each before its own subclasses."""
+    out = []
+    for sub in cls.__subclasses__():
+        out += ([sub] if "config_class" in vars(sub) else []) + _subclasses(sub)
+    return out
+
+
 class CausalLMBase(nnx.Module):
     """What every family's causal LM shares: ``create``, ``__call__`` (logits), generation over a cache.
 
@@ -162,6 +177,26 @@ class CausalLMBase(nnx.Module):
     lm_head: Linear | None
     rope_inv_freq: tuple[float, ...]
     rope_attention_factor: float
+
+    @classmethod
+    def config_from_hf(cls, directory: Path, overrides: dict[str, Any]) -> Any:
+        """This family's config of checkpoint ``directory``; a ``config.json`` another loaded family reads raises
+        ``CheckpointFormatError`` naming that family's class."""
+        try:
+            return cls.config_class.from_hf(directory, **overrides)
+        except CheckpointFormatError as err:
+            try:
+                model_type = read_json_object(config_json_path(directory), "model config").get("model_type")
+            except CheckpointFormatError:
+                raise err from None
+            if model_type in cls.config_class.hf_model_types():
+                raise
+            readers = [c for c in _subclasses(CausalLMBase) if model_type in c.config_class.hf_model_types()]
+            if not readers:
+                raise
+            name = readers[0].__name__
+            raise CheckpointFormatError(f"{err}. It is a {name} checkpoint: load it with {name}.from_pretrained "
+                                        "(or nnx_zoo.AutoModelForCausalLM.from_pretrained)") from err
 
     @classmethod
     def create(cls: type[M], config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default",
@@ -268,8 +303,6 @@ class CausalLMBase(nnx.Module):
     # ---- generation: a fixed-size cache, driven by nnx_zoo.generate ----
     def generate(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **kwargs: Any) -> Any:
         """``nnx_zoo.generate(self, input_ids, attention_mask, **kwargs)``: sampled or greedy continuations."""
-        from nnx_zoo.generate import generate
-
         return generate(self, input_ids, attention_mask, **kwargs)
 
     def init_cache(self, batch: int, max_len: int) -> Any:
@@ -383,7 +416,7 @@ class CausalLM(CausalLMBase):
         directory = Path(path)
         overrides = pretrained_overrides(dtype, config_overrides)
         rules = get_rules(rules if rules is not None else "default")
-        config = cls.config_class.from_hf(directory, **overrides)
+        config = cls.config_from_hf(directory, overrides)
         with SafetensorsCheckpoint(directory) as ckpt:
             abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
                                                    allow_partial=allow_partial or None))
@@ -502,58 +535,6 @@ def pretrained_overrides(dtype: Any, config_overrides: dict[str, Any]) -> dict[s
     return overrides
 
 
-def check_forward_inputs(input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-                         position_ids: jax.Array | None, *, config: Any = None) -> None:
-    """Raise, saying what is wrong, on inputs a forward pass cannot take (see ``_check_ids``); with the model's
-    ``config``, also on sequences past its positions and on token ids outside its vocabulary
-    (``check_ids_fit``)."""
-    _check_ids(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
-    if position_ids is not None and (position_ids.ndim != 2 or position_ids.shape[1] != input_ids.shape[1]):
-        raise ValueError(f"position_ids {tuple(position_ids.shape)} must be [batch or 1, seq={input_ids.shape[1]}]")
-    if config is not None:
-        check_ids_fit(config, input_ids, attention_mask, positions=position_ids)
-
-
-def _concrete(x: jax.Array | None) -> np.ndarray | None:
-    """``x`` on the host when its values are known here: not a tracer (never a host sync inside jit), and whole
-    on this process. None otherwise."""
-    if x is None or isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True):
-        return None
-    return np.asarray(x)
-
-
-def check_ids_fit(config: Any, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                  total_len: int | None = None, positions: jax.Array | None = None) -> None:
-    """Raise when a sequence runs past ``config.max_position_embeddings`` (``total_len`` tokens, by default
-    ``input_ids``' length; the largest of ``positions`` when given) or, where the ids are concrete, when a token id
-    (one the mask marks real) is negative or ``>= config.vocab_size``: the embedding lookup would clamp it
-    silently, and positions past the trained ones are an extrapolation no one asked for."""
-    limit = config.max_position_embeddings
-    concrete_positions = _concrete(positions)
-    if concrete_positions is not None and concrete_positions.size and int(concrete_positions.max()) >= limit:
-        raise ValueError(f"position_ids reach {int(concrete_positions.max())}, past the model's "
-                         f"max_position_embeddings={limit} (positions 0..{limit - 1}); shorten the sequences, or "
-                         "raise max_position_embeddings in the config (with rope scaling for lengths it never saw)")
-    length = input_ids.shape[1] if total_len is None else total_len
-    if positions is None and length > limit:
-        what = f"{input_ids.shape[1]} tokens" if total_len is None else (
-            f"a prompt of {input_ids.shape[1]} tokens + max_new_tokens={total_len - input_ids.shape[1]}")
-        raise ValueError(f"{what} exceed the model's max_position_embeddings={limit}; use at most {limit} "
-                         "positions (shorter inputs, fewer new tokens), or raise max_position_embeddings in the "
-                         "config (with rope scaling for lengths it never saw)")
-    ids = _concrete(input_ids)
-    if ids is None or not ids.size:
-        return
-    mask = _concrete(attention_mask)
-    real = ids if mask is None else ids[mask.astype(bool)]
-    bad = real[(real < 0) | (real >= config.vocab_size)]
-    if bad.size:
-        raise ValueError(f"input_ids hold {bad.size} token id(s) outside the vocabulary 0..{config.vocab_size - 1} "
-                         f"(e.g. {int(bad.flat[0])}; min {int(real.min())}, max {int(real.max())}): the embedding "
-                         "would clamp them silently. Tokenize with the model's own tokenizer, or use a config whose "
-                         "vocab_size covers the ids")
-
-
 def parameter_mesh(parameter: jax.Array) -> contextlib.AbstractContextManager[Any]:
     """``jax.set_mesh`` of the mesh ``parameter`` lives on when no mesh is ambient and it spans devices (so a
     sharded model can be called without a mesh context); otherwise a context that does nothing."""
@@ -567,15 +548,3 @@ def parameter_mesh(parameter: jax.Array) -> contextlib.AbstractContextManager[An
     if isinstance(mesh, Mesh):
         return jax.set_mesh(mesh)
     return jax.sharding.use_abstract_mesh(mesh)  # while tracing: parameters carry an abstract mesh
-
-
-def _check_ids(input_ids: jax.Array, **others: jax.Array | None) -> None:
-    """Raise, saying what is wrong, when ``input_ids`` is not ``[batch, seq]`` integers or a companion array
-    (padding mask, segment ids) has another shape."""
-    if getattr(input_ids, "ndim", None) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be integer token ids [batch, seq], got "
-                         f"{getattr(input_ids, 'dtype', type(input_ids))} {getattr(input_ids, 'shape', '')}; add a "
-                         "batch dim with ids[None] for a single sequence")
-    for name, value in others.items():
-        if value is not None and tuple(value.shape) != tuple(input_ids.shape):
-            raise ValueError(f"{name} {tuple(value.shape)} must have input_ids' shape {tuple(input_ids.shape)}")

@@ -74,6 +74,11 @@ class FamilyConfig:
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        """The ``config.json`` ``model_type`` values this config reads (each family's config names them)."""
+        return ()
+
+    @classmethod
     def check_field_names(cls, names: Any) -> None:
         """Raise ``TypeError`` naming each of ``names`` that is not a field of this config, with close matches
         (a misspelt override must not become a raw dataclass error, or silently nothing)."""
@@ -353,11 +358,16 @@ class DecoderConfig(FamilyConfig):
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE,)
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DecoderConfig:
         model_type = d.get("model_type", cls.MODEL_TYPE)
         if model_type != cls.MODEL_TYPE:
-            raise ValueError(f"model_type {model_type!r} is not {cls.MODEL_TYPE!r}: {cls.__name__} cannot read it. "
-                             f"{_loader_hint(model_type)}")
+            raise ValueError(f"model_type {model_type!r} is not {cls.MODEL_TYPE!r}: {cls.__name__} cannot read it; "
+                             "nnx_zoo.AutoModelForCausalLM.from_pretrained (or AutoConfig.from_hf) picks the family "
+                             "from model_type")
         problems = cls._hf_problems(d)
         if d.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
@@ -463,13 +473,3 @@ def cpu_presets(family: str, *, head_dim: int, **fields: Any) -> dict[str, dict[
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _loader_hint(model_type: Any) -> str:
-    """Which class reads ``model_type`` (from the registry), for error messages."""
-    from nnx_zoo.models.registry import MODEL_TYPES
-
-    if model_type in MODEL_TYPES:
-        return (f"It is a {MODEL_TYPES[model_type][1].__name__} checkpoint: load it with "
-                f"{MODEL_TYPES[model_type][1].__name__}.from_pretrained or nnx_zoo.AutoModelForCausalLM.")
-    return f"Supported model types: {sorted(MODEL_TYPES)}."

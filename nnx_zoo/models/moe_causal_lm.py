@@ -32,6 +32,7 @@ from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
 from nnx_zoo.layers.routers import BalanceSums, switch_balance_loss
 from nnx_zoo.layers.scan import Summed, batch_split, gathered_over_fsdp, model_order, run_stack
 from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.causal_lm import (
     CausalLM,
     CausalLMOutput,
@@ -40,7 +41,6 @@ from nnx_zoo.models.causal_lm import (
     check_forward_inputs,
     stack_hidden_states,
 )
-from nnx_zoo.models.llama import hf as llama_hf
 from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
 from nnx_zoo.sharding import shard, use_rules
 
@@ -207,19 +207,16 @@ class MoECausalLM(CausalLM):
 
 def moe_key_table(config: MoEDecoderConfig, *, attention_rows: tuple[Row, ...], moe_rows: tuple[Row, ...],
                   fused: dict[str, tuple[tuple[str, Any], ...]], source: str) -> KeyTable:
-    """The HF key table of an ``MoECausalLM``: each layer's ``attention_rows`` (norms and attention) plus, in
-    ``layers``, the MoE layers' ``moe_rows`` (router and per-expert ``{e}`` keys) with the ``fused`` alternates
-    (transformers-5 fused expert keys, each filling a whole layer), and in ``dense_layers`` the SwiGLU rows."""
-    c = config
-    prefix = "model.layers.{i}."
-    moe = tuple(i for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
-    dense = tuple(i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i))
-    dense_rows = attention_rows + tuple(r for r in llama_hf.LAYER_TABLE if r.hf.startswith("mlp."))
-    stacks = [Stack("layers", prefix, moe, attention_rows + moe_rows, fused)] if moe else []  # type: ignore[arg-type]
-    if dense:
-        stacks.append(Stack("dense_layers" if moe else "layers", prefix, dense, dense_rows))  # type: ignore[arg-type]
-    return KeyTable(top=llama_hf.TOP_TABLE, stacks=tuple(stacks),
-                    ignored=(r"^lm_head\.weight$",) if c.tie_word_embeddings else (), source=source)
+    """The HF key table of an ``MoECausalLM``: each layer's ``attention_rows`` (norms and attention) plus, in the
+    MoE stacks (``layers``, ``sliding_layers``, ...), the ``moe_rows`` (router and per-expert ``{e}`` keys) with
+    the ``fused`` alternates (transformers-5 fused expert keys, each filling a whole layer), and in the dense stacks
+    (``dense_layers``, ...) the SwiGLU rows."""
+    dense_rows = attention_rows + tuple(r for r in dense_hf.LAYER_TABLE if r.hf.startswith("mlp."))
+    stacks = tuple(Stack(name, "model.layers.{i}.", indices, attention_rows + moe_rows, fused)  # type: ignore[arg-type]
+                   if kind.moe else Stack(name, "model.layers.{i}.", indices, dense_rows)  # type: ignore[arg-type]
+                   for name, kind, indices in config.layer_stacks())
+    return KeyTable(top=dense_hf.TOP_TABLE, stacks=stacks,
+                    ignored=(r"^lm_head\.weight$",) if config.tie_word_embeddings else (), source=source)
 
 
 def expert_rows(module: str, gate: str, up: str, down: str, router: str = "gate") -> tuple[Row, ...]:

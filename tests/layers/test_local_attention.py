@@ -198,6 +198,20 @@ def test_blockwise_local_under_mesh_equals_one_device_xla(sizes, rules, mode):
     _assert_close(got, want, pad)
 
 
+def test_chunk_without_padding_under_an_explicit_mesh():
+    """A chunked call with no padding or segments (one row of chunk starts for the whole batch) on an Explicit mesh
+    that splits the batch: the einsum path's mask keeps that row whole and equals one device."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 8, 2, 8)), jnp.float32) for _ in range(3))
+    want = dot_product_attention(q, k, v, AttentionMask.causal(8), SCALE, chunk=3)
+    mesh = make_mesh({"fsdp": 2}, shard_mode="explicit", devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), use_rules("default"):
+        spec = named_sharding(("activation_batch", None, None, None), "default", mesh)
+        got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, AttentionMask.causal(8), SCALE, chunk=3))(
+            *(jax.device_put(a, spec) for a in (q, k, v)))
+    assert rel_err(np.asarray(got), np.asarray(want)) < TOL
+
+
 # -------------------------------------------------------------------------------------------------- the chooser
 @pytest.fixture
 def fresh_warnings(monkeypatch):
@@ -266,3 +280,31 @@ def _rope_of(attn, positions):
     from tests.layers.test_attention import _rope
 
     return _rope(attn.head_dim, jnp.asarray(positions))
+
+
+def test_kernel_choices_name_the_local_layers_kernel(monkeypatch, fresh_warnings):
+    """A model whose full layers run cuDNN and whose sliding layers carry sinks (cuDNN has none): the report names
+    both (GPT-OSS's shape), and a window alone keeps cuDNN."""
+    from nnx_zoo.layers import attention as attn_module
+    from nnx_zoo.layers.kernel_choices import kernel_choices
+    from nnx_zoo.models.decoder_config import LayerKind
+
+    monkeypatch.setattr(attn_module, "tokamax_available", lambda: False)
+
+    class Config:
+        attention_impl, attention_head_dims = "auto", (64, 64)
+
+        def __init__(self, sliding: dict):
+            self.sliding = sliding
+
+        def layer_kinds(self):
+            return (LayerKind("sliding"), LayerKind())
+
+        def attention_options(self, kind):
+            return self.sliding if kind.attention == "sliding" else {}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AttentionFallbackWarning)
+        assert kernel_choices(Config(dict(window=128, sinks=True)), seq_len=4096, platform="gpu") == {
+            "attention": "cudnn", "attention_sliding": "blockwise"}
+        assert kernel_choices(Config(dict(window=128)), seq_len=4096, platform="gpu") == {"attention": "cudnn"}

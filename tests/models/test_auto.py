@@ -22,10 +22,12 @@ from nnx_zoo import (
     DeepSeekV3Config,
     DeepSeekV4Config,
     Gemma3Config,
+    Gemma4Config,
     Glm4MoEConfig,
     Glm5Config,
     Llama3,
     Llama3Config,
+    Llama4Config,
     Mistral4Config,
     MixtralConfig,
     Qwen3,
@@ -98,13 +100,13 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 def test_presets_of_every_family():
     names = preset_names()
     assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
-                          "Mistral4",
-                          "Gemma3"}
+                          "Mistral4", "Llama4", "Gemma3", "Gemma4"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
                         ("Qwen3", Qwen3Config),
                         ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
                         ("Glm5", Glm5Config), ("Mistral4", Mistral4Config),
-                        ("Gemma3", Gemma3Config)):
+                        ("Llama4", Llama4Config), ("Gemma3", Gemma3Config),
+                        ("Gemma4", Gemma4Config)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -117,6 +119,7 @@ def test_presets_of_every_family():
     assert AutoModelForCausalLM.model_class("llama") is Llama3
     assert AutoModelForCausalLM.model_class("glm_moe_dsa").__name__ == "Glm5"
     assert AutoModelForCausalLM.model_class("mistral4").__name__ == "Mistral4"
+    assert AutoModelForCausalLM.model_class("llama4_text") is AutoModelForCausalLM.model_class("llama4")
 
 
 def test_config_validation():
@@ -223,7 +226,8 @@ def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
             cls.from_hf({k: v for k, v in full.items() if k != missing})
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny"])
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny",
+                                    "llama4-tiny"])
 def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
     # Each transformers config class fills an absent num_key_value_heads its own way (LlamaConfig: the attention
     # heads; the others: a class default), so a file that leaves it out must not take our preset's value.
@@ -252,7 +256,8 @@ def test_partial_rotary_is_refused_where_transformers_does_not_implement_it(tmp_
 # One preset per family: the dense-core ones take hidden_size // num_attention_heads = 96 // 4 = 24 (neither 128 nor
 # the presets' 32 or 64); DeepSeek's (V3, V2, V3.2, GLM-5, Mistral 4) have no head_dim of their own.
 HEAD_DIM_PRESETS = ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny", "deepseek3-mini",
-                    "deepseek2-tiny", "deepseek3.2-tiny", "glm5-tiny", "mistral4-tiny", "deepseek4-tiny"]
+                    "deepseek2-tiny", "deepseek3.2-tiny", "glm5-tiny", "mistral4-tiny", "deepseek4-tiny",
+                    "llama4-tiny"]
 
 
 @pytest.mark.parametrize("head_dim", ["absent", "null"])
@@ -287,7 +292,7 @@ def test_config_json_without_head_dim_reads_as_transformers_reads_it(preset, hea
         hf = None
     if hf is None:
         assert head_dim == "null" and preset in ("qwen3-tiny", "qwen3-moe-tiny", "glm4.5-tiny", "deepseek3.2-tiny",
-                                                 "glm5-tiny", "mistral4-tiny", "deepseek4-tiny")
+                                                 "glm5-tiny", "mistral4-tiny", "deepseek4-tiny", "llama4-tiny")
         with pytest.raises(ValueError, match="head_dim is null: transformers' .* cannot build that model"):
             AutoConfig.from_hf(d)
         if not deepseek:  # an override supplies it
@@ -303,7 +308,9 @@ def test_config_json_without_head_dim_reads_as_transformers_reads_it(preset, hea
         q = attn.q_b_proj if config.q_lora_rank else attn.q_proj
         assert q.weight.shape[0] == ours.num_attention_heads * ours.qk_head_dim
     else:
-        assert ours.head_dim == attn.q_proj.weight.shape[0] // 4 == (128 if preset == "qwen3-tiny" else 24)
+        # Qwen3's and Llama 4's config classes default an absent head_dim to 128.
+        default = preset == "qwen3-tiny" or (preset == "llama4-tiny" and head_dim == "absent")
+        assert ours.head_dim == attn.q_proj.weight.shape[0] // 4 == (128 if default else 24)
 
 
 def test_a_mixtral_config_that_transformers_saved_loads(tmp_path):

@@ -29,10 +29,14 @@ from flax import nnx
 from nnx_zoo import (
     Gemma3,
     Gemma3Config,
+    Gemma4,
+    Gemma4Config,
     Glm4MoE,
     Glm4MoEConfig,
     Llama3,
     Llama3Config,
+    Llama4,
+    Llama4Config,
     Mixtral,
     MixtralConfig,
     Qwen3,
@@ -59,7 +63,15 @@ MOE_FAMILIES = {
                                                  batch_split_factor=2)),
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
-                                               n_group=2, topk_group=1, tie_word_embeddings=False))}
+                                               n_group=2, topk_group=1, tie_word_embeddings=False)),
+    # Four layers: chunked dense, chunked MoE, chunked dense, NoPE MoE; chunks of 4 and temperature from slot 3.
+    "llama4": (Llama4, Llama4Config.preset("llama4-tiny", **{**TINY, "num_hidden_layers": 4, "intermediate_size": 32},
+                                           moe_impl="ep", attention_chunk_size=4, floor_scale=4)),
+    # A sliding layer (4-token window) and a global one (K = V heads); per-layer inputs, the MoE block beside each
+    # MLP (expert parallel).
+    "gemma4": (Gemma4, Gemma4Config.preset("gemma4-tiny", **TINY, global_head_dim=16, sliding_window=4,
+                                           hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                           num_experts=4, moe_intermediate_size=32, moe_impl="ep"))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
@@ -76,7 +88,9 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
              ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
-             ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default")]
+             ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp"),
+             ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default"),
+             ("gemma4", "fsdp4-ep2", "explicit", "ep-as-cp")]
 
 
 @functools.cache
@@ -97,7 +111,8 @@ def _model_parts(family: str, rules: str = "default") -> tuple[nnx.GraphDef, nnx
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
-        scale = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
+        key = jax.tree_util.keystr(path)  # norm scales and Gemma 4's layer scalars near 1, as checkpoints hold them
+        scale = 1.0 if "scale" in key or "layer_scalar" in key else 0.0
         return jnp.asarray(scale + rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
 
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)

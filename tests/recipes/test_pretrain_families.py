@@ -102,6 +102,9 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
                    "--routing-bias-rate", "0.01"]),
     # Mistral 4: every layer MoE, its softmax group-limited router (no bias to balance), YaRN, the query scale.
     ("mistral4-tiny", []),
+    # Llama 4: a chunked dense layer (chunks of 4 in the 16-token sequences), a NoPE MoE one (temperature tuning).
+    ("llama4-tiny", ["--model.num_hidden_layers", "2", "--model.no_rope_layers", "[1, 0]",
+                     "--model.attention_chunk_size", "4"]),
 ])
 def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     run_dir = tmp_path / "run"
@@ -157,9 +160,24 @@ def _gemma3_checkpoint(directory: Path) -> None:
         initializer_range=0.2)).save_pretrained(directory)
 
 
+def _gemma4_checkpoint(directory: Path) -> None:
+    """transformers' Gemma 4: a sliding layer (4-token window), a global one, then a global one reusing its K/V;
+    per-layer inputs, the MoE block, tied embedding."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], num_kv_shared_layers=1,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=64,
+        initializer_range=0.2)).save_pretrained(directory)
+
+
 # Families with local attention layers: a transformers checkpoint (a maker per model_type) trained on by the recipe.
 LOCAL_ATTENTION_CHECKPOINTS = {
     "gemma3_text": ("Gemma3", _gemma3_checkpoint),
+    "gemma4_text": ("Gemma4", _gemma4_checkpoint),
 }
 
 

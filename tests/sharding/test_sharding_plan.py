@@ -14,7 +14,7 @@ from flax import nnx
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.layers.attention import causal_mask
-from nnx_zoo.layers.kernels import kernel_choices
+from nnx_zoo.layers.kernel_choices import kernel_choices
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.models.deepseek.mla import MLA

@@ -309,7 +309,7 @@ class DeepSeekV3Config(FamilyConfig):
     def sparse_attention_keys(self, seq_len: int) -> int:
         """How many keys a query of a ``seq_len`` training sequence attends to when attention is sparse
         (DeepSeek-V3.2's ``index_topk``), 0 when it is dense (no indexer, the top-k covers the sequence, or the
-        indexer's dense warm-up). ``nnx_zoo.layers.kernels.kernel_choices`` reports it."""
+        indexer's dense warm-up). ``nnx_zoo.layers.kernel_choices.kernel_choices`` reports it."""
         if self.index_topk and self.index_topk < seq_len and self.indexer_training != "dense_warmup":
             return self.index_topk
         return 0
@@ -424,6 +424,10 @@ class DeepSeekV3Config(FamilyConfig):
         return self.num_moe_layers > 0 or self.num_nextn_predict_layers > 0
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
+    @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return tuple(cls.HF_ARCHITECTURES)
+
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
         architectures = cls.HF_ARCHITECTURES

@@ -19,21 +19,24 @@ pass), and the token attends to its ring, itself and its entries (CSA: the ``ind
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnx_zoo.layers.hyper_connection import widen
 from nnx_zoo.layers.kv_cache import advance_slots, empty_slots
 from nnx_zoo.layers.rope import rope_cos_sin
 from nnx_zoo.layers.scan import run_stack
 from nnx_zoo.models.deepseek.dsa import index_scores
 from nnx_zoo.models.deepseek4 import kernel
 from nnx_zoo.models.deepseek4.attention import Rope, V4Attention
-from nnx_zoo.models.deepseek4.config import CSA, HCA, SLIDING, DeepSeekV4Config
-from nnx_zoo.models.deepseek4.model import DecoderLayer, DeepSeekV4, kind_name
+from nnx_zoo.models.deepseek4.config import CSA, HCA, SLIDING, DeepSeekV4Config, kind_name
 from nnx_zoo.sharding import shard
+
+if TYPE_CHECKING:  # the model drives this module (init_cache, _extend); its types only name what it passes
+    from nnx_zoo.models.deepseek4.model import DecoderLayer, DeepSeekV4
 
 _MIN = float(jnp.finfo(jnp.float32).min)
 
@@ -299,8 +302,6 @@ def _run_layers(model: DeepSeekV4, h: jax.Array, layers: tuple[LayerState, ...],
 def _prefill(model: DeepSeekV4, input_ids: jax.Array, token_mask: jax.Array, positions: jax.Array,
              cache: V4Cache) -> tuple[jax.Array, tuple[LayerState, ...]]:
     c = model.config
-    from nnx_zoo.layers.hyper_connection import widen
-
     ctx = model._context(positions, token_mask, None)
     rank = jnp.where(token_mask, jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1, -1)
     total = jnp.sum(token_mask, axis=1, dtype=jnp.int32)
@@ -320,8 +321,6 @@ def _prefill(model: DeepSeekV4, input_ids: jax.Array, token_mask: jax.Array, pos
 def _decode_step(model: DeepSeekV4, input_ids: jax.Array, positions: jax.Array, rank: jax.Array, cache: V4Cache
                  ) -> tuple[jax.Array, tuple[LayerState, ...]]:
     c = model.config
-    from nnx_zoo.layers.hyper_connection import widen
-
     main_freq = jnp.asarray(model.rope_inv_freq, jnp.float32)
     compress_freq = jnp.asarray(model.compress_inv_freq, jnp.float32)
     ropes = {SLIDING: Rope(*rope_cos_sin(positions, main_freq, model.rope_attention_factor), main_freq,

@@ -269,6 +269,10 @@ class DeepSeekV4Config(FamilyConfig):
 
     # ---- Hugging Face config.json ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return ("deepseek_v4",)
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV4Config:
         model_type = d.get("model_type", "deepseek_v4")
         if model_type != "deepseek_v4":
@@ -489,3 +493,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "mlp_layer_types": hash_schedule(6, 2)},
 }
 DeepSeekV4Config.PRESETS = PRESETS
+
+
+def kind_name(kind: tuple[str, str]) -> str:
+    """A stack's attribute-safe name: ``sliding_hash``, ``csa_moe``, ``hca_moe``, ..."""
+    short = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    return f"{short[kind[0]]}_{'hash' if kind[1] == HASH_MOE else 'moe'}"

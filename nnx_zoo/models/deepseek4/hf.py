@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from nnx_zoo.hf import DENSE, Dense, GroupedDense, KeyTable, Row, SafetensorsCheckpoint, Stack, load_module, save_module
 from nnx_zoo.models.causal_lm import pretrained_overrides
-from nnx_zoo.models.deepseek4.config import DeepSeekV4Config
+from nnx_zoo.models.deepseek4.config import DeepSeekV4Config, kind_name
 from nnx_zoo.sharding import abstract_module, get_rules
 from nnx_zoo.sharding.rules import Rules
 
@@ -96,8 +96,6 @@ ALIASES = (
 def key_table(config: DeepSeekV4Config) -> KeyTable:
     """The HF key table of a DeepSeek-V4 model with this config: one stack per layer kind (``DeepSeekV4.stacks``),
     each over the layers of that kind."""
-    from nnx_zoo.models.deepseek4.model import kind_name
-
     c = config
     kinds = dict.fromkeys(c.layer_kinds)
     stacks = [Stack(f"stacks.{kind_name(k)}", "model.layers.{i}.",
@@ -119,7 +117,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     overrides = pretrained_overrides(dtype, config_overrides)
     rules = get_rules(rules if rules is not None else "default")
     with SafetensorsCheckpoint(directory) as ckpt:
-        config = cls.config_class.from_hf(directory, **overrides)
+        config = cls.config_from_hf(directory, overrides)
         if "num_nextn_predict_layers" not in config_overrides:
             depth = 0
             while any(key.startswith(f"mtp.{depth}.") for key in ckpt.entries):

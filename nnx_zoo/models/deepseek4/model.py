@@ -36,8 +36,10 @@ from nnx_zoo.models.deepseek.model import _mean_over_sequences
 from nnx_zoo.models.deepseek.moe import sequence_balance_loss
 from nnx_zoo.models.deepseek4 import axes  # noqa: F401  (declares V4's logical names)
 from nnx_zoo.models.deepseek4.attention import Context, Rope, V4Attention
+from nnx_zoo.models.deepseek4.cache import V4Cache, extend
 from nnx_zoo.models.deepseek4.compressor import windows
-from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config
+from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config, kind_name
+from nnx_zoo.models.deepseek4.hf import load_pretrained, save_pretrained
 from nnx_zoo.sharding import get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
@@ -141,12 +143,6 @@ class _Record(NamedTuple):
     indexer_loss: jax.Array | None = None
 
 
-def kind_name(kind: tuple[str, str]) -> str:
-    """A stack's attribute-safe name: ``sliding_hash``, ``csa_moe``, ``hca_moe``, ..."""
-    short = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
-    return f"{short[kind[0]]}_{'hash' if kind[1] == HASH_MOE else 'moe'}"
-
-
 class DeepSeekV4(CausalLMBase):
     """DeepSeek-V4 causal language model (exact against HF ``DeepseekV4ForCausalLM``).
 
@@ -198,15 +194,11 @@ class DeepSeekV4(CausalLMBase):
                         dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> DeepSeekV4:
         """Load a DeepSeek-V4 checkpoint directory (``nnx_zoo.models.deepseek4.hf.load_pretrained``): the
         released format (FP8 weights, FP4 experts, MTP) or the one transformers writes."""
-        from nnx_zoo.models.deepseek4.hf import load_pretrained
-
         return load_pretrained(cls, path, mesh=mesh, rules=rules, dtype=dtype, allow_partial=allow_partial,
                                **config_overrides)
 
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 4 * 2**30) -> None:
         """Write ``config.json`` and safetensors in the layout transformers writes (and reloads)."""
-        from nnx_zoo.models.deepseek4.hf import save_pretrained
-
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
     # ---- the forward pass ----
@@ -354,13 +346,9 @@ class DeepSeekV4(CausalLMBase):
 
     # ---- generation ----
     def init_cache(self, batch: int, max_len: int) -> Any:
-        from nnx_zoo.models.deepseek4.cache import V4Cache
-
         c = self.config
         with use_rules(self._decoding_rules(), allow_partial=self.allow_partial), self._parameter_mesh():
             return V4Cache.zeros(c, self.kinds, batch=batch, max_len=max_len, dtype=jnp.dtype(c.dtype))
 
     def _extend(self, input_ids: jax.Array, token_mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-        from nnx_zoo.models.deepseek4.cache import extend
-
         return extend(self, input_ids, token_mask, cache)

@@ -187,6 +187,10 @@ class Gemma3Config(DecoderConfig, model_type="gemma3_text", architecture="Gemma3
 
     # ---- Hugging Face config.json ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE, cls.MULTIMODAL_MODEL_TYPE)  # gemma3: the multimodal file, whose text_config is read
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Gemma3Config:
         d = text_config_of(d, cls.MULTIMODAL_MODEL_TYPE)
         problems = []

@@ -13,8 +13,8 @@ projector are not part of this text model and are skipped (``Gemma3.from_pretrai
 from __future__ import annotations
 
 from nnx_zoo.hf import DENSE, Dense, KeyTable, Row, Stack
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.gemma3.config import Gemma3Config
-from nnx_zoo.models.llama import hf as llama_hf
 
 ATTENTION_TABLE = (
     Row("input_layernorm.weight", "input_norm.scale"),
@@ -23,9 +23,9 @@ ATTENTION_TABLE = (
     Row("self_attn.k_proj.weight", "attn.k_proj.kernel", DENSE),
     Row("self_attn.v_proj.weight", "attn.v_proj.kernel", DENSE),
     Row("self_attn.o_proj.weight", "attn.o_proj.kernel", Dense(n_in=2)),
-    Row("self_attn.q_proj.bias", "attn.q_proj.bias", llama_hf.FLAT),
-    Row("self_attn.k_proj.bias", "attn.k_proj.bias", llama_hf.FLAT),
-    Row("self_attn.v_proj.bias", "attn.v_proj.bias", llama_hf.FLAT),
+    Row("self_attn.q_proj.bias", "attn.q_proj.bias", dense_hf.FLAT),
+    Row("self_attn.k_proj.bias", "attn.k_proj.bias", dense_hf.FLAT),
+    Row("self_attn.v_proj.bias", "attn.v_proj.bias", dense_hf.FLAT),
     Row("self_attn.o_proj.bias", "attn.o_proj.bias"),
     Row("self_attn.q_norm.weight", "attn.q_norm.scale"),
     Row("self_attn.k_norm.weight", "attn.k_norm.scale"),
@@ -58,5 +58,5 @@ def layer_stacks(config: Gemma3Config, rows: tuple[Row, ...] = LAYER_TABLE) -> t
 def key_table(config: Gemma3Config) -> KeyTable:
     """The HF key table of a Gemma 3 text model with this config (reads multimodal checkpoints' text part too)."""
     ignored = (MULTIMODAL_ONLY,) + ((r"^lm_head\.weight$",) if config.tie_word_embeddings else ())
-    return KeyTable(top=llama_hf.TOP_TABLE, stacks=layer_stacks(config), ignored=ignored,
+    return KeyTable(top=dense_hf.TOP_TABLE, stacks=layer_stacks(config), ignored=ignored,
                     aliases=MULTIMODAL_ALIASES, source="nnx_zoo/models/gemma3/hf.py")

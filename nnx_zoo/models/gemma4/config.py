@@ -280,6 +280,10 @@ class Gemma4Config(DecoderConfig, model_type="gemma4_text", architecture="Gemma4
 
     # ---- Hugging Face config.json ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE, cls.MULTIMODAL_MODEL_TYPE)  # gemma4: the multimodal file, whose text_config is read
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Gemma4Config:
         d = text_config_of(d, cls.MULTIMODAL_MODEL_TYPE)
         if d.get("use_bidirectional_attention") == "all":

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row
 from nnx_zoo.hf.table import Stack
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.gemma3 import hf as gemma3_hf
 from nnx_zoo.models.gemma4.config import Gemma4Config
-from nnx_zoo.models.llama import hf as llama_hf
 
-TOP_TABLE = llama_hf.TOP_TABLE + (
+TOP_TABLE = dense_hf.TOP_TABLE + (
     Row("model.embed_tokens_per_layer.weight", "embed_per_layer.embedding"),
     Row("model.per_layer_model_projection.weight", "per_layer_proj.kernel", DENSE),  # [L * P, H] <-> [H, L, P]
     Row("model.per_layer_projection_norm.weight", "per_layer_norm.scale"),

@@ -20,6 +20,7 @@ from nnx_zoo.layers.moe import RoutedExperts
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.layers.routers import Routing, route
+from nnx_zoo.layers.spec import explicit_spec
 from nnx_zoo.models.causal_lm import _dtypes
 from nnx_zoo.models.gemma4.config import Gemma4Config, Gemma4LayerKind
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
@@ -141,7 +142,9 @@ class Gemma4Router(nnx.Module):
         h = self.norm(x) * self.scale[...].astype(x.dtype) * jnp.asarray(self.root, x.dtype)
         logits = shard(self.proj(h, _BL_EXPERTS), _BL_EXPERTS)
         routing = route("softmax", logits.astype(jnp.float32), self.k, renormalize=True)
-        scale = self.per_expert_scale[...].astype(jnp.float32)[routing.expert_indices]
+        idx = routing.expert_indices  # a gather: under an Explicit mesh it must name its output's sharding
+        scale = self.per_expert_scale[...].astype(jnp.float32).at[idx].get(
+            out_sharding=explicit_spec(_BL_EXPERTS, idx.shape))
         return routing._replace(weights=routing.weights * scale)
 
 

@@ -32,11 +32,12 @@ from nnx_zoo.layers.rope import proportional_rope_frequencies, rope_cos_sin, rop
 from nnx_zoo.layers.scan import Segment, model_order, run_stack
 from nnx_zoo.layers.softcap import soft_cap
 from nnx_zoo.layers.spec import explicit_spec
-from nnx_zoo.models.causal_lm import CausalLM, CausalLMOutput, _dtypes, check_forward_inputs, stack_hidden_states
+from nnx_zoo.models.causal_lm import CausalLM, CausalLMOutput, _dtypes, stack_hidden_states
 from nnx_zoo.models.gemma3.model import warn_if_multimodal
 from nnx_zoo.models.gemma4 import hf
 from nnx_zoo.models.gemma4.config import Gemma4Config
 from nnx_zoo.models.gemma4.layers import Gemma4DecoderLayer, SharedKV, gemma4_norm
+from nnx_zoo.models.inputs import check_forward_inputs
 from nnx_zoo.sharding import shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 

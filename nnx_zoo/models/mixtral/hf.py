@@ -6,11 +6,11 @@ down, what transformers 5 writes), or transformers-5's fused in-memory layout ``
 from __future__ import annotations
 
 from nnx_zoo.hf import KeyTable
-from nnx_zoo.models.llama import hf as llama_hf
+from nnx_zoo.models import dense_hf
 from nnx_zoo.models.moe_causal_lm import FUSED_EXPERTS, expert_rows, moe_key_table
 from nnx_zoo.models.moe_decoder_config import MoEDecoderConfig
 
-ATTENTION_ROWS = tuple(r for r in llama_hf.LAYER_TABLE if not r.hf.startswith("mlp."))
+ATTENTION_ROWS = tuple(r for r in dense_hf.LAYER_TABLE if not r.hf.startswith("mlp."))
 MOE_ROWS = expert_rows("block_sparse_moe", "w1", "w3", "w2")
 
 
