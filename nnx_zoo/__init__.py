@@ -5,6 +5,8 @@ from nnx_zoo.generate import GenerateOutput, generate
 from nnx_zoo.layers.lora import LoRAParam, apply_lora, merge_lora
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
+from nnx_zoo.models.gemma3 import Gemma3, Gemma3Config
+from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
@@ -24,6 +26,10 @@ __all__ = [
     "DeepSeekV3Config",
     "DeepSeekV4",
     "DeepSeekV4Config",
+    "Gemma3",
+    "Gemma3Config",
+    "Gemma4",
+    "Gemma4Config",
     "GenerateOutput",
     "Glm4MoE",
     "Glm4MoEConfig",

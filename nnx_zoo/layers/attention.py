@@ -652,14 +652,23 @@ class Attention(nnx.Module):
                       start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(attention output, k_cache, v_cache)`` of new ``q, k, v`` against a layer's cache (a full one or a
         ring), the new keys and values stored in it."""
+        keys, values, mask, k_cache, v_cache = self.cached_keys(k, v, k_cache, v_cache, start, mask)
+        return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), k_cache, v_cache
+
+    def cached_keys(self, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
+                    mask: AttentionMask) -> tuple[jax.Array, jax.Array, AttentionMask, jax.Array, jax.Array]:
+        """What a decode step of ``t`` new keys ``k`` / values ``v`` attends to, and the cache after it:
+        ``(keys, values, mask over them, k_cache, v_cache)``. A full cache: the cache itself with the new entries
+        written and ``mask``; a ring (window or chunk layer): the ring's entries in slot order then the new ones
+        (read before the write, which may overwrite the oldest), with the mask over those. A layer that attends to
+        another layer's keys (shared K/V) attends to these, with this mask."""
         slots = mask.kv_valid.shape[1]
         if k_cache.shape[1] >= slots:
             k_cache, v_cache = write_slots(k_cache, k, start), write_slots(v_cache, v, start)
-            return self.attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask), k_cache, v_cache
+            return k_cache, v_cache, mask, k_cache, v_cache
         if self.window is None and self.chunk is None:
             raise ValueError(f"a cache of {k_cache.shape[1]} slots for a full-attention layer over {slots} slots; "
                              "only window or chunk layers keep a ring")
         keys, values = ring_keys(k_cache, k, start), ring_keys(v_cache, v, start)
-        out = self.attend(q, keys.astype(q.dtype), values.astype(q.dtype),
-                          ring_mask(mask, k_cache.shape[1], start, q.shape[1]))
-        return out, write_ring(k_cache, k, start), write_ring(v_cache, v, start)
+        return (keys, values, ring_mask(mask, k_cache.shape[1], start, k.shape[1]), write_ring(k_cache, k, start),
+                write_ring(v_cache, v, start))

@@ -19,9 +19,14 @@ _LOGIT_NAMES = ("activation_batch", "activation_length", "activation_vocab")
 class Embed(nnx.Module):
     """A ``[vocab, embed]`` table with logical names ``("vocab", "embed")``.
 
+    ``scale`` multiplies the looked-up rows (not the tied output head, ``attend``), the constant first cast to the
+    compute dtype (a scaled embedding, e.g. ``sqrt(embed)``; in bfloat16 the factor itself rounds, as in the
+    PyTorch models that store it as a buffer of the weights' dtype).
+
     >>> emb = Embed(1000, 64, rngs=nnx.Rngs(0))
     >>> emb(jnp.zeros((2, 8), jnp.int32)).shape
     (2, 8, 64)
+    >>> Embed(1000, 64, scale=64**0.5, rngs=nnx.Rngs(0))      # rows times 8.0
     """
 
     def __init__(
@@ -32,9 +37,11 @@ class Embed(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         embedding_init: nnx.initializers.Initializer = DEFAULT_INIT,
+        scale: float | None = None,
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype
+        self.scale = None if scale is None else float(scale)
         self.embedding = nnx.Param(
             embedding_init(rngs.params(), (num_embeddings, features), param_dtype),
             out_sharding=("vocab", "embed"),
@@ -49,10 +56,13 @@ class Embed(nnx.Module):
         names = _leading(ids.ndim - 2) + _OUT_NAMES
         vocab_axes, embed_axes = _table_axes(table)
         if embed_axes and not vocab_axes:
-            return shard(_lookup_then_move(table, ids, embed_axes).astype(self.dtype), names)
+            return shard(self._scaled(_lookup_then_move(table, ids, embed_axes).astype(self.dtype)), names)
         # A gather from a (possibly vocab-sharded) table must be told its output layout under Explicit axes.
         rows = table.at[ids].get(out_sharding=explicit_spec(names, out_shape), mode="clip")
-        return shard(rows.astype(self.dtype), names)
+        return shard(self._scaled(rows.astype(self.dtype)), names)
+
+    def _scaled(self, rows: jax.Array) -> jax.Array:
+        return rows if self.scale is None else rows * jnp.asarray(self.scale, rows.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the table (tied output head): ``x [..., batch, seq, embed] @ embedding.T``."""

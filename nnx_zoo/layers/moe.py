@@ -72,9 +72,10 @@ class RoutedExperts(nnx.Module):
     """``num_experts`` SwiGLU experts, stacked: ``wi_gate``/``wi_up [E, embed, moe_mlp]``, ``wo [E, moe_mlp, embed]``.
 
     ``grouped_matmul_impl`` picks the grouped matmul of the ``gmm`` path (``grouped_matmul``'s ``impl``). The gated
-    activation is ``Glu(limit, alpha, up_offset)`` (plain ``silu(gate) * up`` by default). ``use_bias`` adds
-    per-expert biases ``wi_gate_bias``/``wi_up_bias [E, moe_mlp]`` and ``wo_bias [E, embed]`` (initialized to 0):
-    ``expert_e(x) = down(act(x W_gate + b_gate, x W_up + b_up)) + b_down``.
+    activation is ``Glu(limit, alpha, up_offset, activation)`` (plain ``silu(gate) * up`` by default; ``activation
+    ="gelu_tanh"`` makes GeGLU experts). ``use_bias`` adds per-expert biases ``wi_gate_bias``/``wi_up_bias [E,
+    moe_mlp]`` and ``wo_bias [E, embed]`` (initialized to 0): ``expert_e(x) = down(act(x W_gate + b_gate, x W_up +
+    b_up)) + b_down``.
 
     >>> experts = RoutedExperts(8, 64, 32, rngs=nnx.Rngs(0))
     >>> idx, w = jnp.zeros((10, 2), jnp.int32), jnp.full((10, 2), 0.5)
@@ -96,13 +97,15 @@ class RoutedExperts(nnx.Module):
         alpha: float = 1.0,
         up_offset: float = 0.0,
         use_bias: bool = False,
+        activation: str = "silu",
         rngs: nnx.Rngs,
     ):
         self.num_experts = num_experts
         self.dtype = dtype
         self.grouped_matmul_impl = grouped_matmul_impl
-        # silu(gate) * up by default; clamped pre-activations, a sigmoid gain and a shifted up projection as set
-        self.act = Glu(limit, alpha, up_offset)
+        # act(gate) * up: silu (or ``activation``, e.g. gelu_tanh) by default; clamped pre-activations, a sigmoid
+        # gain and a shifted up projection as set
+        self.act = Glu(limit, alpha, up_offset, activation)
 
         def param(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
             return nnx.Param(kernel_init(rngs.params(), shape, param_dtype), out_sharding=names, eager_sharding=False)

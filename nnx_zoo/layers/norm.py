@@ -39,11 +39,19 @@ class RMSNorm(nnx.Module):
     into heads; the scale is stored flat, ``[dim]`` with ``dim = heads * head_dim`` (the checkpoint's layout), and
     viewed as those dims.
 
+    Two options follow other checkpoints' conventions: ``offset`` applies the stored weight ``w`` as ``offset +
+    w`` (``offset=1.0``: the ``(1 + w)`` norms whose weights are stored centred on 0; initialized to ``1 -
+    offset``, so a fresh norm scales by 1); ``scale_in_float32`` multiplies the float32 normalized value by the
+    (float32) scale before casting to the input dtype (the other order of rounding; the same in float32).
+    ``use_scale=False`` drops the weight altogether (an unweighted norm, e.g. of attention values).
+
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
     (2, 8, 64)
     >>> RMSNorm(4 * 16, axes=2)(jnp.ones((2, 8, 4, 16))).shape     # one statistic over 4 heads of 16
     (2, 8, 4, 16)
+    >>> RMSNorm(64, offset=1.0, scale_in_float32=True).scale[...].max()    # stored as w = 0: scales by 1 + w
+    Array(0., dtype=float32)
     """
 
     def __init__(
@@ -52,6 +60,9 @@ class RMSNorm(nnx.Module):
         *,
         eps: float = 1e-6,
         axes: int = 1,
+        offset: float = 0.0,
+        scale_in_float32: bool = False,
+        use_scale: bool = True,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
@@ -61,8 +72,11 @@ class RMSNorm(nnx.Module):
             raise ValueError(f"axes must be a positive integer (trailing dims one statistic spans), got {axes!r}")
         self.eps = float(eps)
         self.axes = axes
+        self.offset = float(offset)
+        self.scale_in_float32 = bool(scale_in_float32)
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, param_dtype), out_sharding=("norm",),
+                               eager_sharding=False) if use_scale else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dims = tuple(range(-self.axes, 0))
@@ -77,12 +91,19 @@ class RMSNorm(nnx.Module):
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=dims, keepdims=True) + self.eps * factor * factor)
+        if self.scale is None:
+            return normed.astype(x.dtype).astype(self.dtype)
         scale = self.scale[...]
         if self.axes > 1:
             # Kept replicated, as the flat scale is ('norm'): its [heads, head_dim] view beside heads split over
             # devices would otherwise lead XLA to split it, its gradient and its Adam moments the same way.
             scale = shard_to_spec(scale.reshape(x.shape[-self.axes:]), PartitionSpec())
-        return scale.astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+        if self.scale_in_float32:
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype).astype(self.dtype)
+        scale = scale.astype(self.dtype)
+        if self.offset:
+            scale = scale + jnp.asarray(self.offset, self.dtype)
+        return scale * normed.astype(x.dtype).astype(self.dtype)
 
 
 class L2Norm(nnx.Module):

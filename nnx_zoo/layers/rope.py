@@ -170,6 +170,23 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling = None) -> tup
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+def proportional_rope_frequencies(dim: int, theta: float, fraction: float, factor: float = 1.0) -> np.ndarray:
+    """``inv_freq [dim // 2]`` of transformers' ``proportional`` rope: the first ``int(fraction * dim // 2)``
+    frequencies of the default schedule over the whole head (``theta ** (-2i / dim)``), the rest 0 (those pairs
+    never rotate), all divided by ``factor``. Applied rotate-half over the whole head, so the rotated pairs are
+    ``(i, i + dim / 2)`` for the first ones; unlike ``partial_rotary_factor``'s rope, which rotates a prefix of the
+    head with a schedule over the prefix.
+
+    >>> proportional_rope_frequencies(8, 1e6, 0.5)      # two rotating pairs of four
+    array([1.        , 0.03162278, 0.        , 0.        ], dtype=float32)
+    """
+    angles = int(fraction * dim // 2)
+    exponents = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    rotated = np.float32(1.0) / np.power(np.float32(theta), exponents, dtype=np.float32)
+    inv_freq = np.concatenate([rotated, np.zeros(dim // 2 - angles, np.float32)])
+    return (inv_freq / np.float32(factor)).astype(np.float32)
+
+
 def _llama3_frequencies(inv_freq: np.ndarray, s: Llama3Scaling) -> np.ndarray:
     """Llama 3.1's scaling of the default ``inv_freq`` (float32 arithmetic, as transformers does it)."""
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor

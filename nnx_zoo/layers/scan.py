@@ -111,13 +111,16 @@ def periodic_runs(kinds: Sequence[Hashable], max_period: int = 4) -> list[tuple[
 
 class Segment(NamedTuple):
     """Consecutive layers a model runs as one scan (``segments``): its ``pattern`` of stack names ``repeats``
-    times; ``group`` holds, per pattern position, the slice of that stack those repeats use, and ``starts`` the
-    slice's first layer within its stack (a cache's layer index is ``starts[p] + repeat``)."""
+    times; ``group`` holds, per pattern position, the layers of that stack those repeats use, ``starts`` the first
+    of them within its stack and ``strides`` the step between them: a name that appears ``m`` times in the pattern
+    (Gemma 3's five sliding layers per global one) takes every ``m``-th layer of its stack at each of its positions.
+    A cache's layer index is ``starts[p] + strides[p] * repeat``."""
 
     group: Any  # nnx.List of stacked modules
     pattern: tuple[str, ...]
     repeats: int
     starts: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 def segments(layer_stacks: Sequence[str], stacks: dict[str, Any], max_period: int = 8) -> list[Segment]:
@@ -126,18 +129,31 @@ def segments(layer_stacks: Sequence[str], stacks: dict[str, Any], max_period: in
 
     >>> [(s.pattern, s.repeats) for s in segments(["sliding_layers"] * 5 + ["layers"], model_stacks)]
     [(('sliding_layers',), 5), (('layers',), 1)]
+    >>> [(s.starts, s.strides) for s in segments((["sliding_layers"] * 2 + ["layers"]) * 3, model_stacks)]
+    [((0, 1, 0), (2, 2, 1))]
+
+    In the second, the pattern (sliding, sliding, global) runs three times: its first position takes sliding
+    layers 0, 2, 4, its second 1, 3, 5, as the model orders them.
     """
     taken = dict.fromkeys(stacks, 0)
     out = []
     for pattern, repeats in periodic_runs(layer_stacks, max_period):
-        parts, starts = [], []
+        parts, starts, strides = [], [], []
+        seen: dict[str, int] = {}
         for name in pattern:
-            stack, start = stacks[name], taken[name]
-            taken[name] += repeats
+            every = pattern.count(name)  # this name's layers in one repeat: each of its positions takes every m-th
+            start = taken[name] + seen.get(name, 0)
+            seen[name] = seen.get(name, 0) + 1
+            stack = stacks[name]
             count = jax.tree.leaves(nnx.state(stack))[0].shape[0]
-            parts.append(stack if repeats == count else take_layers(stack, start, start + repeats))
+            whole = every == 1 and repeats == count
+            parts.append(stack if whole else take_layers(stack, start, start + every * (repeats - 1) + 1, every))
             starts.append(start)
-        out.append(Segment(nnx.List(parts), tuple(pattern), repeats, tuple(starts)))  # type: ignore[arg-type]
+            strides.append(every)
+        for name in seen:
+            taken[name] += seen[name] * repeats
+        out.append(Segment(nnx.List(parts), tuple(pattern), repeats, tuple(starts),  # type: ignore[arg-type]
+                           tuple(strides)))
     return out
 
 
@@ -147,10 +163,10 @@ def model_order(per_position: Sequence[Any]) -> Any:
     return jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *per_position)
 
 
-def take_layers(stack: M, start: int, stop: int) -> M:
-    """Layers ``start:stop`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
+def take_layers(stack: M, start: int, stop: int, step: int = 1) -> M:
+    """Layers ``start:stop:step`` of a stacked module (the same Variables, sliced on the leading layer dim)."""
     graphdef, state = nnx.split(stack)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop], state))
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[start:stop:step], state))
 
 
 class Summed(NamedTuple):

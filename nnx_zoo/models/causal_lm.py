@@ -506,8 +506,8 @@ class CausalLM(CausalLMBase):
         def segment_body(segment: Segment) -> Any:
             def body(group: nnx.List, carry: Any, repeat: jax.Array) -> tuple[Any, None]:
                 h, k, v = carry  # per stack [layers, batch, slots, kv_heads, head_dim], one layer updated at a time
-                for name, layer, first in zip(segment.pattern, group, segment.starts):
-                    index = first + repeat
+                for name, layer, first, stride in zip(segment.pattern, group, segment.starts, segment.strides):
+                    index = first + stride * repeat
                     h, k_layer, v_layer = layer.decode(
                         h, *ropes[name], jax.lax.dynamic_index_in_dim(k[name], index, keepdims=False),
                         jax.lax.dynamic_index_in_dim(v[name], index, keepdims=False), start, mask)

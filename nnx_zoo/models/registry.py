@@ -16,6 +16,8 @@ from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.models.deepseek import DeepSeekV3, DeepSeekV3Config
 from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
+from nnx_zoo.models.gemma3 import Gemma3, Gemma3Config
+from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
@@ -46,6 +48,10 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "mistral4": (Mistral4Config, Mistral4),  # Mistral 4: DeepSeek-V3's parts, its router and query scale
     "minimax_m2": (MiniMaxM2Config, MiniMaxM2),
     "gpt_oss": (GptOssConfig, GptOss),  # GPT-OSS: sliding/full layers with sinks, biased router and experts, MXFP4
+    "gemma3_text": (Gemma3Config, Gemma3),
+    "gemma3": (Gemma3Config, Gemma3),  # Gemma 3's image-text checkpoints: their text model (language_model)
+    "gemma4_text": (Gemma4Config, Gemma4),
+    "gemma4": (Gemma4Config, Gemma4),  # Gemma 4's multimodal checkpoints: their text model (language_model)
 }
 
 

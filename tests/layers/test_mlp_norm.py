@@ -87,3 +87,74 @@ def test_rms_norm_of_rows_whose_square_overflows_is_finite_with_finite_gradient(
     assert np.isfinite(g_big).all()
     # f(s x) = f(x) row-wise, so the gradient at s x is the gradient at x divided by s
     assert rel_err(g_big * row_scale, grad(jnp.asarray(x))) < 1e-5
+
+
+# ---------------------------------------------------------------------- the options other checkpoints' layers need
+def test_offset_and_unscaled_norms_match_gemmas():
+    """``RMSNorm(offset=1.0, scale_in_float32=True)`` is Gemma 3's ``(1 + w)`` norm, ``use_scale=False`` Gemma 4's
+    unweighted one (its value norm), and plain ``scale_in_float32=True`` Gemma 4's weighted one."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    x = 3 * np.random.default_rng(2).normal(size=(2, 5, 24)).astype(np.float32)
+    w = 0.3 * np.random.default_rng(3).normal(size=(24,)).astype(np.float32)
+    cases = [(Gemma3RMSNorm(24, eps=1e-6), RMSNorm(24, offset=1.0, scale_in_float32=True), True),
+             (Gemma4RMSNorm(24, eps=1e-6), RMSNorm(24, scale_in_float32=True), True),
+             (Gemma4RMSNorm(24, eps=1e-6, with_scale=False), RMSNorm(24, use_scale=False), False)]
+    for ref, ours, weighted in cases:
+        if weighted:
+            with torch.no_grad():
+                ref.weight.copy_(torch.as_tensor(w))
+            ours.scale[...] = jnp.asarray(w)
+        with torch.no_grad():
+            want = ref(torch.as_tensor(x)).numpy()
+        assert rel_err(ours(jnp.asarray(x)), want) < 1e-6, type(ref).__name__
+    assert float(RMSNorm(8, offset=1.0).scale[...].max()) == 0.0  # a fresh (1 + w) norm scales by 1
+
+
+def test_gelu_tanh_glu_matches_gemma3_mlp():
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
+
+    torch.manual_seed(0)
+    ref = Gemma3MLP(Gemma3TextConfig(hidden_size=32, intermediate_size=80)).eval()
+    ours = SwiGLU(32, 80, activation="gelu_tanh", rngs=nnx.Rngs(0))
+    for name in ("gate", "up", "down"):
+        getattr(ours, name).kernel[...] = jnp.asarray(getattr(ref, f"{name}_proj").weight.detach().numpy().T)
+    x = np.random.default_rng(0).normal(size=(2, 5, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = ref(torch.as_tensor(x)).numpy()
+    assert rel_err(ours(jnp.asarray(x)), want) < 1e-6
+    with pytest.raises(ValueError, match="unknown gate activation 'gelu_exact'"):
+        SwiGLU(32, 80, activation="gelu_exact", rngs=nnx.Rngs(0))
+
+
+def test_scaled_embedding_rounds_its_factor_in_bfloat16_as_torch_does():
+    """sqrt(3072) = 55.43 is 55.5 in bfloat16: the rows are scaled by the rounded factor, as Gemma's scaled
+    embedding (a buffer of the weights' dtype) does; the tied head (``attend``) is not scaled."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from nnx_zoo.layers import Embed
+
+    table = np.random.default_rng(0).normal(size=(50, 16)).astype(np.float32)
+    ids = np.array([[3, 7, 49], [0, 1, 2]])
+    ref = Gemma3TextScaledWordEmbedding(50, 16, padding_idx=0, embed_scale=3072**0.5).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.as_tensor(table))
+        want = ref(torch.as_tensor(ids)).float().numpy()
+    ours = Embed(50, 16, scale=3072**0.5, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ours.embedding[...] = jnp.asarray(table, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ours(jnp.asarray(ids)), np.float32), want)
+    np.testing.assert_array_equal(np.asarray(ours(jnp.asarray(ids))[0, 0], np.float32),
+                                  np.asarray(jnp.asarray(table[3], jnp.bfloat16) * jnp.bfloat16(55.5), np.float32))
+    hidden = jnp.ones((1, 1, 16), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ours.attend(hidden), np.float32),
+                                  np.asarray(hidden @ ours.embedding[...].T, np.float32))
+
+
+def test_soft_cap():
+    from nnx_zoo.layers.softcap import soft_cap
+
+    x = jnp.array([-1e4, -3.0, 0.0, 0.5, 1e4])
+    np.testing.assert_allclose(np.asarray(soft_cap(x, 30.0)), 30.0 * np.tanh(np.asarray(x) / 30.0), rtol=1e-6)
+    assert soft_cap(x, None) is x

@@ -21,6 +21,8 @@ from nnx_zoo import (
     DeepSeekV3,
     DeepSeekV3Config,
     DeepSeekV4Config,
+    Gemma3Config,
+    Gemma4Config,
     Glm4MoEConfig,
     Glm5Config,
     GptOssConfig,
@@ -100,12 +102,13 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 def test_presets_of_every_family():
     names = preset_names()
     assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
-                          "Mistral4", "Llama4", "MiniMaxM2", "GptOss"}
+                          "Mistral4", "Llama4", "MiniMaxM2", "GptOss", "Gemma3", "Gemma4"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
                         ("Qwen3", Qwen3Config),
                         ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
                         ("Glm5", Glm5Config), ("Mistral4", Mistral4Config),
-                        ("Llama4", Llama4Config), ("MiniMaxM2", MiniMaxM2Config), ("GptOss", GptOssConfig)):
+                        ("Llama4", Llama4Config), ("MiniMaxM2", MiniMaxM2Config), ("GptOss", GptOssConfig),
+                        ("Gemma3", Gemma3Config), ("Gemma4", Gemma4Config)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2

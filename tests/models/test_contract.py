@@ -24,7 +24,8 @@ from nnx_zoo.sharding.axes import STACK_AXES
 PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
              "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
-             "MiniMaxM2": "minimax-m2-tiny", "GptOss": "gpt-oss-tiny"}
+             "MiniMaxM2": "minimax-m2-tiny", "GptOss": "gpt-oss-tiny", "Gemma3": "gemma3-tiny",
+             "Gemma4": "gemma4-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -52,6 +53,9 @@ LORA_DEFAULT = {
     "Llama4": {f"chunked_dense_layers/{p}" for p in _GQA_SWIGLU} | {f"chunked_layers/{p}" for p in _GQA_SWIGLU[:4]},
     # Every layer MoE, in two stacks (sliding-window and full attention): attention only.
     "GptOss": {f"{stack}/{p}" for stack in ("sliding_layers", "layers") for p in _GQA_SWIGLU[:4]},
+    "Gemma3": {f"{stack}/{p}" for stack in ("sliding_layers", "layers") for p in _GQA_SWIGLU},  # a sliding, a global
+    # A sliding layer, then a global one whose values are its keys (no v_proj); the MLP beside the experts too.
+    "Gemma4": {f"sliding_layers/{p}" for p in _GQA_SWIGLU} | {f"layers/{p}" for p in _GQA_SWIGLU if p != "attn/v_proj"},
 }
 
 
@@ -59,8 +63,13 @@ def test_every_registered_family_is_covered_here():
     assert {cls.__name__ for cls in FAMILIES} == set(PRESET_OF) == set(LORA_DEFAULT)
 
 
+# Fields that shrink with the vocabulary besides vocab_size (Gemma 4's per-layer input table has its own).
+VOCAB_FIELDS = {"Gemma4": ("vocab_size_per_layer_input",)}
+
+
 def _config(family: type):
-    return AutoConfig.preset(PRESET_OF[family.__name__], num_hidden_layers=LAYERS, vocab_size=VOCAB)
+    vocab = dict.fromkeys(("vocab_size", *VOCAB_FIELDS.get(family.__name__, ())), VOCAB)
+    return AutoConfig.preset(PRESET_OF[family.__name__], num_hidden_layers=LAYERS, **vocab)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,10 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import (
+    Gemma3,
+    Gemma3Config,
+    Gemma4,
+    Gemma4Config,
     Glm4MoE,
     Glm4MoEConfig,
     GptOss,
@@ -55,7 +59,10 @@ BATCH, SEQ, VOCAB = 8, 16, 128
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 FAMILIES = {"llama": (Llama3, Llama3Config.preset("llama3-tiny", **TINY)),
-            "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False))}
+            "qwen3": (Qwen3, Qwen3Config.preset("qwen3-tiny", **TINY, tie_word_embeddings=False)),
+            # A sliding layer (4-token window) then a global one; soft caps on, the embedding tied.
+            "gemma3": (Gemma3, Gemma3Config.preset("gemma3-tiny", **TINY, sliding_window=4,
+                                                   attn_logit_softcapping=20.0, final_logit_softcapping=30.0))}
 MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
 MOE_FAMILIES = {
     # Its MoE layer runs on two micro-batches (batch_split_factor): on every mesh the same as on one device.
@@ -70,7 +77,12 @@ MOE_FAMILIES = {
                                            moe_impl="ep", attention_chunk_size=4, floor_scale=4)),
     "minimax_m2": (MiniMaxM2, MiniMaxM2Config.preset("minimax-m2-tiny", **TINY, **MOE, tie_word_embeddings=False)),
     "gpt_oss": (GptOss, GptOssConfig.preset("gpt-oss-tiny", **TINY, **MOE, sliding_window=4, swiglu_limit=1.0,
-                                            tie_word_embeddings=False))}
+                                            tie_word_embeddings=False)),
+    # A sliding layer (4-token window) and a global one (K = V heads); per-layer inputs, the MoE block beside each
+    # MLP (expert parallel).
+    "gemma4": (Gemma4, Gemma4Config.preset("gemma4-tiny", **TINY, global_head_dim=16, sliding_window=4,
+                                           hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                           num_experts=4, moe_intermediate_size=32, moe_impl="ep"))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
@@ -92,7 +104,9 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
              ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("minimax_m2", "fsdp4-tp2", "explicit", "default"), ("minimax_m2", "fsdp4-ep2", "auto", "ep-as-cp"),
-             ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default")]
+             ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default"),
+             ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default"),
+             ("gemma4", "fsdp4-ep2", "explicit", "ep-as-cp")]
 
 
 @functools.cache
@@ -113,7 +127,8 @@ def _model_parts(family: str, rules: str = "default") -> tuple[nnx.GraphDef, nnx
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
-        scale = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
+        key = jax.tree_util.keystr(path)  # norm scales and Gemma 4's layer scalars near 1, as checkpoints hold them
+        scale = 1.0 if "scale" in key or "layer_scalar" in key else 0.0
         return jnp.asarray(scale + rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
 
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)

@@ -93,6 +93,18 @@ def _transformers_checkpoint(family: str, directory: Path):
 
         model = make_llama4("maverick", vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
                             no_rope_layers=[1, 0])
+    elif family == "gemma3_text":  # a sliding layer (4-token window), then a global one
+        from tests.models.gemma.reference import make_gemma3
+
+        model = make_gemma3(vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
+                            sliding_window_pattern=2)
+    elif family == "gemma4_text":  # sliding, global, then a global one reusing its K/V; per-layer inputs; MoE
+        from tests.models.gemma.reference import make_gemma4
+
+        model = make_gemma4(vocab_size=vocab, vocab_size_per_layer_input=vocab, max_position_embeddings=256,
+                            num_hidden_layers=3, layer_types=["sliding_attention"] + ["full_attention"] * 2,
+                            num_kv_shared_layers=1, hidden_size_per_layer_input=8, enable_moe_block=True,
+                            num_experts=4, top_k_experts=2, moe_intermediate_size=16)
     else:
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
@@ -110,7 +122,8 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
                                                      ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
                                                      ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3),
                                                      ("llama4_text", 1), ("minimax_m2", 1),
-                                                     ("gpt_oss", 2)])  # GPT-OSS: both stacks
+                                                     ("gpt_oss", 2),  # GPT-OSS: both stacks
+                                                     ("gemma3_text", 0), ("gemma4_text", 3)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 

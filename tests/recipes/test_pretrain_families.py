@@ -154,6 +154,55 @@ def test_continued_pretraining_from_a_transformers_llama_checkpoint(tmp_path, ca
     np.testing.assert_allclose(records(run_dir)[0]["loss"], transformers_loss(checkpoint, first_batch()), rtol=2e-5)
 
 
+def _gemma3_checkpoint(directory: Path) -> None:
+    """transformers' Gemma 3: a sliding layer (4-token window) then a global one, tied embedding."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, sliding_window_pattern=2, max_position_embeddings=64,
+        initializer_range=0.2)).save_pretrained(directory)
+
+
+def _gemma4_checkpoint(directory: Path) -> None:
+    """transformers' Gemma 4: a sliding layer (4-token window), a global one, then a global one reusing its K/V;
+    per-layer inputs, the MoE block, tied embedding."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    Gemma4ForCausalLM(Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], num_kv_shared_layers=1,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, max_position_embeddings=64,
+        initializer_range=0.2)).save_pretrained(directory)
+
+
+# Families with local attention layers: a transformers checkpoint (a maker per model_type) trained on by the recipe.
+LOCAL_ATTENTION_CHECKPOINTS = {
+    "gemma3_text": ("Gemma3", _gemma3_checkpoint),
+    "gemma4_text": ("Gemma4", _gemma4_checkpoint),
+}
+
+
+@pytest.mark.parametrize("model_type", list(LOCAL_ATTENTION_CHECKPOINTS))
+def test_the_local_attention_families_train_from_a_transformers_checkpoint(tmp_path, capsys, model_type):
+    """Two steps from the checkpoint: the first step's loss is transformers' on the same batch (windows shorter than
+    the sequence), and the run trains on."""
+    import torch
+
+    family, make = LOCAL_ATTENTION_CHECKPOINTS[model_type]
+    torch.manual_seed(0)
+    checkpoint = tmp_path / model_type
+    make(checkpoint)
+    run_dir = tmp_path / "run"
+    assert recipe.main(["--from-pretrained", str(checkpoint), *SHORT, "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    assert f"{model_type} ({family})" in capsys.readouterr().err
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and np.isfinite(rows[1]["loss"])
+    np.testing.assert_allclose(rows[0]["loss"], transformers_loss(checkpoint, first_batch()), rtol=2e-5)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
