@@ -12,7 +12,9 @@ from nnx_zoo.models.llama4 import Llama4, Llama4Config
 from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.qwen3_5 import Qwen35, Qwen35Config, Qwen35MoE, Qwen35MoEConfig
 from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
+from nnx_zoo.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from nnx_zoo.models.registry import AutoConfig, AutoModelForCausalLM
 
 __all__ = [
@@ -40,6 +42,12 @@ __all__ = [
     "Qwen3Config",
     "Qwen3MoE",
     "Qwen3MoEConfig",
+    "Qwen35",
+    "Qwen35Config",
+    "Qwen35MoE",
+    "Qwen35MoEConfig",
+    "Qwen3Next",
+    "Qwen3NextConfig",
     "apply_lora",
     "generate",
     "merge_lora",

@@ -31,9 +31,17 @@ class RMSNorm(nnx.Module):
     and the result is returned in ``dtype``. Rows whose mean square overflows float32 (|x| beyond ~1.8e19) are
     rescaled by an exact power of two first, so they still norm to a finite, unit-RMS value with finite gradients.
 
+    Two options follow other checkpoints' conventions: ``offset`` applies the stored weight ``w`` as ``offset +
+    w`` (``offset=1.0``: the ``(1 + w)`` norms whose weights are stored centred on 0; initialized to ``1 -
+    offset``, so a fresh norm scales by 1); ``scale_in_float32`` multiplies the float32 normalized value by the
+    (float32) scale before casting to the input dtype (the other order of rounding; the same in float32).
+    ``use_scale=False`` drops the weight altogether (an unweighted norm, e.g. of attention values).
+
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
     (2, 8, 64)
+    >>> RMSNorm(64, offset=1.0, scale_in_float32=True).scale[...].max()    # stored as w = 0: scales by 1 + w
+    Array(0., dtype=float32)
     """
 
     def __init__(
@@ -41,14 +49,20 @@ class RMSNorm(nnx.Module):
         dim: int,
         *,
         eps: float = 1e-6,
+        offset: float = 0.0,
+        scale_in_float32: bool = False,
+        use_scale: bool = True,
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
     ):
         del rngs  # ones-initialized; accepted so every layer is built the same way
         self.eps = float(eps)
+        self.offset = float(offset)
+        self.scale_in_float32 = bool(scale_in_float32)
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, param_dtype), out_sharding=("norm",),
+                               eager_sharding=False) if use_scale else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -62,7 +76,14 @@ class RMSNorm(nnx.Module):
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
-        return self.scale[...].astype(self.dtype) * normed.astype(x.dtype).astype(self.dtype)
+        if self.scale is None:
+            return normed.astype(x.dtype).astype(self.dtype)
+        if self.scale_in_float32:
+            return (normed * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype).astype(self.dtype)
+        scale = self.scale[...].astype(self.dtype)
+        if self.offset:
+            scale = scale + jnp.asarray(self.offset, self.dtype)
+        return scale * normed.astype(x.dtype).astype(self.dtype)
 
 
 class L2Norm(nnx.Module):
