@@ -21,7 +21,8 @@ from nnx_zoo.models.qwen3_next.config import Qwen3NextConfig
 _MOE_FIELDS = frozenset({"num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
                          "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok", "router_aux_loss_coef",
                          "output_router_logits"})
-_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+_LINEAR = dict(full_attention_interval=2, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
 _COMMON = dict(vocab_size=248320, rms_norm_eps=1e-6, rope_theta=10000000.0, partial_rotary_factor=0.25,
                max_position_embeddings=262144, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
                linear_value_head_dim=128, bos_token_id=None, eos_token_id=248044)

@@ -35,9 +35,10 @@ QWEN3_NEXT_80B_A3B: dict[str, Any] = dict(
     num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000000.0, partial_rotary_factor=0.25,
     max_position_embeddings=262144, bos_token_id=151643, eos_token_id=151645, num_experts_per_tok=10,
     router_aux_loss_coef=0.001)
-# The CPU presets: the dense ones with layers linear, linear, linear, full (tiny; small: 6 layers), linear heads of
-# width 32 (2 query/key heads, 4 value heads), 8 experts of width 64 / 128, top-2, a shared expert as wide.
-_CPU = cpu_presets("qwen3-next", head_dim=64, rope_theta=1e6, partial_rotary_factor=0.25, num_experts=8,
+# The CPU presets: the dense ones with linear and full layers alternating (so two layers hold both kinds), linear
+# heads of width 32 (2 query/key heads, 4 value heads), 8 experts of width 64 / 128, top-2, a shared expert as wide.
+_CPU = cpu_presets("qwen3-next", head_dim=64, rope_theta=1e6, partial_rotary_factor=0.25, full_attention_interval=2,
+                   num_experts=8,
                    num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                    linear_value_head_dim=32)
 PRESETS: dict[str, dict[str, Any]] = {

@@ -103,9 +103,10 @@ class Qwen3Next(MoECausalLM):
 
     config_class: ClassVar[type[Qwen3NextConfig]] = Qwen3NextConfig
     key_table = staticmethod(hf.key_table)
-    # Full layers' q/k/v/o, linear layers' projections, the dense and shared-expert SwiGLUs.
+    # Full layers' q/k/v/o, linear layers' input and output projections, the dense layers' SwiGLU (the experts
+    # are opt-in, as in the other MoE families).
     lora_targets: ClassVar[str] = (r"(^|/)attn/(q|k|v|o)_proj$|(^|/)attn/(in_proj_\w+|out_proj)$"
-                                   r"|(^|/)mlp/(gate|up|down)$|(^|/)shared_experts/(gate|up|down)$")
+                                   r"|(^|/)mlp/(gate|up|down)$")
 
     def __init__(self, config: Qwen3NextConfig, **kwargs: Any):
         super().__init__(config, **kwargs)
