@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 # In the rows whose mean square overflows, the squares sum past 2**128 and none exceeds 2**256. Scaled by 2**-96,
 # their mean square lies in [2**-64 / n, 2**64]: its sum cannot overflow, and rsqrt's derivative (mean square to
@@ -31,6 +34,11 @@ class RMSNorm(nnx.Module):
     and the result is returned in ``dtype``. Rows whose mean square overflows float32 (|x| beyond ~1.8e19) are
     rescaled by an exact power of two first, so they still norm to a finite, unit-RMS value with finite gradients.
 
+    ``axes`` trailing dims share one statistic (default 1: the last dim). With ``axes=2`` on ``[..., heads,
+    head_dim]`` the norm runs over all heads at once, as a norm over a whole projection's output before it is split
+    into heads; the scale is stored flat, ``[dim]`` with ``dim = heads * head_dim`` (the checkpoint's layout), and
+    viewed as those dims.
+
     Two options follow other checkpoints' conventions: ``offset`` applies the stored weight ``w`` as ``offset +
     w`` (``offset=1.0``: the ``(1 + w)`` norms whose weights are stored centred on 0; initialized to ``1 -
     offset``, so a fresh norm scales by 1); ``scale_in_float32`` multiplies the float32 normalized value by the
@@ -42,6 +50,8 @@ class RMSNorm(nnx.Module):
     (2, 8, 64)
     >>> RMSNorm(64, offset=1.0, scale_in_float32=True).scale[...].max()    # stored as w = 0: scales by 1 + w
     Array(0., dtype=float32)
+    >>> RMSNorm(4 * 16, axes=2)(jnp.ones((2, 8, 4, 16))).shape     # one statistic over 4 heads of 16
+    (2, 8, 4, 16)
     """
 
     def __init__(
@@ -49,6 +59,7 @@ class RMSNorm(nnx.Module):
         dim: int,
         *,
         eps: float = 1e-6,
+        axes: int = 1,
         offset: float = 0.0,
         scale_in_float32: bool = False,
         use_scale: bool = True,
@@ -57,14 +68,18 @@ class RMSNorm(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         del rngs  # ones-initialized; accepted so every layer is built the same way
+        if not (isinstance(axes, int) and axes >= 1):
+            raise ValueError(f"axes must be a positive integer (trailing dims one statistic spans), got {axes!r}")
         self.eps = float(eps)
         self.offset = float(offset)
         self.scale_in_float32 = bool(scale_in_float32)
+        self.axes = axes
         self.dtype = dtype
         self.scale = nnx.Param(jnp.full((dim,), 1.0 - self.offset, param_dtype), out_sharding=("norm",),
                                eager_sharding=False) if use_scale else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        dims = tuple(range(-self.axes, 0))
         xf = x.astype(jnp.float32)
         # Where |x| is past ~1.8e19 (the root of float32's max), x * x overflows: the mean square is inf and
         # rsqrt(inf) = 0 makes the output, and every gradient through it, silently 0, until the backward's
@@ -72,15 +87,20 @@ class RMSNorm(nnx.Module):
         # rows are normed from x * 2**-96 (exact; eps * 2**-192 is 0 next to their mean square). The factor is a
         # constant to differentiation (the result does not depend on it), and 1 in every other row, which are
         # computed bit for bit as before (and as Hugging Face does).
-        overflow = jnp.isinf(jnp.mean(xf * xf, axis=-1, keepdims=True))
+        overflow = jnp.isinf(jnp.mean(xf * xf, axis=dims, keepdims=True))
         factor = jnp.where(overflow, _RESCALE, 1.0)
         xf = xf * factor
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps * factor * factor)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=dims, keepdims=True) + self.eps * factor * factor)
         if self.scale is None:
             return normed.astype(x.dtype).astype(self.dtype)
+        scale = self.scale[...]
+        if self.axes > 1:
+            # Kept replicated, as the flat scale is ('norm'): its [heads, head_dim] view beside heads split over
+            # devices would otherwise lead XLA to split it, its gradient and its Adam moments the same way.
+            scale = shard_to_spec(scale.reshape(x.shape[-self.axes:]), PartitionSpec())
         if self.scale_in_float32:
-            return (normed * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype).astype(self.dtype)
-        scale = self.scale[...].astype(self.dtype)
+            return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype).astype(self.dtype)
+        scale = scale.astype(self.dtype)
         if self.offset:
             scale = scale + jnp.asarray(self.offset, self.dtype)
         return scale * normed.astype(x.dtype).astype(self.dtype)

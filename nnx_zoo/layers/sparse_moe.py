@@ -31,6 +31,7 @@ from nnx_zoo.layers.routers import (
     balance_routing_bias,
     balance_sums,
     route,
+    softmax_top_k,
 )
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
@@ -79,6 +80,8 @@ class SparseMoE(nnx.Module):
     shared experts' pre-activations (``Glu``). ``scale_inputs``: each chosen expert runs on its token times the
     routing weight and its output is added unweighted (run as ``k`` top-1 dispatches, so every ``moe_impl`` serves it).
     Weights are times ``routed_scaling_factor``. ``renormalize``: divide the ``k`` chosen weights by their sum.
+    ``balance_softmax``: the balance sums read the softmax of the router logits and its top-k (what transformers'
+    ``load_balancing_loss_func`` computes whatever the router) instead of this router's own scores and choice.
     ``moe_impl``: ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
     ``routed`` is the block without its output tuple, for a family's block that builds its own.
 
@@ -94,7 +97,8 @@ class SparseMoE(nnx.Module):
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, moe_impl: MoeImpl = "auto",
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
                  swiglu_limit: float | None = None, vocab_size: int | None = None, scale_inputs: bool = False,
-                 shared_gate: bool = False, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 shared_gate: bool = False, balance_softmax: bool = False,
+                 dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
         if router not in ROUTERS:
@@ -103,6 +107,7 @@ class SparseMoE(nnx.Module):
         self.router_kind, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.scale_inputs = scale_inputs
+        self.balance_softmax = balance_softmax
         self.router = nnx.Param(kernel_init(rngs.params(), (features, num_experts), param_dtype),
                                 out_sharding=("embed", "exp_router"), eager_sharding=False)
         # float32 whatever param_dtype: a bf16 bias could not take the balancing rule's small steps.
@@ -138,7 +143,10 @@ class SparseMoE(nnx.Module):
             if logits.ndim == 2:
                 mask = shard(jnp.reshape(mask, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,))),
                              _TE[:1])
-            balance = balance_sums(routing, mask)
+            # balance_softmax: the Switch loss's own softmax top-k of the logits, not the selection made above.
+            scored = softmax_top_k(logits, self.experts_per_token, renormalize=False) if self.balance_softmax else (
+                routing)
+            balance = balance_sums(scored, mask)
         idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
         return SparseMoEOutput(out, idx, dropped, balance)
 

@@ -83,6 +83,12 @@ class DecoderLayer(nnx.Module):
             c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             use_bias=c.attention_bias, o_bias=c.attention_output_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
             attention_impl=c.attention_impl, kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
+        if c.qk_norm and c.qk_norm_full_width:
+            # Attention norms each head; this norm takes the same place (q/k [b, s, heads, head_dim] before rope)
+            # with one statistic and scale over all heads of the projection.
+            heads = {"q_norm": c.num_attention_heads, "k_norm": c.num_key_value_heads}
+            for name, n in heads.items():
+                setattr(self.attn, name, RMSNorm(n * c.head_dim, eps=c.rms_norm_eps, axes=2, **_dtypes(c)))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 

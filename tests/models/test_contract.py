@@ -24,7 +24,8 @@ from nnx_zoo.sharding.axes import STACK_AXES
 PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
              "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
-             "Qwen3Next": "qwen3-next-tiny", "Qwen35": "qwen3.5-tiny", "Qwen35MoE": "qwen3.5-moe-tiny"}
+             "MiniMaxM2": "minimax-m2-tiny", "Qwen3Next": "qwen3-next-tiny", "Qwen35": "qwen3.5-tiny",
+             "Qwen35MoE": "qwen3.5-moe-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -42,6 +43,7 @@ LORA_DEFAULT = {
     # Every layer MoE: attention only (the routed experts are opt-in, as DeepSeek's).
     "Qwen3MoE": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
     "Mixtral": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
+    "MiniMaxM2": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
     # Layer 0 dense (its SwiGLU too), then MoE layers (attention only).
     "Glm4MoE": {f"layers/{p}" for p in _GQA_SWIGLU[:4]} | {f"dense_layers/{p}" for p in _GQA_SWIGLU},
     # DeepSeek's MLA projections: layer 0 (dense, with an indexer), layer 1 (MoE, reusing layer 0's top-k), MTP.

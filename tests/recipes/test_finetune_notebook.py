@@ -114,7 +114,8 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
                                                      ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
                                                      ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3),
-                                                     ("llama4_text", 1), ("qwen3_5_moe_text", 2)])
+                                                     ("llama4_text", 1), ("minimax_m2", 1),
+                                                     ("qwen3_5_moe_text", 2)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 
