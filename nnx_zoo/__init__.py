@@ -16,7 +16,9 @@ from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
 from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.qwen3_5 import Qwen35, Qwen35Config, Qwen35MoE, Qwen35MoEConfig
 from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
+from nnx_zoo.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from nnx_zoo.models.registry import AutoConfig, AutoModelForCausalLM
 
 __all__ = [
@@ -52,6 +54,12 @@ __all__ = [
     "Qwen3Config",
     "Qwen3MoE",
     "Qwen3MoEConfig",
+    "Qwen35",
+    "Qwen35Config",
+    "Qwen35MoE",
+    "Qwen35MoEConfig",
+    "Qwen3Next",
+    "Qwen3NextConfig",
     "apply_lora",
     "generate",
     "merge_lora",

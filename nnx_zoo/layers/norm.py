@@ -48,6 +48,8 @@ class RMSNorm(nnx.Module):
     >>> norm = RMSNorm(64, rngs=nnx.Rngs(0))
     >>> norm(jnp.ones((2, 8, 64))).shape
     (2, 8, 64)
+    >>> RMSNorm(64, offset=1.0, scale_in_float32=True).scale[...].max()    # stored as w = 0: scales by 1 + w
+    Array(0., dtype=float32)
     >>> RMSNorm(4 * 16, axes=2)(jnp.ones((2, 8, 4, 16))).shape     # one statistic over 4 heads of 16
     (2, 8, 4, 16)
     >>> RMSNorm(64, offset=1.0, scale_in_float32=True).scale[...].max()    # stored as w = 0: scales by 1 + w
@@ -71,6 +73,8 @@ class RMSNorm(nnx.Module):
         if not (isinstance(axes, int) and axes >= 1):
             raise ValueError(f"axes must be a positive integer (trailing dims one statistic spans), got {axes!r}")
         self.eps = float(eps)
+        self.offset = float(offset)
+        self.scale_in_float32 = bool(scale_in_float32)
         self.axes = axes
         self.offset = float(offset)
         self.scale_in_float32 = bool(scale_in_float32)

@@ -102,7 +102,7 @@ class SparseMoE(nnx.Module):
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.0, swiglu_up_offset: float = 0.0,
                  router_bias: bool = False, expert_bias: bool = False, vocab_size: int | None = None,
-                 scale_inputs: bool = False, balance_softmax: bool = False,
+                 scale_inputs: bool = False, shared_gate: bool = False, balance_softmax: bool = False,
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
@@ -131,6 +131,11 @@ class SparseMoE(nnx.Module):
                                      limit=swiglu_limit, alpha=swiglu_alpha, up_offset=swiglu_up_offset,
                                      use_bias=expert_bias, **kw)
         self.shared_experts = SwiGLU(features, shared_hidden, limit=swiglu_limit, **kw) if shared_hidden else None
+        if shared_gate and not shared_hidden:
+            raise ValueError("shared_gate=True gates the shared expert: give shared_hidden > 0")
+        # [embed, 1]: one logit per token; its sigmoid scales the shared expert's output (Qwen2-MoE, Qwen3-Next).
+        self.shared_gate = nnx.Param(kernel_init(rngs.params(), (features, 1), param_dtype),
+                                     out_sharding=("embed", None), eager_sharding=False) if shared_gate else None
 
     def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None, with_balance: bool = False,
                  input_ids: jax.Array | None = None) -> SparseMoEOutput:
@@ -192,7 +197,11 @@ class SparseMoE(nnx.Module):
                                         capacity_factor=self.capacity_factor, return_dropped=True)
         out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                gate = weight_einsum("bsh,ho->bso", x, self.shared_gate[...].astype(x.dtype), _BL_EXPERTS)
+                shared = jax.nn.sigmoid(gate) * shared
+            out = out + shared
         out = restore_sharding(shard(out.astype(x.dtype), _BLE), in_sharding)
         return RoutedOutput(out, routing, logits, dropped)
 

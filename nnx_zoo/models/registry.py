@@ -27,7 +27,9 @@ from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
 from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
+from nnx_zoo.models.qwen3_5 import Qwen35, Qwen35Config, Qwen35MoE, Qwen35MoEConfig
 from nnx_zoo.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
+from nnx_zoo.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from nnx_zoo.sharding.rules import Rules
 
 # HF model_type -> (config class, model class).
@@ -42,6 +44,11 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "llama4": (Llama4Config, Llama4),  # the multimodal checkpoint: its text model (exported as llama4_text)
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),
+    "qwen3_next": (Qwen3NextConfig, Qwen3Next),
+    "qwen3_5_text": (Qwen35Config, Qwen35),
+    "qwen3_5": (Qwen35Config, Qwen35),  # the multimodal checkpoint: its text model (exported as qwen3_5_text)
+    "qwen3_5_moe_text": (Qwen35MoEConfig, Qwen35MoE),
+    "qwen3_5_moe": (Qwen35MoEConfig, Qwen35MoE),  # likewise (exported as qwen3_5_moe_text)
     "mixtral": (MixtralConfig, Mixtral),
     "glm4_moe": (Glm4MoEConfig, Glm4MoE),
     "glm_moe_dsa": (Glm5Config, Glm5),  # GLM-5: DeepSeek-V3.2's parts, its indexer rope, cross-layer top-k reuse

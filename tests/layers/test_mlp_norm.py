@@ -158,3 +158,18 @@ def test_soft_cap():
     x = jnp.array([-1e4, -3.0, 0.0, 0.5, 1e4])
     np.testing.assert_allclose(np.asarray(soft_cap(x, 30.0)), 30.0 * np.tanh(np.asarray(x) / 30.0), rtol=1e-6)
     assert soft_cap(x, None) is x
+
+
+def test_rmsnorm_offset_and_unweighted():
+    """``offset=1``: the stored weight ``w`` scales as ``1 + w`` (a fresh norm stores 0, scaling by 1);
+    ``use_scale=False``: no weight at all (the plain normalization)."""
+    from nnx_zoo.layers.norm import L2Norm, RMSNorm
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32))
+    centred = RMSNorm(8, offset=1.0, scale_in_float32=True)
+    assert float(jnp.abs(centred.scale[...]).max()) == 0.0
+    plain = RMSNorm(8)
+    np.testing.assert_allclose(centred(x), plain(x), rtol=1e-6)
+    centred.scale[...] = jnp.full((8,), 0.5)
+    np.testing.assert_allclose(centred(x), 1.5 * plain(x), rtol=1e-6)
+    np.testing.assert_allclose(RMSNorm(8, use_scale=False)(x), L2Norm()(x), rtol=1e-6)

@@ -35,6 +35,9 @@ from nnx_zoo import (
     Qwen3,
     Qwen3Config,
     Qwen3MoEConfig,
+    Qwen3NextConfig,
+    Qwen35Config,
+    Qwen35MoEConfig,
 )
 from nnx_zoo.hf import CheckpointFormatError, CheckpointMismatchError
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling
@@ -102,13 +105,15 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 def test_presets_of_every_family():
     names = preset_names()
     assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
-                          "Mistral4", "Llama4", "MiniMaxM2", "GptOss", "Gemma3", "Gemma4"}
+                          "Mistral4", "Llama4", "MiniMaxM2", "GptOss", "Gemma3", "Gemma4", "Qwen3Next", "Qwen35",
+                          "Qwen35MoE"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
                         ("Qwen3", Qwen3Config),
                         ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
                         ("Glm5", Glm5Config), ("Mistral4", Mistral4Config),
                         ("Llama4", Llama4Config), ("MiniMaxM2", MiniMaxM2Config), ("GptOss", GptOssConfig),
-                        ("Gemma3", Gemma3Config), ("Gemma4", Gemma4Config)):
+                        ("Gemma3", Gemma3Config), ("Gemma4", Gemma4Config), ("Qwen3Next", Qwen3NextConfig),
+                        ("Qwen35", Qwen35Config), ("Qwen35MoE", Qwen35MoEConfig)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -122,6 +127,9 @@ def test_presets_of_every_family():
     assert AutoModelForCausalLM.model_class("glm_moe_dsa").__name__ == "Glm5"
     assert AutoModelForCausalLM.model_class("mistral4").__name__ == "Mistral4"
     assert AutoModelForCausalLM.model_class("llama4_text") is AutoModelForCausalLM.model_class("llama4")
+    assert AutoModelForCausalLM.model_class("qwen3_5") is AutoModelForCausalLM.model_class("qwen3_5_text")
+    assert AutoModelForCausalLM.model_class("qwen3_5_moe") is AutoModelForCausalLM.model_class("qwen3_5_moe_text")
+    assert AutoModelForCausalLM.model_class("qwen3_next").__name__ == "Qwen3Next"
 
 
 def test_config_validation():
@@ -229,7 +237,7 @@ def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
 
 
 @pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny",
-                                    "llama4-tiny", "minimax-m2-tiny", "gpt-oss-tiny"])
+                                    "llama4-tiny", "minimax-m2-tiny", "gpt-oss-tiny", "qwen3.5-tiny"])
 def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
     # Each transformers config class fills an absent num_key_value_heads its own way (LlamaConfig: the attention
     # heads; the others: a class default), so a file that leaves it out must not take our preset's value.

@@ -25,13 +25,15 @@ PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Ll
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
              "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
              "MiniMaxM2": "minimax-m2-tiny", "GptOss": "gpt-oss-tiny", "Gemma3": "gemma3-tiny",
-             "Gemma4": "gemma4-tiny"}
+             "Gemma4": "gemma4-tiny", "Qwen3Next": "qwen3-next-tiny", "Qwen35": "qwen3.5-tiny",
+             "Qwen35MoE": "qwen3.5-moe-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
 # The projections each family's default LoRA pattern must adapt (module paths), and nothing else.
 _MLA = ("q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 _GQA_SWIGLU = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/gate", "mlp/up", "mlp/down")
+_QWEN35_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 LORA_DEFAULT = {
     "DeepSeekV3": {f"{stack}/attn/{p}" for stack in ("dense_layers", "moe_layers", "mtp_layers/layer") for p in _MLA},
     # The tiny preset's first two layers: a sliding hash-routed one and a CSA one, plus the MTP layer.
@@ -56,6 +58,12 @@ LORA_DEFAULT = {
     "Gemma3": {f"{stack}/{p}" for stack in ("sliding_layers", "layers") for p in _GQA_SWIGLU},  # a sliding, a global
     # A sliding layer, then a global one whose values are its keys (no v_proj); the MLP beside the experts too.
     "Gemma4": {f"sliding_layers/{p}" for p in _GQA_SWIGLU} | {f"layers/{p}" for p in _GQA_SWIGLU if p != "attn/v_proj"},
+    # Layer 0 linear (its input and output projections), layer 1 full attention; the dense one's SwiGLUs too.
+    "Qwen3Next": {f"linear_layers/attn/{p}" for p in ("in_proj_qkvz", "in_proj_ba", "out_proj")}
+    | {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
+    "Qwen35": {f"linear_layers/attn/{p}" for p in _QWEN35_LINEAR} | {f"linear_layers/{p}" for p in _GQA_SWIGLU[4:]}
+    | {f"layers/{p}" for p in _GQA_SWIGLU},
+    "Qwen35MoE": {f"linear_layers/attn/{p}" for p in _QWEN35_LINEAR} | {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
 }
 
 

@@ -105,6 +105,11 @@ def _transformers_checkpoint(family: str, directory: Path):
                             num_hidden_layers=3, layer_types=["sliding_attention"] + ["full_attention"] * 2,
                             num_kv_shared_layers=1, hidden_size_per_layer_input=8, enable_moe_block=True,
                             num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+    elif family == "qwen3_5_moe_text":  # a linear layer, then a full one; both MoE with a gated shared expert
+        from tests.models.qwen3_next.reference import make_hf as make_qwen35
+
+        model = make_qwen35("qwen3_5_moe", vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
+                            layer_types=["linear_attention", "full_attention"])
     else:
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
@@ -116,14 +121,15 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
 
 
 # LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
-# the stacked layers; GLM-5's MoE layers are two stacks, the one with an indexer and the one reusing its top-k),
-# merged.
+# the stacked layers; GLM-5's MoE layers are two stacks, the one with an indexer and the one reusing its top-k;
+# Qwen3.5-MoE's too, its linear and its full layers), merged.
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
                                                      ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
                                                      ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3),
                                                      ("llama4_text", 1), ("minimax_m2", 1),
                                                      ("gpt_oss", 2),  # GPT-OSS: both stacks
-                                                     ("gemma3_text", 0), ("gemma4_text", 3)])
+                                                     ("gemma3_text", 0), ("gemma4_text", 3),
+                                                     ("qwen3_5_moe_text", 2)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 

@@ -109,6 +109,8 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
     # Llama 4: a chunked dense layer (chunks of 4 in the 16-token sequences), a NoPE MoE one (temperature tuning).
     ("llama4-tiny", ["--model.num_hidden_layers", "2", "--model.no_rope_layers", "[1, 0]",
                      "--model.attention_chunk_size", "4"]),
+    # Qwen3-Next: a linear (gated delta net) MoE layer, then a full (gated attention) one; shared experts gated.
+    ("qwen3-next-tiny", ["--model.num_hidden_layers", "2"]),
 ])
 def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     run_dir = tmp_path / "run"
