@@ -28,12 +28,14 @@ from kernel_memory_attention import (
     attention_markdown,
     attention_section,
 )
+from kernel_memory_local import local_markdown, local_section
 from kernel_memory_moe import moe_markdown, moe_section
 
 SECTIONS = {  # name -> (run(quick, log) -> dict, markdown(dict) -> str)
     "attention": (attention_section, attention_markdown),
     "attention_cpu": (attention_cpu_section, attention_cpu_markdown),
     "moe": (moe_section, moe_markdown),
+    "local": (local_section, local_markdown),
 }
 
 
