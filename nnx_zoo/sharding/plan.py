@@ -777,8 +777,9 @@ def hyper_connection_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> i
       each block's output ``[T, e]``, and the float32 mixing coefficients of each token: the ``2m + m^2`` logits,
       ``pre``, ``post``, the softmax and each Sinkhorn step's matrix and sums (``2 * iters`` normalizations);
     - compiled whole: XLA:CPU materializes the broadcasts that ``expand``'s backward matmuls read (the block's
-      output and ``post`` over the streams, ``[T, m, e]`` each), so each ``expand`` keeps three ``[T, m, e]``,
-      each connection the streams it read or its float32 normed copy, and fuses about half of the Sinkhorn chain.
+      output and ``post`` over the streams, ``[T, m, e]`` each), so each ``expand`` keeps up to three ``[T, m, e]``,
+      the connections the streams they read and their float32 normed copies, and XLA fuses about half of the
+      Sinkhorn chain (measured: 4.5-6 of those ``[T, m, e]`` per ``expand`` at the backward's peak; 3 counted).
     """
     v, a, e, t = s.v4, s.dtype_bytes, s.hidden, n.tokens
     m, it = v.streams, v.sinkhorn_iters
@@ -786,15 +787,15 @@ def hyper_connection_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> i
         mix = (2 * it + 2) * m * m + (4 * it + 6) * m + 2
         return 2 * t * (m * e * (a + 4) + a * e + 4 * mix)
     mix = (it + 1) * m * m + (2 * it + 3) * m + 1
-    return t * (m * e * (7 * a + 8) + 2 * a * e + 2 * 4 * mix)
+    return t * (m * e * (6 * a + 8) + 2 * a * e + 2 * 4 * mix)
 
 
 def v4_attention_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool = True) -> int:
     """What one V4 attention layer of ``layer_type`` keeps for its backward (``nnx_zoo.models.deepseek4``):
     - the input norm and the query latent's (3 widths each, as every RMSNorm); the queries ``[T, H, d]`` before
-      and after their unscaled RMSNorm and rope (the roped ones padded to blocks by ``blockwise``; compiled whole,
-      XLA keeps one of the two) and that norm's float32 statistics; the shared key-value (its norm's 2 widths,
-      roped); the attention output grouped for ``o_a`` ``[T, H, d]`` and its low-rank ``[T, groups, o_lora]``;
+      and after their unscaled RMSNorm and rope (the roped ones padded to blocks by ``blockwise``, which compiled
+      whole keeps both) and that norm's float32 statistics; the shared key-value (its norm's 2 widths, roped); the
+      attention output grouped for ``o_a`` ``[T, H, d]`` and its low-rank ``[T, groups, o_lora]``;
     - a compressed layer's pooling: the gathered windows of projected tokens ``[T, w*d]`` (``w = 2``: CSA's two
       overlapping series, 1 on HCA) and the float32 softmax over each window's slots with its weights (``2 w d``;
       compiled whole, one), CSA's masked previous-window gates (``d``, with their mask); the entries' norm and
@@ -807,7 +808,8 @@ def v4_attention_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool
     (``v4_attention_scratch_bytes``)."""
     v, a, e, t, h, d = s.v4, s.dtype_bytes, s.hidden, n.tokens, n.heads, s.v4.head_dim
     groups = max(1, v.o_groups * h // s.heads)  # split as the heads are
-    queries = 3 if looped else 2
+    impl = v.impl(layer_type, n.keys)
+    queries = 3 if looped or impl == "xla" else 4  # compiled whole, blockwise pads a copy of the roped queries
     per_token = a * (3 * e + 3 * v.q_lora + queries * h * d + 3 * d + groups * v.o_lora) + 8 * h
     rate = v.rate(layer_type)
     if rate:
@@ -815,7 +817,6 @@ def v4_attention_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool
         pooled = a * w * d + 4 * (2 if looped else 1) * w * d
         per_token += pooled + (5 * d if w == 2 and looped else 0) + (3 * a * d) // rate
     kept = t * per_token
-    impl = v.impl(layer_type, n.keys)
     if impl == "xla":
         kept += n.batch * h * n.seq * (n.keys + v.entries(layer_type, n.keys) + 1) * v4_score_bytes(a, looped)
     elif layer_type == V4_CSA:
@@ -866,10 +867,13 @@ def v4_attention_scratch_bytes(s: DecoderShapes, n: Local, layer_type: str) -> i
 V4_BLOCK_SCORE_BYTES = 24  # one block's scores: masked, float32 logits, exponentials, probabilities, 2 gradients
 
 
-def v4_layer_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool) -> int:
-    """One V4 layer (``DecoderLayer``): its two hyper-connections, its attention of ``layer_type`` and its MoE."""
+def v4_layer_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool, experts: bool = False) -> int:
+    """One V4 layer (``DecoderLayer``): its two hyper-connections, its attention of ``layer_type`` and its MoE;
+    ``experts``: with the expert weights its MoE keeps (``kept_expert_weight_bytes``: the dense path's fused
+    ``[e, E * I]`` copies, which a layer recomputed whole keeps too)."""
+    kept = kept_expert_weight_bytes(s, n) if experts else 0
     return (hyper_connection_bytes(s, n, looped) + v4_attention_bytes(s, n, layer_type, looped)
-            + moe_bytes(s, n, looped))
+            + moe_bytes(s, n, looped) + kept)
 
 
 def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, int]:
@@ -882,24 +886,50 @@ def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str,
     segments = v.segments()
     types = sorted({kind[0] for kind in v.kinds})
 
-    def pattern(kinds: tuple[tuple[str, str], ...], looped: bool) -> int:
-        return sum(v4_layer_bytes(s, n, kind[0], looped) for kind in kinds)
+    # Inside a loop's body the dense MoE path's fused expert weights are a copy that the layer keeps, recomputed
+    # or not (compiled whole outside a loop, XLA folds the transpose into the matmuls); the other paths' gathered
+    # experts are counted with the gathered weights, except in a looped stack under 'none' (as for V3).
+    dense = s.moe_impl == "dense"
+
+    def pattern(kinds: tuple[tuple[str, str], ...], looped: bool, in_loop: bool = False) -> int:
+        return sum(v4_layer_bytes(s, n, kind[0], looped, dense and in_loop) for kind in kinds)
+
+    def attention_moments(kinds: tuple[tuple[str, str], ...]) -> list[tuple[int, int]]:
+        """(what is live beside it, the scratch) while each layer of a recomputed pattern runs its attention
+        backward: the pattern's earlier layers, this layer's connections and attention (its MoE is done)."""
+        out, before = [], 0
+        for kind in kinds:
+            out.append((before + hyper_connection_bytes(s, n, False) + v4_attention_bytes(s, n, kind[0], False),
+                        v4_attention_scratch_bytes(s, n, kind[0])))
+            before += v4_layer_bytes(s, n, kind[0], False, dense)  # recomputed in a loop's body
+        return out
 
     looped = [(kinds, repeats) for kinds, repeats in segments if repeats > 1]
     whole = sum(pattern(kinds, False) for kinds, repeats in segments if repeats == 1)
+    # A layer kept whole (or held under 'none') runs its attention's backward with its scratch on top of what is
+    # held; the larger of that and the looped layers' own phase is the one-layer phase (they never overlap).
+    held_scratch = max(v4_attention_scratch_bytes(s, n, layer_type) for layer_type in types)
     if remat == "none":
         layers = {"moe layers": sum(repeats * pattern(kinds, repeats > 1) for kinds, repeats in segments)}
+        cotangents = max((pattern(kinds, False) for kinds, _ in looped), default=0)
         if looped:
             layers["expert weights, every layer"] = sum(repeats * len(kinds) for kinds, repeats in looped) * (
                 kept_expert_weight_bytes(s, n))
-            layers["cotangents, one layer"] = max(pattern(kinds, False) for kinds, _ in looped)
+        phase = {"cotangents, one layer": cotangents, "attention scratch, one layer": 0}
+        if held_scratch > cotangents:
+            phase = {"cotangents, one layer": 0, "attention scratch, one layer": held_scratch}
+        layers.update(phase)
     else:
-        step = max(looped, key=lambda seg: pattern(seg[0], False), default=None)
+        # The largest moment of a recomputed step: the whole pattern with its last MoE's cotangents, or one of its
+        # layers' attention backward with the scratch.
+        moments = [(0, 0, held_scratch)]
+        for kinds, _ in looped:
+            moments.append((pattern(kinds, False, True), mlp_cotangent_bytes(s, n, True), 0))
+            moments += [(live, 0, scratch) for live, scratch in attention_moments(kinds)]
+        base, cotangents, scratch = max(moments, key=sum)
         layers = {"layer inputs": sum(repeats for _, repeats in looped) * t * a * m * e,
-                  "one layer recomputed": 0 if step is None else pattern(step[0], False),
-                  "cotangents, one layer": 0 if step is None else mlp_cotangent_bytes(s, n, True),
-                  "one-layer stacks, kept whole": whole}
-    scratch = max(v4_attention_scratch_bytes(s, n, layer_type) for layer_type in types)
+                  "one layer recomputed": base, "cotangents, one layer": cotangents,
+                  "attention scratch, one layer": scratch, "one-layer stacks, kept whole": whole}
     # The last collapse of the streams (HyperHead: the streams, their float32 RMS-normed copy) before the norm;
     # the embeddings widened to the streams (and XLA:CPU's broadcast copy), read again by the first layer's backward.
     head = t * m * e * (a + 4)
@@ -908,8 +938,8 @@ def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str,
     if s.mtp_layers:  # each depth: enorm, hnorm over the streams, their projections, one sliding layer, its head
         mtp = s.mtp_layers * (v4_layer_bytes(s, n, V4_SLIDING, False) + t * a * (4 * e + 4 * m * e) + head
                               + output_bytes(s, n))
-    return {**layers, "attention scratch, one layer": scratch, "embeddings and logits": output_bytes(s, n),
-            "hyper-connection head": head, "streams from the embeddings": widened,
+    return {**layers, "embeddings and logits": output_bytes(s, n), "hyper-connection head": head,
+            "streams from the embeddings": widened,
             **({"mtp heads": mtp} if mtp else {})}
 
 
