@@ -610,7 +610,7 @@ PART_PHASES = {
     "one layer recomputed": "one layer", "cotangents, one layer": "one layer",
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
     "sparse attention, one block": "one layer", "attention scratch, one layer": "one layer",
-    "hyper-connection head": "output head", "streams from the embeddings": "held",
+    "hyper-connection head": "output head", "streams from the embeddings": "held", "mtp layers": "output head",
 }
 
 
@@ -687,7 +687,7 @@ def activation_peak(parts: dict[str, int]) -> int:
 V4_SLIDING, V4_CSA, V4_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 V4_HASH = "hash_moe"
 V4_XLA_MAX_SCORES = 512 * 512  # kernel.XLA_MAX_SCORES: 'auto' runs 'xla' while s * (s + entries) fits
-V4_BLOCK = 128  # kernel.BLOCK: queries per block of the 'blockwise' path
+V4_BLOCK = 128  # kernel.BLOCK: queries per block of the 'blockwise' path at most (compressed_block_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -842,7 +842,8 @@ def v4_attention_scratch_bytes(s: DecoderShapes, n: Local, layer_type: str) -> i
     """A V4 attention layer's largest transient while it runs (the one-layer phase; recomputed under remat):
     - ``xla``: the score gradients (``V4_SCORE_GRAD_BYTES``) and on a CSA layer the indexer's float32 products
       ``[b, s, index_heads, n]`` with their relu, and its head-weighted scores ``[b, s, n]``;
-    - ``blockwise``, one block of ``B`` queries (``V4_BLOCK``) at a time: its window's scores ``[b, H, B, B +
+    - ``blockwise``, one block of ``B`` queries at a time (``compressed_block_rows``: at most ``V4_BLOCK``, fewer
+      where a block's scratch would pass ``SPARSE_BLOCK_BYTES``): its window's scores ``[b, H, B, B +
       window - 1]`` and its entries' ``[b, H, B, k]`` (``k`` chosen on CSA, all on HCA) with their softmax and
       gradients (``V4_BLOCK_SCORE_BYTES``); on a CSA layer the block's indexer products ``[b, B, index_heads, n]``
       (two float32 tiles, the product and its relu), its scores and visibility ``[b, B, n]``, and the chosen
@@ -855,7 +856,8 @@ def v4_attention_scratch_bytes(s: DecoderShapes, n: Local, layer_type: str) -> i
         if csa:
             scratch += b * n.seq * entries * (8 * v.index_heads + 9)
         return scratch
-    block = min(V4_BLOCK, n.seq)
+    block = compressed_block_rows(n.seq, v.window, entries, v.index_topk if csa else 0, h,
+                                  v.index_heads if csa else 0, d, max_rows=V4_BLOCK)
     scratch = b * h * block * (block + v.window - 1 + chosen + 1) * V4_BLOCK_SCORE_BYTES
     if csa:
         scratch += b * block * entries * (8 * v.index_heads + 9)
@@ -936,11 +938,14 @@ def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str,
     widened = 2 * t * m * e * a
     mtp = 0
     if s.mtp_layers:  # each depth: enorm, hnorm over the streams, their projections, one sliding layer, its head
-        mtp = s.mtp_layers * (v4_layer_bytes(s, n, V4_SLIDING, False) + t * a * (4 * e + 4 * m * e) + head
-                              + output_bytes(s, n))
-    return {**layers, "embeddings and logits": output_bytes(s, n), "hyper-connection head": head,
-            "streams from the embeddings": widened,
-            **({"mtp heads": mtp} if mtp else {})}
+        mtp = s.mtp_layers * (v4_layer_bytes(s, n, V4_SLIDING, False) + t * a * (4 * e + 4 * m * e) + head)
+    # The MTP depths' hidden states go through the head with the main one's (stacked): their logits share the
+    # loss's chunks. Their layers run backward right after the head's, before the main layers': they are part of
+    # the output head's phase, not held through the layers' backward.
+    logits = dataclasses.replace(n, batch=n.batch * (1 + s.mtp_layers))
+    out = output_bytes(s, logits) - s.mtp_layers * t * a * 3 * e
+    return {**layers, "embeddings and logits": out, "hyper-connection head": head,
+            "streams from the embeddings": widened, **({"mtp layers": mtp} if mtp else {})}
 
 
 def v4_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:

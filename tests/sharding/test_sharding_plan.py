@@ -404,3 +404,100 @@ def test_activation_peak_is_held_plus_the_larger_phase():
              "gathered gradient, one weight": 3}
     assert activation_peak(parts) == 6 + max(24, 20)
     assert activation_peak({**parts, "gathered gradient, one weight": 9}) == 6 + 26
+
+
+# ---- DeepSeek-V4: its own parts, against XLA's buffers of the trainer's gradient ----
+# Small V4 layers with every dim distinct (so a wrong width shows): 4 hyper-connection streams (Flash's), a 16-token
+# window, CSA every 4 tokens (indexer 4 x 24 keeping 8) and HCA every 16, the clamped SwiGLU, 4 Sinkhorn steps
+# (Flash: 20; each is two tiny [T, 4, 4] divisions, counted per step).
+V4_BASE = dict(hidden_size=96, num_attention_heads=8, head_dim=40, qk_rope_head_dim=8, q_lora_rank=56, o_groups=2,
+               o_lora_rank=24, hc_mult=4, hc_sinkhorn_iters=4, sliding_window=16, n_routed_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=36, index_n_heads=4, index_head_dim=24, index_topk=8,
+               compress_rate_csa=4, compress_rate_hca=16, vocab_size=512, num_nextn_predict_layers=0)
+# Schedules as V4-Flash's, short: 's' sliding, 'c' CSA, 'h' HCA. 'schch' is one sliding layer (hash-routed; a
+# segment of one repeat, compiled whole) then (CSA, HCA) twice (one scan of two-layer steps), 'chch' only the scan.
+# (mesh, schedule, remat, attention_impl, batch x seq, overrides). Measured plan / XLA (float32, the trainer's chunked
+# loss): see V4_RATIOS below the list.
+V4_CASES = [
+    # remat none, the xla path: every layer's residuals held (looped: what autodiff saves; the sliding layer
+    # compiled whole: XLA's buffers), scores over every token and entry
+    ({"fsdp": 1}, "schch", "none", "xla", (1, 64), {}),
+    # remat full, auto picks blockwise at 1,024 positions (every layer type), with the MTP layer (kept whole)
+    ({"fsdp": 1}, "schch", "full", "auto", (1, 1024), dict(num_nextn_predict_layers=1)),
+    # 8-way FSDP, remat full, the xla path: a step's two layers recomputed with their weights gathered
+    ({"fsdp": 8}, "chch", "full", "xla", (8, 64), {}),
+    # FSDP 4 x TP 2, remat none, blockwise on each device's heads
+    ({"fsdp": 4, "tensor": 2}, "chch", "none", "blockwise", (4, 256), {}),
+    # one device, remat full, 2,048 positions, a wide indexer over CSA entries every 2 tokens: a block's indexer
+    # scores (64 heads x 1,024 entries, float32, twice) are the one-layer phase's largest part
+    ({"fsdp": 1}, "chch", "full", "auto", (1, 2048), dict(index_n_heads=64, compress_rate_csa=2, index_topk=16,
+                                                         n_routed_experts=4, moe_intermediate_size=16)),
+]
+
+
+def _v4_config(schedule: str, remat: str, attention: str, extra: dict):
+    from nnx_zoo.models.deepseek4.config import CSA, HCA, SLIDING, hash_schedule
+
+    types = tuple({"s": SLIDING, "c": CSA, "h": HCA}[k] for k in schedule)
+    return AutoConfig.preset("deepseek4-tiny", **{
+        **V4_BASE, "num_hidden_layers": len(types), "layer_types": types,
+        "mlp_layer_types": hash_schedule(len(types), int(schedule[0] == "s")), "remat_policy": remat,
+        "attention_impl": attention, **extra})
+
+
+def _v4_xla_temp(model: nnx.Module, mesh, batch: int, seq: int) -> int:
+    """XLA's temp bytes of the trainer's gradient (``loss_terms``: the chunked head + cross-entropy, the MTP heads'
+    loss when the model has them) with respect to what it trains (``model.trainable()``: the CSA indexers are
+    frozen by default; the hash tables are not parameters). The batch carries an attention mask (the blockwise
+    kernel's ``[1, s]`` mask of a batch without one does not split over a batch-sharded mesh)."""
+    from nnx_zoo.train.step import loss_terms
+
+    mtp = bool(model.config.num_nextn_predict_layers)
+    graphdef, params, rest = nnx.split(model, model.trainable(), ...)
+    kwargs = (("with_mtp", True),) if mtp else ()
+
+    def loss(params: nnx.State, ids: jax.Array) -> jax.Array:
+        batch = {"input_ids": ids, "targets": ids, "loss_mask": jnp.ones_like(ids, jnp.float32),
+                 "attention_mask": jnp.ones_like(ids)}
+        return loss_terms(nnx.merge(graphdef, params, rest), batch, 0.3 if mtp else 0.0, kwargs)[0]
+
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
+                               sharding=named_sharding(("activation_batch", None), "default", mesh))
+    return jax.jit(jax.grad(loss)).lower(params, ids).compile().memory_analysis().temp_size_in_bytes
+
+
+def _v4_plan(sizes, schedule, remat, attention, shape, extra):
+    config = _v4_config(schedule, remat, attention, extra)
+    devices = math.prod(sizes.values())
+    mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:devices])
+    batch, seq = shape
+    with jax.set_mesh(mesh), use_rules("default"):
+        model = create_sharded(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
+                               "default")
+        xla = _v4_xla_temp(model, mesh, batch, seq)
+    shards = math.prod(v for k, v in sizes.items() if k in ("data", "fsdp"))
+    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch // shards,
+                       kernels=kernel_choices(config, seq_len=seq, platform="cpu"))
+    return config, plan, xla
+
+
+@pytest.mark.parametrize(("sizes", "schedule", "remat", "attention", "shape", "extra"), V4_CASES)
+def test_deepseek4_estimate_within_tolerance_of_xla(sizes, schedule, remat, attention, shape, extra):
+    config, plan, xla = _v4_plan(sizes, schedule, remat, attention, shape, extra)
+    parts = plan.activations[remat]
+    estimate = plan.activation_bytes(remat)
+    assert 0.85 <= estimate / xla <= 1.15, (estimate / xla, estimate, xla, parts)
+    v4, seq = plan.shapes.v4, shape[1]
+    assert v4 is not None and plan.shapes.index_topk == 0  # V4's indexer is its own, not V3.2's sparse attention
+    impls = {v4.impl(t, seq) for t in config.layer_types}
+    assert impls == ({"blockwise"} if attention == "auto" else {attention})
+    if remat == "full":  # the looped (CSA, HCA) steps: their carried streams and one recomputed step
+        steps = sum(r for kinds, r in v4.segments() if r > 1)
+        assert parts["layer inputs"] == steps * shape[0] // math.prod(
+            v for k, v in sizes.items() if k in ("data", "fsdp")) * seq * 4 * config.hc_mult * config.hidden_size
+    if "index_n_heads" in extra:  # the indexer's block scratch decides the one-layer phase
+        assert parts["attention scratch, one layer"] > parts["one layer recomputed"] / 2
+    if config.num_nextn_predict_layers:
+        assert parts["mtp layers"] > 0
+    if sizes.get("fsdp", 1) > 1 and remat == "full":  # a step's pattern gathers both of its layers' weights
+        assert parts["gathered weights, one layer"] > 0 and parts["gathered gradient, one weight"] > 0
