@@ -816,12 +816,19 @@ def v4_attention_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool
         w = 2 if layer_type == V4_CSA else 1
         pooled = a * w * d + 4 * (2 if looped else 1) * w * d
         per_token += pooled + (5 * d if w == 2 and looped else 0) + (3 * a * d) // rate
-    kept = t * per_token
-    if impl == "xla":
-        kept += n.batch * h * n.seq * (n.keys + v.entries(layer_type, n.keys) + 1) * v4_score_bytes(a, looped)
-    elif layer_type == V4_CSA:
+    kept = t * per_token + v4_score_part(s, n, layer_type, looped)
+    if impl != "xla" and layer_type == V4_CSA:
         kept += t * (a * v.index_heads * v.index_dim + 4 * v.index_heads)
     return kept
+
+
+def v4_score_part(s: DecoderShapes, n: Local, layer_type: str, looped: bool) -> int:
+    """The ``xla`` path's kept scores in ``v4_attention_bytes`` (0 for ``blockwise``)."""
+    v = s.v4
+    if v.impl(layer_type, n.keys) != "xla":
+        return 0
+    return n.batch * n.heads * n.seq * (n.keys + v.entries(layer_type, n.keys) + 1) * v4_score_bytes(
+        s.dtype_bytes, looped)
 
 
 def v4_score_bytes(a: int, looped: bool = True) -> int:
@@ -913,7 +920,13 @@ def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str,
     held_scratch = max(v4_attention_scratch_bytes(s, n, layer_type) for layer_type in types)
     if remat == "none":
         layers = {"moe layers": sum(repeats * pattern(kinds, repeats > 1) for kinds, repeats in segments)}
-        cotangents = max((pattern(kinds, False) for kinds, _ in looped), default=0)
+        # A step's backward holds about its pattern compiled whole (the step's residuals read from the stacked
+        # buffers, one layer's cotangents at a time; measured), its layers' xla scores one layer at a time.
+        def step_backward(kinds: tuple[tuple[str, str], ...]) -> int:
+            scores = [v4_score_part(s, n, kind[0], False) for kind in kinds]
+            return pattern(kinds, False) - sum(scores) + max(scores)
+
+        cotangents = max((step_backward(kinds) for kinds, _ in looped), default=0)
         if looped:
             layers["expert weights, every layer"] = sum(repeats * len(kinds) for kinds, repeats in looped) * (
                 kept_expert_weight_bytes(s, n))
