@@ -31,13 +31,21 @@ from nnx_zoo.sharding import (
 )
 from nnx_zoo.sharding.plan import (
     PART_PHASES,
+    V4_BLOCK,
+    V4_CSA,
+    V4_HASH,
+    V4_HCA,
+    V4_SLIDING,
+    V4_XLA_MAX_SCORES,
     DecoderShapes,
     Local,
+    V4Shapes,
     activation_peak,
     attention_bytes,
     gathered_weight_bytes,
     memory_plan,
     tiled_grouped_matmul_bytes,
+    v4_stack_name,
 )
 from nnx_zoo.sharding.resolve import resolve
 from nnx_zoo.train.loss import chunked_head_cross_entropy
@@ -309,7 +317,12 @@ def test_every_preset_plans(platform):
         if shapes.moe_layers:
             assert (shapes.experts, shapes.moe_intermediate) == (config.num_routed_experts,
                                                                  config.expert_intermediate_size), name
-        assert 0 < plan.activation_bytes("full") < plan.activation_bytes("none"), name
+        full, none = plan.activation_bytes("full"), plan.activation_bytes("none")
+        # A schedule without a repeat (deepseek4-tiny's) is segments of one layer each: kept whole under either remat.
+        if shapes.v4 is not None and all(repeats == 1 for _, repeats in shapes.v4.segments()):
+            assert 0 < full == none, name
+        else:
+            assert 0 < full < none, name
 
 
 @pytest.mark.parametrize(("preset", "layers", "remat", "attention", "shape", "vocab", "chunk", "extra"), LONG)
@@ -505,3 +518,24 @@ def test_deepseek4_estimate_within_tolerance_of_xla(sizes, schedule, remat, atte
         assert parts["mtp layers"] > parts["embeddings and logits"]  # its phase is the MTP layer's
     if sizes.get("fsdp", 1) > 1 and remat == "full":  # a step's pattern gathers both of its layers' weights
         assert parts["gathered weights, one layer"] > 0 and parts["gathered gradient, one weight"] > 0
+
+
+def test_deepseek4_plan_follows_the_models_rules():
+    """The plan's copies of V4's names and rules (the sharding package imports no model code) are the model's: its
+    layer types, the kernel's 'auto' threshold and block, the schedule's segments and the stacks' names."""
+    from nnx_zoo.layers.scan import periodic_runs
+    from nnx_zoo.models.deepseek4 import kernel
+    from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, DeepSeekV4Config, kind_name
+
+    assert (V4_SLIDING, V4_CSA, V4_HCA, V4_HASH) == (SLIDING, CSA, HCA, HASH_MOE)
+    assert (V4_XLA_MAX_SCORES, V4_BLOCK) == (kernel.XLA_MAX_SCORES, kernel.BLOCK)
+    for name in DeepSeekV4Config.PRESETS:
+        config = DeepSeekV4Config.preset(name)
+        v4 = V4Shapes.from_config(config)
+        assert v4.segments() == periodic_runs(config.layer_kinds), name
+        assert all(v4_stack_name(k) == f"stacks.{kind_name(k)}" for k in config.layer_kinds), name
+        for seq in (64, 448, 512, 4096):  # kernel.attend's 'auto': xla while s * (s + entries) fits
+            for layer_type in set(config.layer_types):
+                entries = seq // config.compress_rate(layer_type) if config.compress_rate(layer_type) else 0
+                fits = seq * (seq + entries) <= kernel.XLA_MAX_SCORES
+                assert v4.impl(layer_type, seq) == ("xla" if fits else "blockwise"), (name, seq, layer_type)
