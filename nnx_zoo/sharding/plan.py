@@ -175,7 +175,7 @@ class DecoderShapes:
     def from_config(cls, config: Any, kernels: dict[str, str] | None = None,
                     loss_chunk_tokens: int | None = None) -> DecoderShapes:
         """From a model config with HF names (a dense decoder or an MLA/MoE one). ``kernels``: the implementations
-        that will run (``nnx_zoo.layers.kernels.kernel_choices``); without them the config's settings, where
+        that will run (``nnx_zoo.layers.kernel_choices.kernel_choices``); without them the config's settings, where
         ``auto`` counts as ``xla`` attention (scores materialized: the upper bound) and the ``gmm`` MoE path."""
         get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
         layers = get("num_hidden_layers")
@@ -961,6 +961,15 @@ def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str,
             "streams from the embeddings": widened, **({"mtp layers": mtp} if mtp else {})}
 
 
+def v4_description(v: V4Shapes, seq: int) -> str:
+    """The plan's one-line summary of V4's attention at ``seq`` positions: each layer type's kernel and entries."""
+    short = {V4_SLIDING: "sliding", V4_CSA: "CSA", V4_HCA: "HCA"}
+    kernels = ", ".join(f"{short[t]} {v.impl(t, seq)}" for t in short if any(k[0] == t for k in v.kinds))
+    return (f"V4 attention ({kernels}; window {v.window}, CSA an entry per {v.csa_rate} tokens with "
+            f"{v.chosen(V4_CSA, seq)} chosen by the indexer, HCA an entry per {v.hca_rate}), {v.streams} "
+            f"hyper-connection streams")
+
+
 def v4_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:
     """``weight_parts`` for DeepSeek-V4: its stacks are per kind and its segments scan slices of them, so the
     gathered weights of one recomputed unit are those of a step's pattern (one layer of each of its kinds), and a
@@ -1025,9 +1034,15 @@ class MemoryPlan:
         """The estimated peak of the backward's temporaries (``activation_peak``)."""
         return activation_peak(self.activations[remat])
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The Variables that are not parameters (no gradient, no optimizer state): routers' selection biases,
+        DeepSeek-V4's hash-routing tables (``[vocab, k]`` int32 per hash layer, replicated)."""
+        return self.report.bytes_per_device - self.param_bytes
+
     def total(self, remat: str) -> int:
-        """Parameters + gradients (same size) + optimizer state + the activations' peak."""
-        return 2 * self.param_bytes + self.optimizer_bytes + self.activation_bytes(remat)
+        """Parameters + gradients (same size) + optimizer state + buffers + the activations' peak."""
+        return 2 * self.param_bytes + self.optimizer_bytes + self.buffer_bytes + self.activation_bytes(remat)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mesh": self.report.mesh_shape, "global_batch": self.global_batch, "seq_len": self.seq_len,
@@ -1035,23 +1050,30 @@ class MemoryPlan:
                 "gradient_bytes_per_device": self.param_bytes, "adamw_bytes_per_device": self.optimizer_bytes,
                 "activations": self.activations,
                 "activation_peak_bytes_per_device": {r: self.activation_bytes(r) for r in REMATS},
+                "buffer_bytes_per_device": self.buffer_bytes,
                 "total_bytes_per_device": {r: self.total(r) for r in REMATS},
                 "fallback_bytes_per_device": self.report.fallback_bytes_per_device}
 
     def table(self) -> str:
         s, n = self.shapes, self.local
         dtype = {4: "float32", 2: "bfloat16"}.get(s.dtype_bytes, f"{s.dtype_bytes}-byte")
+        attention = f"attention {s.attention} " + (
+            "(scores materialized)" if s.attention == "xla" else
+            f"(each query's {s.index_topk} chosen keys, the indexer's scores a block of queries at a time)"
+            if s.index_topk else "(no score matrix)")
+        if s.v4 is not None:
+            attention = v4_description(s.v4, n.keys)
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
-            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention {s.attention} "
-            + ("(scores materialized)" if s.attention == "xla" else
-               f"(each query's {s.index_topk} chosen keys, the indexer's scores a block of queries at a time)"
-               if s.index_topk else "(no score matrix)") + ", logits of "
+            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, {attention}, logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             f"  parameters                  {_human(self.param_bytes)}",
             f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
             f"  AdamW state                 {_human(self.optimizer_bytes)}  (2 moments in float32)",
         ]
+        if self.buffer_bytes:
+            lines.append(f"  buffers                     {_human(self.buffer_bytes)}  (not trained: routing biases, "
+                         "hash-routing tables)")
         for remat in REMATS:
             parts = self.activations[remat]
             lines.append(f"  activations, remat {remat:<5}   {_human(self.activation_bytes(remat))}  (peak: what the "
@@ -1090,8 +1112,8 @@ def memory_plan(
     of ``activation_batch``), or ``global_batch`` split over them (at least one row each; default one row per
     shard); ``seq_len`` is the whole sequence (context parallelism splits it). Divisibility fallbacks as in
     ``sharding_report`` (``allow_partial``). ``kernels``: the implementations that will run, as
-    ``nnx_zoo.layers.kernels.kernel_choices`` gives them for the target platform (``{"attention": "cudnn", "moe":
-    "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``,
+    ``nnx_zoo.layers.kernel_choices.kernel_choices`` gives them for the target platform (``{"attention": "cudnn",
+    "moe": "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``,
     and a config's sparse attention, ``sparse_attention_keys(seq_len)``, as ``sparse-top<k>``).
     ``loss_chunk_tokens``: the trainer's chunked loss holds that many tokens' logits at a time per device
     (``nnx_zoo.train.loss.default_chunk_tokens``); None: the whole batch's logits at once.

@@ -72,8 +72,12 @@ def test_671b_plans_succeed_on_thousands_of_devices(devices, rules):
     data = MESHES[devices].get("data", 1)  # parameters are replicated over `data` (pure data parallelism)
     assert report.param_bytes_per_device >= even * data * (0.99 if rules != "pure-fsdp" else 1)
     assert plan.optimizer_bytes == 4 * report.param_bytes_per_device  # bf16 params, two f32 moments
+    # The routers' selection biases (58 MoE layers' and the MTP layer's, 256 float32 each, not trained,
+    # replicated) are buffers beside the parameters.
+    assert plan.buffer_bytes == report.bytes_per_device - report.param_bytes_per_device == 59 * 256 * 4
     for remat in ("none", "full"):
-        assert plan.total(remat) == 2 * plan.param_bytes + plan.optimizer_bytes + plan.activation_bytes(remat)
+        assert plan.total(remat) == (2 * plan.param_bytes + plan.optimizer_bytes + plan.buffer_bytes
+                                     + plan.activation_bytes(remat))
         assert plan.activation_bytes(remat) < sum(plan.activations[remat].values())  # the phases do not add up
     assert plan.activation_bytes("full") < plan.activation_bytes("none")
     assert "remat none" in plan.table() and "AdamW state" in plan.table()
@@ -473,14 +477,14 @@ def _v4_xla_temp(model: nnx.Module, mesh, batch: int, seq: int) -> int:
     graphdef, params, rest = nnx.split(model, model.trainable(), ...)
     kwargs = (("with_mtp", True),) if mtp else ()
 
-    def loss(params: nnx.State, ids: jax.Array) -> jax.Array:
+    def loss(params: nnx.State, rest: nnx.State, ids: jax.Array) -> jax.Array:
         batch = {"input_ids": ids, "targets": ids, "loss_mask": jnp.ones_like(ids, jnp.float32),
                  "attention_mask": jnp.ones_like(ids)}
         return loss_terms(nnx.merge(graphdef, params, rest), batch, 0.3 if mtp else 0.0, kwargs)[0]
 
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
                                sharding=named_sharding(("activation_batch", None), "default", mesh))
-    return jax.jit(jax.grad(loss)).lower(params, ids).compile().memory_analysis().temp_size_in_bytes
+    return jax.jit(jax.grad(loss)).lower(params, rest, ids).compile().memory_analysis().temp_size_in_bytes
 
 
 def _v4_plan(sizes, schedule, remat, attention, shape, extra):
@@ -489,8 +493,9 @@ def _v4_plan(sizes, schedule, remat, attention, shape, extra):
     mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:devices])
     batch, seq = shape
     with jax.set_mesh(mesh), use_rules("default"):
-        model = create_sharded(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
-                               "default")
+        # Abstract (shapes and shardings, nothing initialised): the compile and the plan need no values.
+        model = nnx.eval_shape(lambda: create_sharded(
+            lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh, "default"))
         xla = _v4_xla_temp(model, mesh, batch, seq)
     shards = math.prod(v for k, v in sizes.items() if k in ("data", "fsdp"))
     plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=batch // shards,
@@ -518,6 +523,14 @@ def test_deepseek4_estimate_within_tolerance_of_xla(sizes, schedule, remat, atte
         assert parts["mtp layers"] > parts["embeddings and logits"]  # its phase is the MTP layer's
     if sizes.get("fsdp", 1) > 1 and remat == "full":  # a step's pattern gathers both of its layers' weights
         assert parts["gathered weights, one layer"] > 0 and parts["gathered gradient, one weight"] > 0
+    # Held beside the parameters, not trained: each hash layer's [vocab, k] int32 table, each routed layer's (the
+    # MTP layer's too) float32 selection bias; the total counts them.
+    hashed = config.mlp_layer_types.count(V4_HASH)
+    routed = config.num_hidden_layers - hashed + config.num_nextn_predict_layers
+    assert plan.buffer_bytes == 4 * (hashed * config.vocab_size * config.num_experts_per_tok
+                                     + routed * config.n_routed_experts)
+    assert plan.total(remat) == 2 * plan.param_bytes + plan.optimizer_bytes + plan.buffer_bytes + estimate
+    assert f"{config.hc_mult} hyper-connection streams" in plan.table() and "buffers" in plan.table()
 
 
 def test_deepseek4_plan_follows_the_models_rules():
