@@ -8,6 +8,8 @@ from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.llama4 import Llama4, Llama4Config
+from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
 from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
@@ -28,7 +30,11 @@ __all__ = [
     "Glm5Config",
     "Llama3",
     "Llama3Config",
+    "Llama4",
+    "Llama4Config",
     "LoRAParam",
+    "MiniMaxM2",
+    "MiniMaxM2Config",
     "Mistral4",
     "Mistral4Config",
     "Mixtral",

@@ -324,7 +324,9 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
 
         def tensor() -> np.ndarray:
             arrays = [s.transform.to_hf(host.get(s.path)[s.index]) for s in parts]
-            return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)  # fused halves, in order
+            # Fused halves, in order, joined on dim 1 (or the dim the transform names: ``join_axis``).
+            return arrays[0] if len(arrays) == 1 else np.concatenate(
+                arrays, axis=getattr(parts[0].transform, "join_axis", 1))
 
         return TensorToWrite(parts[0].key, nbytes, tensor)
 

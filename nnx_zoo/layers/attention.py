@@ -50,7 +50,7 @@ from nnx_zoo.layers.attention_mask import AttentionMask, causal_mask
 from nnx_zoo.layers.kv_cache import ring_keys, ring_mask, write_ring, write_slots
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.rope import apply_rope
+from nnx_zoo.layers.rope import apply_rope, rotate_pairs
 from nnx_zoo.layers.spec import explicit_spec, resolve_activation
 from nnx_zoo.sharding import axes_tuple, restore_sharding, shard, sharding_of
 from nnx_zoo.sharding.constrain import shard_to_spec
@@ -65,11 +65,14 @@ _BKND = ("activation_batch", "activation_kv_length", "activation_kv_heads", "act
 _QUERY_SIDE = ("activation_batch", "activation_length")
 _KEY_SIDE = ("activation_batch", "activation_kv_length")
 
-__all__ = ["ATTENTION_IMPLS", "LOCAL_FEATURES", "Attention", "AttentionFallbackWarning", "AttentionMask",
+__all__ = ["ATTENTION_IMPLS", "LOCAL_FEATURES", "ROPE_STYLES", "Attention", "AttentionFallbackWarning", "AttentionMask",
            "activation_spec", "ambient_mesh", "attention", "causal_mask", "choose_attention_impl", "dense_mask",
            "dot_product_attention", "run_per_query_shard", "token_mask_of", "vary_over"]
 
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "tokamax")
+# How ``Attention`` ropes queries and keys: rotate-half (Llama, Qwen), consecutive pairs rotated in place (Llama 4's
+# complex-number rope), or not at all (None: a NoPE layer; its cos/sin may be None).
+ROPE_STYLES = ("half", "pairs", None)
 
 # auto on CPU: the einsum path while one head's scores (q_len * k_len) are at most 512 x 512, blockwise beyond.
 # Measured on this 2-core CPU (benchmarks/kernel_memory.py, section attention_cpu: one causal call, forward +
@@ -516,7 +519,7 @@ def vary_over(a: jax.Array | None, axes: tuple[str, ...]) -> jax.Array | None:
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped key/value heads (MHA, GQA, MQA) and rotate-half rope.
+    """Multi-head attention with grouped key/value heads (MHA, GQA, MQA) and rope.
 
     ``num_kv_heads`` must divide ``num_heads`` (1 is multi-query attention); ``head_dim`` is free of
     ``features / num_heads``. ``use_bias`` adds biases to the q/k/v projections (HF ``attention_bias``; ``o_bias``
@@ -525,7 +528,11 @@ class Attention(nnx.Module):
     picks the kernel (``ATTENTION_IMPLS``; see ``attention``). A layer's local attention: ``window`` (a sliding
     window of that many slots, itself included), ``chunk``, ``sinks=True`` (a learned logit per head, ``sinks
     [heads]``, initialized to 0) and ``softcap`` (see ``attention``); its decoding cache is then a ring of
-    ``ring_slots(max_len, window, chunk)`` slots.
+    ``ring_slots(max_len, window, chunk)`` slots. ``rope`` (``ROPE_STYLES``): ``"half"`` rotates dim ``i`` with
+    ``i + rot/2`` (the default), ``"pairs"`` rotates consecutive pairs ``(2i, 2i+1)`` in place in float32 (the last
+    ``rot`` dims; transformers' complex-number rope), None skips rope (a NoPE layer: ``cos``/``sin`` are ignored and
+    may be None). A family may replace ``q_norm`` / ``k_norm`` (modules on ``[b, s, heads, head_dim]``, applied
+    before rope) or subclass to scale queries.
 
     Weights carry logical names: ``q_proj`` ``("embed", "heads", "kv")``, ``k_proj``/``v_proj``
     ``("embed", "kv_heads", "kv")``, ``o_proj`` ``("heads", "kv", "embed")``. The output comes back in the
@@ -554,11 +561,14 @@ class Attention(nnx.Module):
         chunk: int | None = None,
         sinks: bool = False,
         softcap: float | None = None,
+        rope: str | None = "half",
         dtype: jnp.dtype = jnp.float32,
         param_dtype: jnp.dtype = jnp.float32,
         kernel_init: nnx.initializers.Initializer = DEFAULT_INIT,
         rngs: nnx.Rngs,
     ):
+        if rope not in ROPE_STYLES:
+            raise ValueError(f"rope must be one of {ROPE_STYLES}, got {rope!r}")
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads ({num_kv_heads}) must be a positive divisor of num_heads ({num_heads})")
         if head_dim % 2:
@@ -573,6 +583,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_impl = attention_impl
         self.window, self.chunk = window, chunk
+        self.rope = rope
         self.softcap = None if softcap is None else float(softcap)
         self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype), out_sharding=("heads",),
                                eager_sharding=False) if sinks else None
@@ -592,7 +603,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+    def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
                  mask: AttentionMask | jax.Array | None) -> jax.Array:
         """``x [b, s, embed]``, rope ``cos/sin [b or 1, s, rot / 2]`` (``rot = head_dim`` unless partial rotary: then
         only each head's first ``rot`` dims rotate), ``mask`` (``causal_mask``; a dense
@@ -608,16 +619,22 @@ class Attention(nnx.Module):
         return attention(q, k, v, mask, self.scale, self.attention_impl, window=self.window, chunk=self.chunk,
                          sinks=None if self.sinks is None else self.sinks[...], softcap=self.softcap)
 
-    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(q [b, s, heads, head_dim], k, v [b, s, kv_heads, head_dim])``: q/k normed (``qk_norm``), then
-        roped (rotate-half)."""
+        roped (``rope``: rotate-half, pairs in place, or none)."""
         q, k, v = self.q_proj(x, _BLHD), self.k_proj(x, _BLND), self.v_proj(x, _BLND)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is None:
+            return q, k, v
+        if self.rope == "pairs":
+            return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v
         return apply_rope(q, cos, sin, interleaved=False), apply_rope(k, cos, sin, interleaved=False), v
 
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               start: jax.Array, mask: AttentionMask | jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def decode(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, k_cache: jax.Array,
+               v_cache: jax.Array, start: jax.Array, mask: AttentionMask | jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention for ``t`` new tokens ``x [b, t, embed]`` against one layer's cache.
 
         The new keys and values are written into ``k_cache``/``v_cache [b, max_len, kv_heads, head_dim]`` at

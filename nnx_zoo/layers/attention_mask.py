@@ -120,8 +120,10 @@ class AttentionMask(NamedTuple):
             mask = mask & (k_slots[None, :] > q_slots[:, None] - window)
         mask = mask[None, None]
         if chunk is not None:
-            starts = q_slots[None, :] - (q_slots[None, :] - self.doc_starts(q_len)) % chunk  # [b, q]
-            mask = mask & (k_slots[None, None, None, :] >= shard(starts, _QUERY_SIDE)[:, None, :, None])
+            starts = q_slots[None, :] - (q_slots[None, :] - self.doc_starts(q_len)) % chunk  # [b or 1, q]
+            if starts.shape[0] > 1:  # one row for the whole batch (no padding, no segments) stays as it is
+                starts = shard(starts, _QUERY_SIDE)
+            mask = mask & (k_slots[None, None, None, :] >= starts[:, None, :, None])
         if self.kv_valid is not None:
             mask = mask & shard(self.kv_valid.astype(bool), _KEY_SIDE)[:, None, None, :]
         if self.segment_ids is not None:

@@ -176,9 +176,11 @@ def _llama3_frequencies(inv_freq: np.ndarray, s: Llama3Scaling) -> np.ndarray:
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = np.float32(2 * math.pi) / inv_freq
     long_scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(s.factor), inv_freq)
-    smooth = (np.float32(s.original_max_position_embeddings) / wavelen - np.float32(s.low_freq_factor)) / np.float32(
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * long_scaled / np.float32(s.factor) + smooth * long_scaled
+    # Equal band factors (Llama 4 Scout's 1 and 1) leave no medium band: the inf/nan here are never selected below.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (np.float32(s.original_max_position_embeddings) / wavelen - np.float32(s.low_freq_factor)
+                  ) / np.float32(s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * long_scaled / np.float32(s.factor) + smooth * long_scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(medium, smoothed, long_scaled).astype(np.float32)
 

@@ -18,6 +18,10 @@ by their sum (+1e-20) when ``renormalize``, and always multiplied by ``scale``. 
 selection on any scores (softmax routers use it too). The bias (``RouterBias``) is not trained by gradients:
 ``balance_routing_bias`` moves it after each optimizer step, ``bias += rate * sign(mean load - load)``.
 
+``sigmoid_top_k`` (Llama 4): the ``k`` largest logits, each weighted by its ``sigmoid`` (float32); no bias, no
+group limit, not renormalised unless asked. Selection is on the logits themselves (the same order as the sigmoid's,
+without float32 ties where the sigmoid saturates).
+
 ``sqrtsoftplus_bias_top_k`` (DeepSeek-V4): the same with ``s = sqrt(softplus(logits))`` and no group limit; the
 weights are always divided by their sum (+1e-20). ``chosen_weights`` weights experts chosen elsewhere (DeepSeek-V4's
 hash-routed layers pick them from a frozen token-id table; the router's scores still weight them).
@@ -110,6 +114,21 @@ def sigmoid_bias_top_k(logits: jax.Array, k: int, *, bias: jax.Array, renormaliz
     return Routing(idx.astype(jnp.int32), weights, scores)
 
 
+def sigmoid_top_k(logits: jax.Array, k: int, *, renormalize: bool = False, scale: float = 1.0) -> Routing:
+    """The ``k`` largest ``logits [..., E]``, weighted by their sigmoid (float32), divided by their sum when
+    ``renormalize``, times ``scale``; ``probs`` are the sigmoid scores of every expert.
+
+    >>> sigmoid_top_k(jnp.array([[0.0, 2.0, -1.0]]), 1).weights
+    Array([[0.8808]], dtype=float32)
+    """
+    logits = logits.astype(jnp.float32)
+    top, idx = jax.lax.top_k(logits, k)
+    weights = jax.nn.sigmoid(top)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(idx.astype(jnp.int32), weights * scale, jax.nn.sigmoid(logits))
+
+
 def sqrt_softplus(logits: jax.Array) -> jax.Array:
     """DeepSeek-V4's router scores ``sqrt(softplus(logits))`` in float32 (positive, unbounded)."""
     return jnp.sqrt(jax.nn.softplus(logits.astype(jnp.float32)))
@@ -142,7 +161,8 @@ SCORES = {"sigmoid": lambda logits: jax.nn.sigmoid(logits.astype(jnp.float32)),
 # The routers a model picks by name (a config value): does the router carry a selection bias (RouterBias)?
 # ``*_hash`` routers take their choice from a frozen token-id table (``HashTable``) and weight it by their scores.
 ROUTERS: dict[str, bool] = {"softmax": False, "softmax_group_limited": False, "softmax_group_top2": False,
-                            "sigmoid_bias": True, "sqrtsoftplus_bias": True, "sqrtsoftplus_hash": False}
+                            "sigmoid": False, "sigmoid_bias": True, "sqrtsoftplus_bias": True,
+                            "sqrtsoftplus_hash": False}
 HASH_ROUTERS: dict[str, str] = {"sqrtsoftplus_hash": "sqrtsoftplus"}  # name -> its scores (SCORES)
 # The softmax routers' group score: the sum of a group's best ``group_top`` probabilities (0: no group limit).
 _SOFTMAX_GROUP_TOP = {"softmax": 0, "softmax_group_limited": 1, "softmax_group_top2": 2}
@@ -158,7 +178,8 @@ def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: ja
     """The ``Routing`` of ``logits [..., E]`` by the router named ``router`` (``ROUTERS``): ``"softmax"``
     (``softmax_top_k``; no bias or groups), ``"softmax_group_limited"`` (``softmax_top_k`` within the
     ``topk_group`` groups holding the best single probabilities; no bias), ``"softmax_group_top2"`` (the same
-    with a group scored by the sum of its two best probabilities), ``"sigmoid_bias"`` (``sigmoid_bias_top_k``) or
+    with a group scored by the sum of its two best probabilities), ``"sigmoid"`` (``sigmoid_top_k``; no bias or
+    groups), ``"sigmoid_bias"`` (``sigmoid_bias_top_k``) or
     ``"sqrtsoftplus_bias"`` (``sqrtsoftplus_bias_top_k``; no groups). A hash router (``HASH_ROUTERS``) routes to
     ``chosen [..., k]`` (the table's experts of each token), weighted by its scores."""
     if router in HASH_ROUTERS:
@@ -167,6 +188,8 @@ def route(router: str, logits: jax.Array, k: int, *, renormalize: bool, bias: ja
         scores = SCORES[HASH_ROUTERS[router]](logits)
         chosen = chosen.astype(jnp.int32)
         return Routing(chosen, chosen_weights(scores, chosen, renormalize=renormalize, scale=scale), scores)
+    if router == "sigmoid":
+        return sigmoid_top_k(logits, k, renormalize=renormalize, scale=scale)
     if router == "sqrtsoftplus_bias":
         return sqrtsoftplus_bias_top_k(logits, k, bias=bias, renormalize=renormalize, scale=scale)
     if router in _SOFTMAX_GROUP_TOP:

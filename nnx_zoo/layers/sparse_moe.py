@@ -2,7 +2,9 @@
 top-k, or sigmoid scores with a selection bias and group limit), routed SwiGLU experts (``RoutedExperts``: every
 ``moe_impl`` path and grouped-matmul kernel), optional shared experts.
 
-``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = route(router, x W_router)``. The router
+``out = sum_k w_k * expert_{i_k}(x) (+ shared(x))`` with ``(i, w) = route(router, x W_router)``; with
+``scale_inputs`` the weight scales each chosen expert's input instead, ``out = sum_k expert_{i_k}(w_k * x)`` (Llama 4;
+not the same for a SwiGLU, which is not linear). The router
 weight ``[embed, exp_router]`` is applied in float32 (logits ``[tokens, E]`` whole along the experts: top-k needs
 the whole row). The block returns ``SparseMoEOutput`` (always the same fields, a fixed shape), restored to the
 sharding its input arrived with.
@@ -29,6 +31,7 @@ from nnx_zoo.layers.routers import (
     balance_routing_bias,
     balance_sums,
     route,
+    softmax_top_k,
 )
 from nnx_zoo.layers.spec import explicit_spec, weight_einsum
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
@@ -74,8 +77,11 @@ class SparseMoE(nnx.Module):
     ``"sqrtsoftplus_bias"`` (the same on ``sqrt(softplus)`` scores, no groups), or a hash router
     (``"sqrtsoftplus_hash"``: each token's experts are row ``input_ids`` of a frozen ``tid2eid [vocab_size, k]``
     table, a ``HashTable`` Variable; the router's scores weight them). ``swiglu_limit`` clamps the experts' and
-    shared experts' pre-activations (``Glu``).
+    shared experts' pre-activations (``Glu``). ``scale_inputs``: each chosen expert runs on its token times the
+    routing weight and its output is added unweighted (run as ``k`` top-1 dispatches, so every ``moe_impl`` serves it).
     Weights are times ``routed_scaling_factor``. ``renormalize``: divide the ``k`` chosen weights by their sum.
+    ``balance_softmax``: the balance sums read the softmax of the router logits and its top-k (what transformers'
+    ``load_balancing_loss_func`` computes whatever the router) instead of this router's own scores and choice.
     ``moe_impl``: ``RoutedExperts``' path (``auto`` / ``dense`` / ``gmm`` / ``ep``), ``capacity_factor`` for ``ep``.
     ``routed`` is the block without its output tuple, for a family's block that builds its own.
 
@@ -90,7 +96,8 @@ class SparseMoE(nnx.Module):
                  renormalize: bool, shared_hidden: int = 0, router: str = "softmax", n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, moe_impl: MoeImpl = "auto",
                  grouped_matmul_impl: str = "auto", capacity_factor: float | None = None,
-                 swiglu_limit: float | None = None, vocab_size: int | None = None,
+                 swiglu_limit: float | None = None, vocab_size: int | None = None, scale_inputs: bool = False,
+                 balance_softmax: bool = False,
                  dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         self.num_experts, self.experts_per_token, self.renormalize = num_experts, experts_per_token, renormalize
@@ -99,6 +106,8 @@ class SparseMoE(nnx.Module):
         self.moe_impl, self.capacity_factor = moe_impl, capacity_factor
         self.router_kind, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.scale_inputs = scale_inputs
+        self.balance_softmax = balance_softmax
         self.router = nnx.Param(kernel_init(rngs.params(), (features, num_experts), param_dtype),
                                 out_sharding=("embed", "exp_router"), eager_sharding=False)
         # float32 whatever param_dtype: a bf16 bias could not take the balancing rule's small steps.
@@ -129,7 +138,10 @@ class SparseMoE(nnx.Module):
             if logits.ndim == 2:
                 mask = shard(jnp.reshape(mask, (batch * seq,), out_sharding=explicit_spec(_TE[:1], (batch * seq,))),
                              _TE[:1])
-            balance = balance_sums(routing, mask)
+            # balance_softmax: the Switch loss's own softmax top-k of the logits, not the selection made above.
+            scored = softmax_top_k(logits, self.experts_per_token, renormalize=False) if self.balance_softmax else (
+                routing)
+            balance = balance_sums(scored, mask)
         idx = routing.expert_indices.reshape(batch, seq, self.experts_per_token)
         return SparseMoEOutput(out, idx, dropped, balance)
 
@@ -163,13 +175,28 @@ class SparseMoE(nnx.Module):
         routing = route(self.router_kind, logits, self.experts_per_token, renormalize=self.renormalize, bias=bias,
                         n_group=self.n_group, topk_group=self.topk_group, scale=self.routed_scaling_factor,
                         chosen=chosen)
-        out, dropped = self.experts(tokens, routing.expert_indices, routing.weights, impl=self.moe_impl,
-                                    capacity_factor=self.capacity_factor, return_dropped=True)
+        if self.scale_inputs:
+            out, dropped = self._input_scaled(tokens, routing)
+        else:
+            out, dropped = self.experts(tokens, routing.expert_indices, routing.weights, impl=self.moe_impl,
+                                        capacity_factor=self.capacity_factor, return_dropped=True)
         out = jnp.reshape(out, x.shape, out_sharding=explicit_spec(_BLE, x.shape))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         out = restore_sharding(shard(out.astype(x.dtype), _BLE), in_sharding)
         return RoutedOutput(out, routing, logits, dropped)
+
+    def _input_scaled(self, tokens: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
+        """``sum_j expert_{i_j}(w_j * x)`` over the ``k`` choices, one top-1 dispatch each (outputs unweighted), and
+        the dropped (token, expert) pairs summed."""
+        out, dropped = None, jnp.zeros((), jnp.int32)
+        for j in range(self.experts_per_token):
+            idx = routing.expert_indices[..., j:j + 1]
+            weight = routing.weights[..., j:j + 1]
+            part, lost = self.experts(tokens * weight.astype(tokens.dtype), idx, jnp.ones_like(weight),
+                                      impl=self.moe_impl, capacity_factor=self.capacity_factor, return_dropped=True)
+            out, dropped = part if out is None else out + part, dropped + lost
+        return out, dropped
 
     def balance_bias(self, expert_load: jax.Array, rate: float) -> None:
         """Move the selection bias toward balance after an optimizer step (``balance_routing_bias``);

@@ -34,7 +34,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from nnx_zoo.generate import generate
-from nnx_zoo.hf import KeyTable, SafetensorsCheckpoint, load_module, save_module
+from nnx_zoo.hf import CheckpointFormatError, KeyTable, SafetensorsCheckpoint, load_module, save_module
+from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.layers.attention import Attention, AttentionMask, causal_mask
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
@@ -70,14 +71,24 @@ class DecoderLayer(nnx.Module):
     (2, 8, 128)
     """
 
+    # The attention module, built with ``config.attention_options(kind)``'s keywords (a family's subclass of
+    # ``Attention`` takes its own ones there too).
+    attention_class: ClassVar[type[Attention]] = Attention
+
     def __init__(self, config: DecoderConfig, *, kind: Any = FULL, rngs: nnx.Rngs):
         c = config
         init = nnx.initializers.normal(c.initializer_range)
         self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
-        self.attn = Attention(c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, use_bias=c.attention_bias, o_bias=c.attention_output_bias,
-                              qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps, attention_impl=c.attention_impl,
-                              kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
+        self.attn = self.attention_class(
+            c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            use_bias=c.attention_bias, o_bias=c.attention_output_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+            attention_impl=c.attention_impl, kernel_init=init, rngs=rngs, **c.attention_options(kind), **_dtypes(c))
+        if c.qk_norm and c.qk_norm_full_width:
+            # Attention norms each head; this norm takes the same place (q/k [b, s, heads, head_dim] before rope)
+            # with one statistic and scale over all heads of the projection.
+            heads = {"q_norm": c.num_attention_heads, "k_norm": c.num_key_value_heads}
+            for name, n in heads.items():
+                setattr(self.attn, name, RMSNorm(n * c.head_dim, eps=c.rms_norm_eps, axes=2, **_dtypes(c)))
         self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
         self.mlp = self._make_mlp(c, init, rngs)
 
@@ -139,6 +150,14 @@ class CausalLMOutput(NamedTuple):
     indexer_loss: jax.Array | None = None
 
 
+def _subclasses(cls: type) -> list[type]:
+    """``cls``'s subclasses that have a config class, each before its own subclasses."""
+    out = []
+    for sub in cls.__subclasses__():
+        out += ([sub] if "config_class" in vars(sub) else []) + _subclasses(sub)
+    return out
+
+
 class CausalLMBase(nnx.Module):
     """What every family's causal LM shares: ``create``, ``__call__`` (logits), generation over a cache.
 
@@ -164,6 +183,26 @@ class CausalLMBase(nnx.Module):
     lm_head: Linear | None
     rope_inv_freq: tuple[float, ...]
     rope_attention_factor: float
+
+    @classmethod
+    def config_from_hf(cls, directory: Path, overrides: dict[str, Any]) -> Any:
+        """This family's config of checkpoint ``directory``; a ``config.json`` another loaded family reads raises
+        ``CheckpointFormatError`` naming that family's class."""
+        try:
+            return cls.config_class.from_hf(directory, **overrides)
+        except CheckpointFormatError as err:
+            try:
+                model_type = read_json_object(config_json_path(directory), "model config").get("model_type")
+            except CheckpointFormatError:
+                raise err from None
+            if model_type in cls.config_class.hf_model_types():
+                raise
+            readers = [c for c in _subclasses(CausalLMBase) if model_type in c.config_class.hf_model_types()]
+            if not readers:
+                raise
+            name = readers[0].__name__
+            raise CheckpointFormatError(f"{err}. It is a {name} checkpoint: load it with {name}.from_pretrained "
+                                        "(or nnx_zoo.AutoModelForCausalLM.from_pretrained)") from err
 
     @classmethod
     def create(cls: type[M], config: Any, *, mesh: Mesh | None = None, rules: Rules | str = "default",
@@ -383,7 +422,7 @@ class CausalLM(CausalLMBase):
         directory = Path(path)
         overrides = pretrained_overrides(dtype, config_overrides)
         rules = get_rules(rules if rules is not None else "default")
-        config = cls.config_class.from_hf(directory, **overrides)
+        config = cls.config_from_hf(directory, overrides)
         with SafetensorsCheckpoint(directory) as ckpt:
             abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
                                                    allow_partial=allow_partial or None))

@@ -74,6 +74,11 @@ class FamilyConfig:
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        """The ``config.json`` ``model_type`` values this config reads (each family's config names them)."""
+        return ()
+
+    @classmethod
     def check_field_names(cls, names: Any) -> None:
         """Raise ``TypeError`` naming each of ``names`` that is not a field of this config, with close matches
         (a misspelt override must not become a raw dataclass error, or silently nothing)."""
@@ -179,6 +184,9 @@ class DecoderConfig(FamilyConfig):
     MODEL_TYPE: ClassVar[str] = ""  # HF model_type this config reads and writes
     ARCHITECTURE: ClassVar[str] = ""  # HF architectures[0]
     QK_NORM: ClassVar[bool] = False  # per-head RMSNorm of queries and keys before rope
+    # Whether that q/k norm runs over the whole projection (one statistic and scale over all heads: num_heads *
+    # head_dim for queries, num_key_value_heads * head_dim for keys) rather than over each head.
+    QK_NORM_FULL_WIDTH: ClassVar[bool] = False
     # Whether o_proj has a bias when attention_bias is set (None: it does, as Llama's; False: only q/k/v do).
     O_BIAS: ClassVar[bool | None] = None
     HF_EXTRAS: ClassVar[dict[str, Any]] = {}  # constant keys written to config.json
@@ -311,6 +319,12 @@ class DecoderConfig(FamilyConfig):
         return self.QK_NORM
 
     @property
+    def qk_norm_full_width(self) -> bool:
+        """Whether the q/k norm (``qk_norm``) spans the whole projection instead of each head (the family's
+        ``QK_NORM_FULL_WIDTH``)."""
+        return self.QK_NORM_FULL_WIDTH
+
+    @property
     def attention_output_bias(self) -> bool:
         """Whether ``o_proj`` has a bias: ``attention_bias`` unless the family's ``O_BIAS`` says otherwise."""
         return self.attention_bias if self.O_BIAS is None else self.O_BIAS and self.attention_bias
@@ -352,6 +366,10 @@ class DecoderConfig(FamilyConfig):
                 for kind in dict.fromkeys(kinds)]
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
+    @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return (cls.MODEL_TYPE,)
+
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DecoderConfig:
         model_type = d.get("model_type", cls.MODEL_TYPE)
@@ -416,7 +434,7 @@ class DecoderConfig(FamilyConfig):
         if self.attention_bias:
             attention += heads * hd + 2 * kv * hd + (h if self.attention_output_bias else 0)
         if self.qk_norm:
-            attention += 2 * hd
+            attention += (heads + kv) * hd if self.qk_norm_full_width else 2 * hd
         return attention + 3 * h * self.intermediate_size + 2 * h  # + input and post-attention norms
 
     def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:

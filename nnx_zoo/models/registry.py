@@ -19,6 +19,8 @@ from nnx_zoo.models.deepseek4 import DeepSeekV4, DeepSeekV4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.llama import Llama3, Llama3Config
+from nnx_zoo.models.llama4 import Llama4, Llama4Config
+from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
 from nnx_zoo.models.mistral4 import Mistral4, Mistral4Config
 from nnx_zoo.models.mixtral import Mixtral, MixtralConfig
 from nnx_zoo.models.qwen3 import Qwen3, Qwen3Config
@@ -33,12 +35,15 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "kimi_k2": (DeepSeekV3Config, DeepSeekV3),  # Moonshot's Kimi K2: DeepSeek-V3's architecture (exported as V3)
     "deepseek_v4": (DeepSeekV4Config, DeepSeekV4),
     "llama": (Llama3Config, Llama3),
+    "llama4_text": (Llama4Config, Llama4),
+    "llama4": (Llama4Config, Llama4),  # the multimodal checkpoint: its text model (exported as llama4_text)
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),
     "mixtral": (MixtralConfig, Mixtral),
     "glm4_moe": (Glm4MoEConfig, Glm4MoE),
     "glm_moe_dsa": (Glm5Config, Glm5),  # GLM-5: DeepSeek-V3.2's parts, its indexer rope, cross-layer top-k reuse
     "mistral4": (Mistral4Config, Mistral4),  # Mistral 4: DeepSeek-V3's parts, its router and query scale
+    "minimax_m2": (MiniMaxM2Config, MiniMaxM2),
 }
 
 

@@ -198,6 +198,20 @@ def test_blockwise_local_under_mesh_equals_one_device_xla(sizes, rules, mode):
     _assert_close(got, want, pad)
 
 
+def test_chunk_without_padding_under_an_explicit_mesh():
+    """A chunked call with no padding or segments (one row of chunk starts for the whole batch) on an Explicit mesh
+    that splits the batch: the einsum path's mask keeps that row whole and equals one device."""
+    rng = np.random.default_rng(6)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 8, 2, 8)), jnp.float32) for _ in range(3))
+    want = dot_product_attention(q, k, v, AttentionMask.causal(8), SCALE, chunk=3)
+    mesh = make_mesh({"fsdp": 2}, shard_mode="explicit", devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), use_rules("default"):
+        spec = named_sharding(("activation_batch", None, None, None), "default", mesh)
+        got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, AttentionMask.causal(8), SCALE, chunk=3))(
+            *(jax.device_put(a, spec) for a in (q, k, v)))
+    assert rel_err(np.asarray(got), np.asarray(want)) < TOL
+
+
 # -------------------------------------------------------------------------------------------------- the chooser
 @pytest.fixture
 def fresh_warnings(monkeypatch):

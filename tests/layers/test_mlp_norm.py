@@ -46,6 +46,22 @@ def test_rms_norm_matches_transformers(norm_cls):
     assert rel_err(ours(jnp.asarray(x)), want) < 1e-6
 
 
+def test_rms_norm_over_two_trailing_dims_is_the_norm_of_the_flattened_projection():
+    """``axes=2`` on ``[..., heads, head_dim]``: transformers' norm of the whole ``heads * head_dim`` projection
+    (MiniMax-M2's q/k norm), its flat scale viewed per head; not each head's own norm."""
+    ref = LlamaRMSNorm(4 * 6, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.normal_()
+    ours = RMSNorm(4 * 6, eps=1e-6, axes=2)
+    ours.scale[...] = jnp.asarray(ref.weight.detach().numpy())
+    x = np.random.default_rng(2).normal(size=(2, 5, 4, 6)).astype(np.float32) * np.arange(1, 5)[:, None]
+    with torch.no_grad():
+        want = ref(torch.as_tensor(x.reshape(2, 5, 24))).numpy().reshape(x.shape)
+    assert rel_err(ours(jnp.asarray(x)), want) < 1e-6
+    per_head = RMSNorm(6, eps=1e-6)(jnp.asarray(x)) * ours.scale[...].reshape(4, 6)
+    assert rel_err(per_head, want) > 1e-2
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_rms_norm_of_rows_whose_square_overflows_is_finite_with_finite_gradient(jit):
     """A diverged run's final norm saw a residual stream of |x| ~ 4e26: x * x overflows float32, so the mean square

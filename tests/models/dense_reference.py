@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral / GLM-4.5: ``MOE_FAMILIES``) checkpoints
+"""Tiny random Hugging Face Llama / Qwen3 (and Qwen3-MoE / Mixtral / GLM-4.5 / MiniMax-M2: ``MOE_FAMILIES``) checkpoints
 (PyTorch, CPU, float32) for the families' tests on the dense core.
 
 ``make_hf(family, **config)`` builds transformers' own model with every weight drawn at random (norm scales
@@ -20,6 +20,8 @@ from transformers import (
     Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniMaxM2Config,
+    MiniMaxM2ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen3Config,
@@ -28,7 +30,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from nnx_zoo import Glm4MoE, Llama3, Mixtral, Qwen3, Qwen3MoE
+from nnx_zoo import Glm4MoE, Llama3, MiniMaxM2, Mixtral, Qwen3, Qwen3MoE
 
 # family -> (our class, HF config class, HF model class)
 FAMILIES = {
@@ -40,6 +42,7 @@ MOE_FAMILIES = {
     "qwen3_moe": (Qwen3MoE, Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "mixtral": (Mixtral, MixtralConfig, MixtralForCausalLM),
     "glm4_moe": (Glm4MoE, Glm4MoeConfig, Glm4MoeForCausalLM),
+    "minimax_m2": (MiniMaxM2, MiniMaxM2Config, MiniMaxM2ForCausalLM),
 }
 MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
@@ -47,6 +50,8 @@ MOE_DEFAULTS = {
     # Layer 0 dense, then 8 experts top-2 + 1 shared; biased q/k/v, rope on half of each head.
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
                      attention_bias=True),
+    # Every layer 8 experts top-2 (sigmoid + selection bias), width 16; rope on half of each head (the hub's key).
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, rotary_dim=4),
 }
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6,

@@ -25,6 +25,8 @@ from nnx_zoo import (
     Glm5Config,
     Llama3,
     Llama3Config,
+    Llama4Config,
+    MiniMaxM2Config,
     Mistral4Config,
     MixtralConfig,
     Qwen3,
@@ -97,11 +99,12 @@ def test_one_family_on_another_families_checkpoint(checkpoints):
 def test_presets_of_every_family():
     names = preset_names()
     assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
-                          "Mistral4"}
+                          "Mistral4", "Llama4", "MiniMaxM2"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
                         ("Qwen3", Qwen3Config),
                         ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
-                        ("Glm5", Glm5Config), ("Mistral4", Mistral4Config)):
+                        ("Glm5", Glm5Config), ("Mistral4", Mistral4Config),
+                        ("Llama4", Llama4Config), ("MiniMaxM2", MiniMaxM2Config)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -114,6 +117,7 @@ def test_presets_of_every_family():
     assert AutoModelForCausalLM.model_class("llama") is Llama3
     assert AutoModelForCausalLM.model_class("glm_moe_dsa").__name__ == "Glm5"
     assert AutoModelForCausalLM.model_class("mistral4").__name__ == "Mistral4"
+    assert AutoModelForCausalLM.model_class("llama4_text") is AutoModelForCausalLM.model_class("llama4")
 
 
 def test_config_validation():
@@ -220,7 +224,8 @@ def test_config_json_without_a_shape_field_names_it(tmp_path, cls, preset):
             cls.from_hf({k: v for k, v in full.items() if k != missing})
 
 
-@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny"])
+@pytest.mark.parametrize("preset", ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny",
+                                    "llama4-tiny", "minimax-m2-tiny"])
 def test_config_json_without_kv_heads_reads_as_transformers_reads_it(preset):
     # Each transformers config class fills an absent num_key_value_heads its own way (LlamaConfig: the attention
     # heads; the others: a class default), so a file that leaves it out must not take our preset's value.
@@ -247,9 +252,11 @@ def test_partial_rotary_is_refused_where_transformers_does_not_implement_it(tmp_
 
 
 # One preset per family: the dense-core ones take hidden_size // num_attention_heads = 96 // 4 = 24 (neither 128 nor
-# the presets' 32 or 64); DeepSeek's (V3, V2, V3.2, GLM-5, Mistral 4) have no head_dim of their own.
+# the presets' 32 or 64), but where transformers' config class defaults it (Qwen3, MiniMax-M2, Llama 4 when absent:
+# 128); DeepSeek's (V3, V2, V3.2, GLM-5, Mistral 4) have no head_dim of their own.
 HEAD_DIM_PRESETS = ["llama3-tiny", "qwen3-tiny", "qwen3-moe-tiny", "mixtral-tiny", "glm4.5-tiny", "deepseek3-mini",
-                    "deepseek2-tiny", "deepseek3.2-tiny", "glm5-tiny", "mistral4-tiny", "deepseek4-tiny"]
+                    "deepseek2-tiny", "deepseek3.2-tiny", "glm5-tiny", "mistral4-tiny", "deepseek4-tiny",
+                    "llama4-tiny", "minimax-m2-tiny"]
 
 
 @pytest.mark.parametrize("head_dim", ["absent", "null"])
@@ -284,7 +291,8 @@ def test_config_json_without_head_dim_reads_as_transformers_reads_it(preset, hea
         hf = None
     if hf is None:
         assert head_dim == "null" and preset in ("qwen3-tiny", "qwen3-moe-tiny", "glm4.5-tiny", "deepseek3.2-tiny",
-                                                 "glm5-tiny", "mistral4-tiny", "deepseek4-tiny")
+                                                 "glm5-tiny", "mistral4-tiny", "deepseek4-tiny", "llama4-tiny",
+                                                 "minimax-m2-tiny")
         with pytest.raises(ValueError, match="head_dim is null: transformers' .* cannot build that model"):
             AutoConfig.from_hf(d)
         if not deepseek:  # an override supplies it
@@ -300,7 +308,10 @@ def test_config_json_without_head_dim_reads_as_transformers_reads_it(preset, hea
         q = attn.q_b_proj if config.q_lora_rank else attn.q_proj
         assert q.weight.shape[0] == ours.num_attention_heads * ours.qk_head_dim
     else:
-        assert ours.head_dim == attn.q_proj.weight.shape[0] // 4 == (128 if preset == "qwen3-tiny" else 24)
+        # Qwen3's and MiniMax-M2's config classes default an absent head_dim to 128, and so does Llama 4's; the
+        # others take hidden_size // heads.
+        default = preset in ("qwen3-tiny", "minimax-m2-tiny") or (preset == "llama4-tiny" and head_dim == "absent")
+        assert ours.head_dim == attn.q_proj.weight.shape[0] // 4 == (128 if default else 24)
 
 
 def test_a_mixtral_config_that_transformers_saved_loads(tmp_path):

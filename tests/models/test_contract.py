@@ -23,7 +23,8 @@ from nnx_zoo.sharding.axes import STACK_AXES
 # One small preset per family, shrunk further (2 layers, 256 tokens) so the whole file runs in seconds.
 PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Llama3": "llama3-tiny",
              "Qwen3": "qwen3-tiny", "Qwen3MoE": "qwen3-moe-tiny", "Mixtral": "mixtral-tiny", "Glm4MoE": "glm4.5-tiny",
-             "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny"}
+             "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
+             "MiniMaxM2": "minimax-m2-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -40,12 +41,15 @@ LORA_DEFAULT = {
     # Every layer MoE: attention only (the routed experts are opt-in, as DeepSeek's).
     "Qwen3MoE": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
     "Mixtral": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
+    "MiniMaxM2": {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
     # Layer 0 dense (its SwiGLU too), then MoE layers (attention only).
     "Glm4MoE": {f"layers/{p}" for p in _GQA_SWIGLU[:4]} | {f"dense_layers/{p}" for p in _GQA_SWIGLU},
     # DeepSeek's MLA projections: layer 0 (dense, with an indexer), layer 1 (MoE, reusing layer 0's top-k), MTP.
     "Glm5": {f"{stack}/attn/{p}" for stack in ("dense_layers", "shared_topk_moe_layers", "mtp_layers/layer")
              for p in _MLA},
     "Mistral4": {f"moe_layers/attn/{p}" for p in _MLA},  # every layer MoE, no MTP
+    # Layer 0 a dense chunked one (its SwiGLU too), layer 1 an MoE chunked one (attention only).
+    "Llama4": {f"chunked_dense_layers/{p}" for p in _GQA_SWIGLU} | {f"chunked_layers/{p}" for p in _GQA_SWIGLU[:4]},
 }
 
 

@@ -6,7 +6,9 @@ then an MoE layer, Mixtral), with ``moe_impl='ep'`` and the Switch aux loss on, 
 FSDP 8 and on FSDP 4 x EP 2 under the ``default``, ``ep-as-cp`` and ``shard-exp-on-fsdp`` rule sets; so does
 GLM-4.5 (a dense then an MoE layer, group-limited sigmoid + bias routing, shared experts, partial rotary, biases;
 no aux loss) with aux-loss-free balancing on (the routing bias moves after each step, so step 2 routes by the
-bias step 1 left), in CI on FSDP 4 x EP 2, Explicit.
+bias step 1 left), in CI on FSDP 4 x EP 2, Explicit; and MiniMax-M2 (sigmoid routing with a selection-only bias,
+partial rotary, the Switch aux loss and bias balancing both on) on those meshes and on FSDP 4 x TP 2, where tensor
+parallelism splits the heads its q/k norm spans, in CI on FSDP 4 x TP 2, Explicit, and FSDP 4 x EP 2, Auto, ep-as-cp.
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs each family on both meshes, once per mode;
@@ -31,6 +33,10 @@ from nnx_zoo import (
     Glm4MoEConfig,
     Llama3,
     Llama3Config,
+    Llama4,
+    Llama4Config,
+    MiniMaxM2,
+    MiniMaxM2Config,
     Mixtral,
     MixtralConfig,
     Qwen3,
@@ -54,15 +60,22 @@ MOE_FAMILIES = {
                                                  batch_split_factor=2)),
     "mixtral": (Mixtral, MixtralConfig.preset("mixtral-tiny", **TINY, **MOE)),
     "glm4_moe": (Glm4MoE, Glm4MoEConfig.preset("glm4.5-tiny", **TINY, moe_impl="ep", moe_intermediate_size=32,
-                                               n_group=2, topk_group=1, tie_word_embeddings=False))}
+                                               n_group=2, topk_group=1, tie_word_embeddings=False)),
+    # Four layers: chunked dense, chunked MoE, chunked dense, NoPE MoE; chunks of 4 and temperature from slot 3.
+    "llama4": (Llama4, Llama4Config.preset("llama4-tiny", **{**TINY, "num_hidden_layers": 4, "intermediate_size": 32},
+                                           moe_impl="ep", attention_chunk_size=4, floor_scale=4)),
+    "minimax_m2": (MiniMaxM2, MiniMaxM2Config.preset("minimax-m2-tiny", **TINY, **MOE, tie_word_embeddings=False))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
-STEP_KWARGS = {"glm4_moe": dict(model_kwargs=(("with_expert_load", True),), routing_bias_rate=BIAS_RATE)}
+BIAS_BALANCING = dict(model_kwargs=(("with_expert_load", True),), routing_bias_rate=BIAS_RATE)
+STEP_KWARGS = {"glm4_moe": BIAS_BALANCING, "minimax_m2": BIAS_BALANCING}
+# MoE families run on tensor-parallel meshes too where the heads' split meets a norm over all heads.
+TP_TOO = {"minimax_m2"}
 MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}, "fsdp4-ep2": {"fsdp": 4, "expert": 2}}
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 CASES = [(f, m, mode, "default") for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")
-         if (m == "fsdp4-ep2") == (f in MOE_FAMILIES) or m == "fsdp8"]
+         if (m == "fsdp4-ep2") == (f in MOE_FAMILIES) or m == "fsdp8" or (f in TP_TOO and m == "fsdp4-tp2")]
 CASES += [(f, "fsdp4-ep2", mode, r) for f in MOE_FAMILIES for mode in ("auto", "explicit")
           for r in ("ep-as-cp", "shard-exp-on-fsdp")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
@@ -70,7 +83,9 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("qwen3", "fsdp8", "explicit", "default"), ("qwen3", "fsdp4-tp2", "auto", "default"),
              ("qwen3_moe", "fsdp8", "auto", "default"), ("qwen3_moe", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("mixtral", "fsdp4-ep2", "explicit", "shard-exp-on-fsdp"),
-             ("glm4_moe", "fsdp4-ep2", "explicit", "default")]
+             ("glm4_moe", "fsdp4-ep2", "explicit", "default"),
+             ("llama4", "fsdp4-ep2", "auto", "shard-exp-on-fsdp"), ("llama4", "fsdp4-ep2", "explicit", "ep-as-cp"),
+             ("minimax_m2", "fsdp4-tp2", "explicit", "default"), ("minimax_m2", "fsdp4-ep2", "auto", "ep-as-cp")]
 
 
 @functools.cache

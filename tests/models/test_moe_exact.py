@@ -1,12 +1,14 @@
-"""Qwen3-MoE, Mixtral and GLM-4.5 against transformers (PyTorch, CPU, float32): logits within relative 1e-5 on tiny
-random checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts, dense layers
-mixed in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``, GLM-4.5's ``first_k_dense_replace``), and
-for GLM-4.5 partial rotary (0.5 and 0.25), q/k/v biases on and off, q/k norm on and off, one or two shared
-experts and group-limited sigmoid + bias routing with ``routed_scaling_factor``, on a left-padded masked batch
-and an unpadded one. Each case also checks the Switch load-balancing loss (``aux_loss`` = ``router_aux_loss_coef``
-x transformers' ``outputs.aux_loss``, padded and not; GLM-4.5 has none in transformers, nor here) and goes both
-ways: transformers' ``save_pretrained``
-(per-expert keys, what transformers 5 writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
+"""Qwen3-MoE, Mixtral, GLM-4.5 and MiniMax-M2 against transformers (PyTorch, CPU, float32): logits within relative
+1e-5 on tiny random checkpoints spanning renormalised and raw top-k weights, top-k 1, 2 and 4, 8 and 16 experts,
+dense layers mixed in (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``, GLM-4.5's
+``first_k_dense_replace``), for GLM-4.5 partial rotary (0.5 and 0.25), q/k/v biases on and off, q/k norm on and
+off, one or two shared experts and group-limited sigmoid + bias routing with ``routed_scaling_factor``, and for
+MiniMax-M2 its full-width q/k norm, rope on a quarter of each head (``rotary_dim``) and sigmoid routing with a
+selection-only bias, on a left-padded masked batch and an unpadded one. Each case also checks the Switch
+load-balancing loss (``aux_loss`` = ``router_aux_loss_coef`` x transformers' ``outputs.aux_loss``, padded and not;
+MiniMax-M2's on the softmax of its sigmoid router's logits, as transformers computes it; GLM-4.5 has none in
+transformers, nor here) and goes both ways: transformers' ``save_pretrained`` (per-expert keys, what transformers 5
+writes) -> our ``from_pretrained``, ours -> transformers. A checkpoint in
 transformers-5's fused expert layout loads too (each family; GLM-4.5's top-1 with tied embeddings), every
 ``moe_impl`` path gives the same logits on it, and LoRA on the routed experts merges into the weights it adapted.
 """
@@ -49,12 +51,16 @@ CASES = {
                                      head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.25}),
     },
+    "minimax_m2": {
+        # 3 layers of 16 experts top-4 (sigmoid, selection bias, renormalised), rope on 2 of 8 dims (rotary_dim).
+        "e16-top4-rotary2": dict(num_hidden_layers=3, num_local_experts=16, num_experts_per_tok=4, rotary_dim=2),
+    },
 }
 # The fused-layout test's settings per family (on top of dense_reference's tiny ones). GLM-4.5's is top-1 with tied
 # embeddings, once an exactness case here ("e8-top1-tied", its checkpoint fused): the fused test checks its logits
 # under every moe_impl (and LoRA), the other GLM-4.5 cases the export, aux loss and unpadded batch it also had.
 FUSED = {"qwen3_moe": dict(num_experts_per_tok=2), "mixtral": dict(num_experts_per_tok=2),
-         "glm4_moe": dict(num_experts_per_tok=1, tie_word_embeddings=True)}
+         "glm4_moe": dict(num_experts_per_tok=1, tie_word_embeddings=True), "minimax_m2": dict(num_experts_per_tok=2)}
 # LoRA (family-agnostic: one module tree, one lora_targets) runs on one family's fused model: GLM-4.5's, whose
 # attention has the most to merge into (q/k/v biases, partial rotary) and which has a dense layer before the MoE ones.
 LORA_FAMILY = "glm4_moe"
@@ -101,7 +107,8 @@ def test_logits_aux_loss_and_round_trips(tmp_path, family, case):
     back = rel_err(_hf_outputs(again, ids, mask)[0], np.asarray(out.logits), keep=mask)
     assert back < TOL, back
     for name in ("num_experts_per_tok", "num_local_experts", "norm_topk_prob", "mlp_only_layers",
-                 "decoder_sparse_step", "tie_word_embeddings") + GLM_FIELDS * (family == "glm4_moe"):
+                 "decoder_sparse_step", "tie_word_embeddings") + GLM_FIELDS * (family == "glm4_moe") + (
+                     "rotary_dim", "rope_parameters") * (family == "minimax_m2"):
         assert getattr(again.config, name, None) == getattr(hf.config, name, None), name
     print(f"{family}/{case}: max relative error masked {padded:.2e}, unmasked {plain:.2e}, exported {back:.2e}")
 

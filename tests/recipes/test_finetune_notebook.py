@@ -88,6 +88,11 @@ def _transformers_checkpoint(family: str, directory: Path):
         from tests.models.deepseek4.reference import make_hf_model as make_v4
 
         model = make_v4(hf_config("parts", vocab_size=vocab, max_position_embeddings=256), seed=0)
+    elif family == "llama4_text":  # a chunked dense layer, then a NoPE MoE one (top-2, a shared expert)
+        from tests.models.llama4.reference import make_hf as make_llama4
+
+        model = make_llama4("maverick", vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
+                            no_rope_layers=[1, 0])
     else:
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
@@ -103,7 +108,8 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
 # merged.
 @pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
                                                      ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
-                                                     ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3)])
+                                                     ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3),
+                                                     ("llama4_text", 1), ("minimax_m2", 1)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 

@@ -66,18 +66,20 @@ def test_a_llama3_preset_trains_and_resumes(tmp_path, capsys):
 @pytest.mark.parametrize(("preset", "layers"), [
     ("qwen3-moe-tiny", ["--model.num_hidden_layers", "2", "--model.mlp_only_layers", "[0]"]),  # dense, then MoE
     ("mixtral-tiny", []),
+    # Sigmoid routing with a selection bias: the Switch loss on the softmax of its logits, and bias balancing too.
+    ("minimax-m2-tiny", ["--routing-bias-rate", "0.01"]),
 ])
 def test_an_moe_preset_trains_with_the_switch_aux_loss(tmp_path, capsys, preset, layers):
-    """Qwen3-MoE and Mixtral train with the recipe; ``--model.output_router_logits true`` adds the Switch
-    load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
+    """Qwen3-MoE, Mixtral and MiniMax-M2 train with the recipe; ``--model.output_router_logits true`` adds the
+    Switch load-balancing loss (times ``router_aux_loss_coef``), logged as ``aux_loss``."""
     run_dir = tmp_path / "run"
     args = ["--model", preset, *TINY, *layers, *SHORT, "--steps", "2", "--moe-impl", "dense",
             "--model.output_router_logits", "true", "--run-dir", str(run_dir)]
     assert recipe.main(args) == 0
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    # About coef * k for a near-uniform router (a fresh model's): 0.001 * 2 for Qwen3-MoE, 0.02 * 2 for Mixtral.
-    coef = 0.001 if preset.startswith("qwen3") else 0.02
+    # About coef * k for a near-uniform router (a fresh model's): 0.02 * 2 for Mixtral, 0.001 * 2 for the others.
+    coef = 0.02 if preset.startswith("mixtral") else 0.001
     assert all(0.9 * 2 * coef < r["aux_loss"] < 1.5 * 2 * coef for r in rows), rows
     assert f"{preset} (" in capsys.readouterr().err
 
@@ -102,6 +104,9 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
                    "--routing-bias-rate", "0.01"]),
     # Mistral 4: every layer MoE, its softmax group-limited router (no bias to balance), YaRN, the query scale.
     ("mistral4-tiny", []),
+    # Llama 4: a chunked dense layer (chunks of 4 in the 16-token sequences), a NoPE MoE one (temperature tuning).
+    ("llama4-tiny", ["--model.num_hidden_layers", "2", "--model.no_rope_layers", "[1, 0]",
+                     "--model.attention_chunk_size", "4"]),
 ])
 def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     run_dir = tmp_path / "run"
@@ -200,8 +205,9 @@ def test_training_extras_follow_what_the_config_has():
     assert extras("deepseek3-tiny", num_nextn_predict_layers=1) == (
         0.3, 1e-3, (("with_mtp", True), ("with_expert_load", True)))
     assert extras("deepseek3-tiny", num_nextn_predict_layers=0) == (0.0, 1e-3, (("with_expert_load", True),))
-    # GLM-4.5's router has a selection bias to balance; softmax top-k (Qwen3-MoE, Mixtral) has none.
+    # GLM-4.5's and MiniMax-M2's routers have a selection bias to balance; softmax top-k (Qwen3-MoE, Mixtral) has none.
     assert extras("glm4.5-tiny") == extras("glm4.5-air") == (0.0, 1e-3, (("with_expert_load", True),))  # no MTP run
+    assert extras("minimax-m2-tiny") == extras("minimax-m2") == (0.0, 1e-3, (("with_expert_load", True),))
     assert extras("qwen3-moe-tiny")[:2] == extras("mixtral-tiny")[:2] == (0.0, 0.0)
     # All layers dense: no experts to balance.
     assert extras("deepseek3-tiny", num_hidden_layers=2, first_k_dense_replace=2, num_nextn_predict_layers=0)[:2] \

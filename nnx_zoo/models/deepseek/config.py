@@ -425,6 +425,10 @@ class DeepSeekV3Config(FamilyConfig):
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return tuple(cls.HF_ARCHITECTURES)
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV3Config:
         architectures = cls.HF_ARCHITECTURES
         model_type = d.get("model_type", next(iter(architectures)))

@@ -162,7 +162,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     overrides = pretrained_overrides(dtype, config_overrides)
     rules = get_rules(rules if rules is not None else "default")
     with SafetensorsCheckpoint(directory) as ckpt:
-        config = cls.config_class.from_hf(directory, **overrides)
+        config = cls.config_from_hf(directory, overrides)
         if "num_nextn_predict_layers" not in config_overrides:
             depth = min(config.num_nextn_predict_layers, _mtp_depth_present(ckpt, config))
             config = config.with_overrides(num_nextn_predict_layers=depth)

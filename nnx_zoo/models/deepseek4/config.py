@@ -269,6 +269,10 @@ class DeepSeekV4Config(FamilyConfig):
 
     # ---- Hugging Face config.json ----
     @classmethod
+    def hf_model_types(cls) -> tuple[str, ...]:
+        return ("deepseek_v4",)
+
+    @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> DeepSeekV4Config:
         model_type = d.get("model_type", "deepseek_v4")
         if model_type != "deepseek_v4":

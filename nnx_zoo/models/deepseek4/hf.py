@@ -117,7 +117,7 @@ def load_pretrained(cls: type, path: str | Path, *, mesh: Mesh | None = None, ru
     overrides = pretrained_overrides(dtype, config_overrides)
     rules = get_rules(rules if rules is not None else "default")
     with SafetensorsCheckpoint(directory) as ckpt:
-        config = cls.config_class.from_hf(directory, **overrides)
+        config = cls.config_from_hf(directory, overrides)
         if "num_nextn_predict_layers" not in config_overrides:
             depth = 0
             while any(key.startswith(f"mtp.{depth}.") for key in ckpt.entries):
