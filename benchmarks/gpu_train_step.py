@@ -25,6 +25,10 @@ Cases (each in its own subprocess, so one case's memory or an out-of-memory erro
   (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
 - ``gmm``: forward + backward of one grouped matmul at the MoE layer's shape (4 x 2048 tokens x top-6 rows,
   64 experts, 2048 -> 1408) for each grouped-matmul kernel.
+- ``v4``: DeepSeek-V4's training step: the ``deepseek4-flash`` preset (its attention, 4 hyper-connection streams,
+  MTP layer) cut to its first 4 layers (two sliding-window layers, one CSA, one HCA; three hash-routed) and 8 of its
+  256 experts, batch 1 x 4096 (the memory plan: ~60 GiB per device under remat full), the recipe as a user runs it
+  (``attention_impl`` ``auto``), then the profile.
 
 Every tokens/s figure uses one FLOP formula: the nnx_zoo config's ``train_flops_per_token(seq_len)`` (6 x active
 matmul parameters + causal attention), and MFU divides by the data-sheet dense bf16 peak (989 TFLOP/s on H100).
@@ -55,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CASES = ("llama", "moe", "qwen3moe", "attention", "gmm")
+CASES = ("llama", "moe", "qwen3moe", "attention", "gmm", "v4")
 GMM_KERNELS = ("auto", "tokamax", "pallas_triton", "tiled")
 ATTENTION_IMPLS = ("cudnn", "tokamax", "blockwise", "xla")
 
@@ -75,6 +79,9 @@ class Shapes:
                           [(4, 2048, 32, 8, 64, 64), (1, 8192, 32, 8, 64, 64), (4, 2048, 16, 16, 192, 128),
                            (1, 8192, 16, 16, 192, 128)])
         self.gmm = (512, 8, 64, 32) if smoke else (4 * 2048 * 6, 64, 2048, 1408)  # rows, groups, k, n
+        self.v4 = ("deepseek4-tiny", 2, 64) if smoke else ("deepseek4-flash", 1, 4096)
+        # deepseek4-tiny is already 4 layers (every layer type, a hash layer, MTP) of 8 experts
+        self.v4_cut = {} if smoke else {"num_hidden_layers": 4, "n_routed_experts": 8}
         self.steps, self.skip = (4, 1) if smoke else (12, 4)
         self.profile_steps = 2 if smoke else 3
 
@@ -306,7 +313,10 @@ def _part(line: str, op_name: str) -> str:
              "embed.py": "embedding + lm_head matmuls", "loss.py": "lm_head chunks + cross-entropy",
              "norm.py": "norms", "scan.py": "layer scan (slices, stacking)", "rope.py": "rope",
              "step.py": "step: gradient sums, clip, AdamW", "optim.py": "step: gradient sums, clip, AdamW",
-             "causal_lm.py": "lm_head matmuls (in the loss's chunks)", "mlp.py": "dense MLP"}
+             "causal_lm.py": "lm_head matmuls (in the loss's chunks)", "mlp.py": "dense MLP",
+             "blockwise_attention.py": "attention", "hyper_connection.py": "hyper-connections",
+             "compressor.py": "V4 attention: compressed entries, indexer", "kernel.py": "V4 attention: kernel",
+             "dsa.py": "sparse attention: indexer top-k, gather"}
     if file in parts:
         return parts[file]
     if "optax" in op_name or file.startswith(("transform", "clipping", "alias", "update", "numerics")):
@@ -363,6 +373,20 @@ def attention_case(s: Shapes, timeout_s: float) -> list[dict]:
         result = _worker(["attention", json.dumps(shape), json.dumps(variants)], timeout_s)
         rows += result if isinstance(result, list) else [{"shape": list(shape), "impl": "all", "segments": False,
                                                            **result}]
+    return rows
+
+
+def v4_recipe_args(s: Shapes) -> list[str]:
+    """The recipe's command line of the ``v4`` case (``recipe_args`` with its cut of the preset)."""
+    preset, batch, seq = s.v4
+    return recipe_args(preset, batch, seq, *(w for k, v in s.v4_cut.items() for w in (f"--model.{k}", str(v))))
+
+
+def v4_case(s: Shapes, timeout_s: float) -> list[dict]:
+    preset, batch, seq = s.v4
+    rows = [run_recipe("nnx_zoo recipe", v4_recipe_args(s), s.steps, s.skip, timeout_s)]
+    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", preset, batch, seq, json.dumps(s.v4_cut),
+                                                               s.profile_steps], timeout_s)})
     return rows
 
 
@@ -443,20 +467,21 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 _SMOKE = [False]
+RECIPE_CASES = ("llama", "moe", "qwen3moe", "v4")  # the cases that run the recipe (a tokens/s table)
 
 
 def markdown(results: dict) -> str:
     from _harness import markdown_table
 
     out = [f"# GPU train step ({results['device']})", ""]
-    if any(case in results for case in ("llama", "moe", "qwen3moe")):
+    if any(case in results for case in RECIPE_CASES):
         rows = []
-        for case in ("llama", "moe", "qwen3moe"):
+        for case in RECIPE_CASES:
             for r in results.get(case, []):
                 rows.append([case, r["name"], _fmt(r.get("tokens_per_s"), "{:,.0f}"), _fmt(r.get("mfu"), "{:.1%}"),
                              _fmt(r.get("peak_memory_gib"), "{:.1f}"), r.get("kernels", ""), r.get("error", "")])
         out += [markdown_table(["case", "run", "tokens/s", "MFU", "peak GiB", "kernels", "error"], rows), ""]
-        for case in ("llama", "moe", "qwen3moe"):
+        for case in RECIPE_CASES:
             for r in results.get(case, []):
                 if "parts_ms" in r:
                     out += [f"## {case}: where the step's time goes (device ms per step; wall "
@@ -500,7 +525,7 @@ def main() -> None:
     results: dict = {"device": str(jax.devices()[0].device_kind), "environment": environment(),
                      "steps": shapes.steps, "skip": shapes.skip}
     runners = {"llama": llama_case, "moe": moe_case, "qwen3moe": qwen3moe_case, "attention": attention_case,
-               "gmm": gmm_case}
+               "gmm": gmm_case, "v4": v4_case}
     for case in args.cases:
         print(f"== {case}", flush=True)
         results[case] = runners[case](shapes, args.timeout)

@@ -65,3 +65,24 @@ def test_the_gpu_profile_worker_attributes_the_train_step_to_model_code():
     assert {"attention", "dense MLP", "step: gradient sums, clip, AdamW"} <= set(result["parts_ms"]), result
     known = sum(ms for line, ms in result["lines_ms"].items() if line != "?")
     assert known > 0.9 * sum(result["lines_ms"].values()), result  # nearly every op is traced to a source line
+
+
+
+def test_the_gpu_v4_case_plans_under_an_h100_and_its_smoke_shape_parses(capsys):
+    """The `v4` case's recipe commands (the train step itself runs through `run_recipe` and `profile_worker`, which
+    the other cases check): at full size it plans (abstract, nothing compiled, ~1 s) under an H100's 78 GiB with
+    V4's attention, and its smoke command is a V4 preset the recipe takes."""
+    gpu = _script("gpu_train_step")
+    spec = importlib.util.spec_from_file_location("pretrain_for_v4_case", BENCHMARKS.parent / "recipes" / "pretrain.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    argv = gpu.v4_recipe_args(gpu.Shapes(smoke=False))
+    assert argv[:2] == ["--model", "deepseek4-flash"] and "--model.num_hidden_layers" in argv
+    assert recipe.main([*argv, "--plan", "--mesh", "fsdp=1"]) == 0
+    out = capsys.readouterr().out
+    assert "V4 attention (sliding blockwise, CSA blockwise, HCA blockwise" in out, out
+    total = next(line for line in out.splitlines() if line.strip().startswith("total"))
+    assert float(total.split("remat full:")[1].split("GiB")[0]) < 78, total
+    smoke = gpu.v4_recipe_args(gpu.Shapes(smoke=True))
+    assert recipe.main([*smoke, "--plan", "--mesh", "fsdp=1"]) == 0
+    assert "2 hyper-connection streams" in capsys.readouterr().out  # deepseek4-tiny's

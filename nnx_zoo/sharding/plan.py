@@ -168,12 +168,14 @@ class DecoderShapes:
     indexer_trained: bool = False
     grouped_matmul: str = "kernel"  # 'tiled': the portable grouped matmul (per-tile weight copies); else a kernel
     loss_chunk_tokens: int | None = None  # tokens whose logits the loss holds at once per device; None: all
+    swiglu_clamped: bool = False  # the SwiGLUs clamp their pre-activations (``swiglu_limit``): more residuals
+    v4: V4Shapes | None = None  # DeepSeek-V4's own parts (``V4Shapes``); None for every other family
 
     @classmethod
     def from_config(cls, config: Any, kernels: dict[str, str] | None = None,
                     loss_chunk_tokens: int | None = None) -> DecoderShapes:
         """From a model config with HF names (a dense decoder or an MLA/MoE one). ``kernels``: the implementations
-        that will run (``nnx_zoo.layers.kernels.kernel_choices``); without them the config's settings, where
+        that will run (``nnx_zoo.layers.kernel_choices.kernel_choices``); without them the config's settings, where
         ``auto`` counts as ``xla`` attention (scores materialized: the upper bound) and the ``gmm`` MoE path."""
         get = lambda name, default=0: getattr(config, name, default) or default  # noqa: E731
         layers = get("num_hidden_layers")
@@ -183,7 +185,10 @@ class DecoderShapes:
         moe_layers = get("num_moe_layers") if experts else 0
         kernels = kernels or {}
         impl = kernels.get("moe") or get("moe_impl", "gmm")
+        v4 = V4Shapes.from_config(config)
         attention = kernels.get("attention") or get("attention_impl", "xla")
+        if v4 is not None:  # V4 runs its own attention kernel by its own attention_impl (V4Shapes.impl), not these
+            attention = v4.attention
         topk = int(attention[len(SPARSE):]) if attention.startswith(SPARSE) else 0
         return cls(
             hidden=config.hidden_size, vocab=config.vocab_size, heads=config.num_attention_heads,
@@ -205,6 +210,7 @@ class DecoderShapes:
             index_topk=topk, index_heads=get("index_n_heads") if topk else 0,
             index_dim=get("index_head_dim") if topk else 0,
             indexer_trained=bool(topk) and get("indexer_training", "off") == "sparse",
+            swiglu_clamped=getattr(config, "swiglu_limit", None) is not None, v4=v4,
         )
 
 
@@ -393,11 +399,19 @@ def sparse_scratch_bytes(s: DecoderShapes, n: Local) -> int:
 # layer's recomputation inside the backward loop) lets XLA fuse the elementwise sigmoid terms into their
 # consumers: gate, up, silu(gate) and the product stay.
 SWIGLU_KEPT = {True: 6, False: 4}  # looped -> widths kept
+# Clamped pre-activations (DeepSeek-V4's ``swiglu_limit``: ``min(gate, limit)``, ``clip(up, -limit, limit)``) add
+# their own residuals: the clip's two comparisons and the min's output (looped); compiled whole, XLA fuses them.
+SWIGLU_CLAMP_KEPT = {True: 3, False: 1}
+
+
+def swiglu_kept(s: DecoderShapes, looped: bool) -> int:
+    """Widths of ``[T, I]`` a SwiGLU keeps (``SWIGLU_KEPT``, plus ``SWIGLU_CLAMP_KEPT`` when clamped)."""
+    return SWIGLU_KEPT[looped] + (SWIGLU_CLAMP_KEPT[looped] if s.swiglu_clamped else 0)
 
 
 def mlp_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
     """A dense SwiGLU MLP block: its RMSNorm's 3 ``[T, e]`` and the SwiGLU's ``[T, I]`` (``SWIGLU_KEPT``)."""
-    return n.tokens * s.dtype_bytes * (3 * s.hidden + SWIGLU_KEPT[looped] * n.mlp)
+    return n.tokens * s.dtype_bytes * (3 * s.hidden + swiglu_kept(s, looped) * n.mlp)
 
 
 # The cotangents that the backward of one recomputed SwiGLU holds beside its recomputed intermediates (remat
@@ -426,7 +440,7 @@ def mlp_cotangent_bytes(s: DecoderShapes, n: Local, moe: bool) -> int:
 def moe_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
     """A MoE block: router in float32, routed experts (dispatch buffers), shared experts; ``looped`` as for
     ``mlp_bytes`` (``SWIGLU_KEPT``)."""
-    swiglu = SWIGLU_KEPT[looped]
+    swiglu = swiglu_kept(s, looped)
     a, t, e = s.dtype_bytes, n.tokens, s.hidden
     router = t * 4 * (2 * s.experts + 2 * s.top_k)
     if s.moe_impl == "ep":
@@ -451,7 +465,7 @@ def ep_expert_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
     its own ``E_l`` experts, whole, over the gathered tokens by the local dropless path (``ep_local``): the
     grouped matmul's ``g*T*k*a*(2e + w*I)`` as ``gmm``, or every local expert's SwiGLU ``g*T*(E_l*a*(w+1)*I +
     4*k*E_l + a*E_l)`` as the dense path."""
-    swiglu, a, e, k = SWIGLU_KEPT[looped], s.dtype_bytes, s.hidden, s.top_k
+    swiglu, a, e, k = swiglu_kept(s, looped), s.dtype_bytes, s.hidden, s.top_k
     tokens = n.tokens * n.ep_token_gather
     gathered = tokens * (2 * a * e + 8 * k) if n.ep_token_gather > 1 else 0
     if s.ep_local == "dense":
@@ -595,7 +609,8 @@ PART_PHASES = {
     "gathered weights, one-layer stacks": "output head",
     "one layer recomputed": "one layer", "cotangents, one layer": "one layer",
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
-    "sparse attention, one block": "one layer",
+    "sparse attention, one block": "one layer", "attention scratch, one layer": "one layer",
+    "hyper-connection head": "output head", "streams from the embeddings": "held", "mtp layers": "output head",
 }
 
 
@@ -604,6 +619,8 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
     weight and gradient parts come from the sharding report (``memory_plan``)."""
     if remat not in REMATS:
         raise ValueError(f"the estimate covers remat 'none' and 'full', got {remat!r}")
+    if s.v4 is not None:
+        return v4_activation_breakdown(s, n, remat)
     # A layer of a looped stack under 'none' stores its residuals across the loop; one compiled whole (no loop,
     # or recomputed inside the backward's loop body) keeps fewer (SWIGLU_KEPT).
     def dense_layer(looped: bool) -> int:
@@ -663,6 +680,336 @@ def activation_peak(parts: dict[str, int]) -> int:
     return by_phase["held"] + max(by_phase["output head"], by_phase["one layer"])
 
 
+# ---- DeepSeek-V4 (``nnx_zoo.models.deepseek4``): its own attention, hyper-connection streams and layer schedule ----
+
+# Names of V4's config values (``nnx_zoo.models.deepseek4.config``; this package imports no model code, and
+# tests/sharding/test_sharding_plan.py checks that these agree with it, with its kernel's rules and its schedule).
+V4_SLIDING, V4_CSA, V4_HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+V4_HASH = "hash_moe"
+V4_XLA_MAX_SCORES = 512 * 512  # kernel.XLA_MAX_SCORES: 'auto' runs 'xla' while s * (s + entries) fits
+V4_BLOCK = 128  # kernel.BLOCK: queries per block of the 'blockwise' path at most (compressed_block_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class V4Shapes:
+    """DeepSeek-V4's sizes beyond a decoder's (``V4Shapes.from_config(config)``; None for other families)."""
+
+    streams: int  # hc_mult: hyper-connection residual streams
+    sinkhorn_iters: int
+    head_dim: int  # the one shared key = value head's width (queries have ``heads`` of it)
+    window: int  # sliding_window
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    csa_rate: int
+    hca_rate: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    indexer: str  # indexer_training: 'off' | 'dense_warmup' | 'sparse'
+    attention: str  # attention_impl: 'auto' | 'xla' | 'blockwise'
+    kinds: tuple[tuple[str, str], ...]  # (attention type, MLP type) of each layer, in order
+
+    @classmethod
+    def from_config(cls, config: Any) -> V4Shapes | None:
+        if not (hasattr(config, "hc_mult") and hasattr(config, "compress_rate_hca")):
+            return None
+        c = config
+        return cls(streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters, head_dim=c.head_dim,
+                   window=c.sliding_window, q_lora=c.q_lora_rank, o_groups=c.o_groups, o_lora=c.o_lora_rank,
+                   csa_rate=c.compress_rate_csa, hca_rate=c.compress_rate_hca, index_heads=c.index_n_heads,
+                   index_dim=c.index_head_dim, index_topk=c.index_topk, indexer=c.indexer_training,
+                   attention=c.attention_impl, kinds=tuple(zip(c.layer_types, c.mlp_layer_types, strict=True)))
+
+    def rate(self, layer_type: str) -> int:
+        """Tokens per compressed entry of ``layer_type`` (0: sliding only)."""
+        return {V4_SLIDING: 0, V4_CSA: self.csa_rate, V4_HCA: self.hca_rate}[layer_type]
+
+    def entries(self, layer_type: str, seq: int) -> int:
+        """Compressed entries of a row of ``seq`` tokens (its slots, ``seq // rate``)."""
+        rate = self.rate(layer_type)
+        return seq // rate if rate else 0
+
+    def impl(self, layer_type: str, seq: int) -> str:
+        """The kernel a layer of ``layer_type`` runs on ``seq`` tokens (``kernel.attend``'s 'auto' rule)."""
+        if self.attention != "auto":
+            return self.attention
+        return "xla" if seq * (seq + self.entries(layer_type, seq)) <= V4_XLA_MAX_SCORES else "blockwise"
+
+    def chosen(self, layer_type: str, seq: int) -> int:
+        """Compressed entries each query attends to: CSA its indexer's top-k (every visible one in the dense
+        warm-up), HCA every one."""
+        entries = self.entries(layer_type, seq)
+        if layer_type == V4_CSA and self.indexer != "dense_warmup":
+            return min(self.index_topk, entries)
+        return entries
+
+    def segments(self) -> list[tuple[tuple[tuple[str, str], ...], int]]:
+        """The schedule as the model scans it: ``(pattern of kinds, repeats)`` (``nnx_zoo.layers.scan.
+        periodic_runs``, period up to 4; a segment of one repeat is no loop once compiled)."""
+        kinds, out, i = list(self.kinds), [], 0
+        while i < len(kinds):
+            best, cover = (tuple(kinds[i:i + 1]), 1), 1
+            for period in range(1, 5):
+                pattern = kinds[i:i + period]
+                if len(pattern) < period:
+                    break
+                repeats = 1
+                while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
+                    repeats += 1
+                if repeats > 1 and repeats * period > cover:
+                    best, cover = (tuple(pattern), repeats), repeats * period
+            out.append(best)
+            i += cover
+        return out
+
+
+def v4_stack_name(kind: tuple[str, str]) -> str:
+    """The model's stack of ``kind`` (``deepseek4.model.kind_name``): ``stacks.csa_moe``, ..."""
+    short = {V4_SLIDING: "sliding", V4_CSA: "csa", V4_HCA: "hca"}[kind[0]]
+    return f"stacks.{short}_{'hash' if kind[1] == V4_HASH else 'moe'}"
+
+
+def hyper_connection_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
+    """What one V4 layer's two hyper-connections keep (``nnx_zoo.layers.hyper_connection``; ``m`` streams):
+    - looped (the scan stores what autodiff saves): the streams each reads ``[T, m, e]`` (the layer's input and the
+      streams between attention and MoE), each one's RMS-normed streams in float32 (its ``fn`` matmul's input),
+      each block's output ``[T, e]``, and the float32 mixing coefficients of each token: the ``2m + m^2`` logits,
+      ``pre``, ``post``, the softmax and each Sinkhorn step's matrix and sums (``2 * iters`` normalizations);
+    - compiled whole: XLA:CPU materializes the broadcasts that ``expand``'s backward matmuls read (the block's
+      output and ``post`` over the streams, ``[T, m, e]`` each), so each ``expand`` keeps up to three ``[T, m, e]``,
+      the connections the streams they read and their float32 normed copies, and XLA fuses about half of the
+      Sinkhorn chain (measured: 4.5-6 of those ``[T, m, e]`` per ``expand`` at the backward's peak; 3 counted).
+    """
+    v, a, e, t = s.v4, s.dtype_bytes, s.hidden, n.tokens
+    m, it = v.streams, v.sinkhorn_iters
+    if looped:
+        mix = (2 * it + 2) * m * m + (4 * it + 6) * m + 2
+        return 2 * t * (m * e * (a + 4) + a * e + 4 * mix)
+    mix = (it + 1) * m * m + (2 * it + 3) * m + 1
+    return t * (m * e * (6 * a + 8) + 2 * a * e + 2 * 4 * mix)
+
+
+def v4_attention_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool = True) -> int:
+    """What one V4 attention layer of ``layer_type`` keeps for its backward (``nnx_zoo.models.deepseek4``):
+    - the input norm and the query latent's (3 widths each, as every RMSNorm); the queries ``[T, H, d]`` before
+      and after their unscaled RMSNorm and rope (the roped ones padded to blocks by ``blockwise``, which compiled
+      whole keeps both) and that norm's float32 statistics; the shared key-value (its norm's 2 widths, roped); the
+      attention output grouped for ``o_a`` ``[T, H, d]`` and its low-rank ``[T, groups, o_lora]``;
+    - a compressed layer's pooling: the gathered windows of projected tokens ``[T, w*d]`` (``w = 2``: CSA's two
+      overlapping series, 1 on HCA) and the float32 softmax over each window's slots with its weights (``2 w d``;
+      compiled whole, one), CSA's masked previous-window gates (``d``, with their mask); the entries' norm and
+      rope (``3 d`` per entry);
+    - ``xla``: the scores ``[b, H, s, s + n + 1]`` against every token, every entry and the sink
+      (``v4_score_bytes``);
+    - ``blockwise`` on a CSA layer: the indexer's queries and head weights, padded to blocks (its blocks score
+      them again in the backward); the chosen entries' indices are not kept (recomputed per block).
+    The indexer's scores and the backward's score gradients are the one-layer scratch
+    (``v4_attention_scratch_bytes``)."""
+    v, a, e, t, h, d = s.v4, s.dtype_bytes, s.hidden, n.tokens, n.heads, s.v4.head_dim
+    groups = max(1, v.o_groups * h // s.heads)  # split as the heads are
+    impl = v.impl(layer_type, n.keys)
+    queries = 3 if looped or impl == "xla" else 4  # compiled whole, blockwise pads a copy of the roped queries
+    per_token = a * (3 * e + 3 * v.q_lora + queries * h * d + 3 * d + groups * v.o_lora) + 8 * h
+    rate = v.rate(layer_type)
+    if rate:
+        w = 2 if layer_type == V4_CSA else 1
+        pooled = a * w * d + 4 * (2 if looped else 1) * w * d
+        per_token += pooled + (5 * d if w == 2 and looped else 0) + (3 * a * d) // rate
+    kept = t * per_token + v4_score_part(s, n, layer_type, looped)
+    if impl != "xla" and layer_type == V4_CSA:
+        kept += t * (a * v.index_heads * v.index_dim + 4 * v.index_heads)
+    return kept
+
+
+def v4_score_part(s: DecoderShapes, n: Local, layer_type: str, looped: bool) -> int:
+    """The ``xla`` path's kept scores in ``v4_attention_bytes`` (0 for ``blockwise``)."""
+    v = s.v4
+    if v.impl(layer_type, n.keys) != "xla":
+        return 0
+    return n.batch * n.heads * n.seq * (n.keys + v.entries(layer_type, n.keys) + 1) * v4_score_bytes(
+        s.dtype_bytes, looped)
+
+
+def v4_score_bytes(a: int, looped: bool = True) -> int:
+    """Bytes per score that the ``xla`` path keeps. Looped: the masked scores (compute dtype) and their mask, the
+    float32 exponentials of the softmax and each part's probabilities, and their cast to a bfloat16 compute dtype.
+    Compiled whole: the exponentials and the probabilities (XLA fuses the masks and casts into their users)."""
+    if not looped:
+        return 8
+    return a + 1 + 4 + 4 + (a if a != 4 else 0)
+
+
+# The backward of a softmax over [b, H, q, K] scores holds float32 gradients of the probabilities and scores beside
+# the kept ones: this many bytes per score (measured on XLA's buffers; see the tests).
+V4_SCORE_GRAD_BYTES = 8
+
+
+def v4_attention_scratch_bytes(s: DecoderShapes, n: Local, layer_type: str) -> int:
+    """A V4 attention layer's largest transient while it runs (the one-layer phase; recomputed under remat):
+    - ``xla``: the score gradients (``V4_SCORE_GRAD_BYTES``) and on a CSA layer the indexer's float32 products
+      ``[b, s, index_heads, n]`` with their relu, and its head-weighted scores ``[b, s, n]``;
+    - ``blockwise``, one block of ``B`` queries at a time (``compressed_block_rows``: at most ``V4_BLOCK``, fewer
+      where a block's scratch would pass ``SPARSE_BLOCK_BYTES``): its window's scores ``[b, H, B, B +
+      window - 1]`` and its entries' ``[b, H, B, k]`` (``k`` chosen on CSA, all on HCA) with their softmax and
+      gradients (``V4_BLOCK_SCORE_BYTES``); on a CSA layer the block's indexer products ``[b, B, index_heads, n]``
+      (two float32 tiles, the product and its relu), its scores and visibility ``[b, B, n]``, and the chosen
+      entries gathered ``[b, B, k, d]`` with their cotangent."""
+    v, a, b, h, d = s.v4, s.dtype_bytes, n.batch, n.heads, s.v4.head_dim
+    entries, chosen = v.entries(layer_type, n.keys), v.chosen(layer_type, n.keys)
+    csa = layer_type == V4_CSA
+    if v.impl(layer_type, n.keys) == "xla":
+        scratch = b * h * n.seq * (n.keys + entries + 1) * V4_SCORE_GRAD_BYTES
+        if csa:
+            scratch += b * n.seq * entries * (8 * v.index_heads + 9)
+        return scratch
+    block = compressed_block_rows(n.seq, v.window, entries, v.index_topk if csa else 0, h,
+                                  v.index_heads if csa else 0, d, max_rows=V4_BLOCK)
+    scratch = b * h * block * (block + v.window - 1 + chosen + 1) * V4_BLOCK_SCORE_BYTES
+    if csa:
+        scratch += b * block * entries * (8 * v.index_heads + 9)
+        if chosen < entries:
+            scratch += 2 * b * block * chosen * d * a
+    return scratch
+
+
+V4_BLOCK_SCORE_BYTES = 24  # one block's scores: masked, float32 logits, exponentials, probabilities, 2 gradients
+
+
+def v4_layer_bytes(s: DecoderShapes, n: Local, layer_type: str, looped: bool, experts: bool = False) -> int:
+    """One V4 layer (``DecoderLayer``): its two hyper-connections, its attention of ``layer_type`` and its MoE;
+    ``experts``: with the expert weights its MoE keeps (``kept_expert_weight_bytes``: the dense path's fused
+    ``[e, E * I]`` copies, which a layer recomputed whole keeps too)."""
+    kept = kept_expert_weight_bytes(s, n) if experts else 0
+    return (hyper_connection_bytes(s, n, looped) + v4_attention_bytes(s, n, layer_type, looped)
+            + moe_bytes(s, n, looped) + kept)
+
+
+def v4_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, int]:
+    """``activation_breakdown`` for DeepSeek-V4: its layers run as the segments of its schedule
+    (``V4Shapes.segments``), each one scan over a pattern of kinds; a step of a looped segment is one recomputed
+    unit under remat 'full', and between steps the scan carries the ``[T, streams, e]`` hyper-connection streams.
+    The MTP layer runs outside the scans: kept whole under either remat."""
+    v, a, e, t = s.v4, s.dtype_bytes, s.hidden, n.tokens
+    m = v.streams
+    segments = v.segments()
+    types = sorted({kind[0] for kind in v.kinds})
+
+    # Inside a loop's body the dense MoE path's fused expert weights are a copy that the layer keeps, recomputed
+    # or not (compiled whole outside a loop, XLA folds the transpose into the matmuls); the other paths' gathered
+    # experts are counted with the gathered weights, except in a looped stack under 'none' (as for V3).
+    dense = s.moe_impl == "dense"
+
+    def pattern(kinds: tuple[tuple[str, str], ...], looped: bool, in_loop: bool = False) -> int:
+        return sum(v4_layer_bytes(s, n, kind[0], looped, dense and in_loop) for kind in kinds)
+
+    def attention_moments(kinds: tuple[tuple[str, str], ...]) -> list[tuple[int, int]]:
+        """(what is live beside it, the scratch) while each layer of a recomputed pattern runs its attention
+        backward: the pattern's earlier layers, this layer's connections and attention (its MoE is done)."""
+        out, before = [], 0
+        for kind in kinds:
+            out.append((before + hyper_connection_bytes(s, n, False) + v4_attention_bytes(s, n, kind[0], False),
+                        v4_attention_scratch_bytes(s, n, kind[0])))
+            before += v4_layer_bytes(s, n, kind[0], False, dense)  # recomputed in a loop's body
+        return out
+
+    looped = [(kinds, repeats) for kinds, repeats in segments if repeats > 1]
+    whole = sum(pattern(kinds, False) for kinds, repeats in segments if repeats == 1)
+    # A layer kept whole (or held under 'none') runs its attention's backward with its scratch on top of what is
+    # held; the larger of that and the looped layers' own phase is the one-layer phase (they never overlap).
+    held_scratch = max(v4_attention_scratch_bytes(s, n, layer_type) for layer_type in types)
+    if remat == "none":
+        layers = {"moe layers": sum(repeats * pattern(kinds, repeats > 1) for kinds, repeats in segments)}
+        # A step's backward holds about its pattern compiled whole (the step's residuals read from the stacked
+        # buffers, one layer's cotangents at a time; measured), its layers' xla scores one layer at a time.
+        def step_backward(kinds: tuple[tuple[str, str], ...]) -> int:
+            scores = [v4_score_part(s, n, kind[0], False) for kind in kinds]
+            return pattern(kinds, False) - sum(scores) + max(scores)
+
+        cotangents = max((step_backward(kinds) for kinds, _ in looped), default=0)
+        if looped:
+            layers["expert weights, every layer"] = sum(repeats * len(kinds) for kinds, repeats in looped) * (
+                kept_expert_weight_bytes(s, n))
+        phase = {"cotangents, one layer": cotangents, "attention scratch, one layer": 0}
+        if held_scratch > cotangents:
+            phase = {"cotangents, one layer": 0, "attention scratch, one layer": held_scratch}
+        layers.update(phase)
+    else:
+        # The largest moment of a recomputed step: the whole pattern with its last MoE's cotangents, or one of its
+        # layers' attention backward with the scratch.
+        moments = [(0, 0, held_scratch)]
+        for kinds, _ in looped:
+            moments.append((pattern(kinds, False, True), mlp_cotangent_bytes(s, n, True), 0))
+            moments += [(live, 0, scratch) for live, scratch in attention_moments(kinds)]
+        base, cotangents, scratch = max(moments, key=sum)
+        layers = {"layer inputs": sum(repeats for _, repeats in looped) * t * a * m * e,
+                  "one layer recomputed": base, "cotangents, one layer": cotangents,
+                  "attention scratch, one layer": scratch, "one-layer stacks, kept whole": whole}
+    # The last collapse of the streams (HyperHead: the streams, their float32 RMS-normed copy) before the norm;
+    # the embeddings widened to the streams (and XLA:CPU's broadcast copy), read again by the first layer's backward.
+    head = t * m * e * (a + 4)
+    widened = 2 * t * m * e * a
+    mtp = 0
+    if s.mtp_layers:  # each depth: enorm, hnorm over the streams, their projections, one sliding layer, its head
+        mtp = s.mtp_layers * (v4_layer_bytes(s, n, V4_SLIDING, False) + t * a * (4 * e + 4 * m * e) + head)
+    # The MTP depths' hidden states go through the head with the main one's (stacked): their logits share the
+    # loss's chunks. Their layers run backward right after the head's, before the main layers': they are part of
+    # the output head's phase, not held through the layers' backward.
+    logits = dataclasses.replace(n, batch=n.batch * (1 + s.mtp_layers))
+    out = output_bytes(s, logits) - s.mtp_layers * t * a * 3 * e
+    return {**layers, "embeddings and logits": out, "hyper-connection head": head,
+            "streams from the embeddings": widened, **({"mtp layers": mtp} if mtp else {})}
+
+
+def v4_description(v: V4Shapes, seq: int) -> str:
+    """The plan's one-line summary of V4's attention at ``seq`` positions: each layer type's kernel and entries."""
+    short = {V4_SLIDING: "sliding", V4_CSA: "CSA", V4_HCA: "HCA"}
+    kernels = ", ".join(f"{short[t]} {v.impl(t, seq)}" for t in short if any(k[0] == t for k in v.kinds))
+    return (f"V4 attention ({kernels}; window {v.window}, CSA an entry per {v.csa_rate} tokens with "
+            f"{v.chosen(V4_CSA, seq)} chosen by the indexer, HCA an entry per {v.hca_rate}), {v.streams} "
+            f"hyper-connection streams")
+
+
+def v4_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:
+    """``weight_parts`` for DeepSeek-V4: its stacks are per kind and its segments scan slices of them, so the
+    gathered weights of one recomputed unit are those of a step's pattern (one layer of each of its kinds), and a
+    segment of one repeat (no loop) keeps its pattern's gathered weights from the forward to the backward."""
+    expert_gather = s.expert_gather
+    per_layer: dict[str, int] = {}
+    largest: dict[str, int] = {}
+    others, mtp = [0], 0
+    for r in report.params:
+        if r.names is None:
+            continue
+        shape = list(r.per_device_shape)
+        gathered = _gathered_dims(r.names, expert_gather)
+        for dim, axes in enumerate(r.spec):
+            if gathered[dim] and axes is not None:
+                shape[dim] = r.shape[dim]
+        if shape == list(r.per_device_shape):
+            continue
+        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
+        stack = next((k for k in {v4_stack_name(kind) for kind in s.v4.kinds} if r.path.startswith(k + ".")), None)
+        if stack is None and r.names[0] in STACK_AXES:  # the MTP layers: no loop, gathered once and kept
+            mtp += whole // r.shape[0]
+            continue
+        if stack is None:
+            others.append(whole)
+            continue
+        per_layer[stack] = per_layer.get(stack, 0) + whole // r.shape[0]
+        largest[stack] = max(largest.get(stack, 0), whole // r.shape[0])
+    segments = s.v4.segments()
+    gathered = lambda kinds: sum(per_layer.get(v4_stack_name(k), 0) for k in dict.fromkeys(kinds))  # noqa: E731
+    looped = [kinds for kinds, repeats in segments if repeats > 1]
+    step = max(looped, key=gathered, default=())
+    return {"gathered weights, one layer": gathered(step),
+            "gathered gradient, one weight": max((largest.get(v4_stack_name(k), 0) for k in step), default=0),
+            "gathered weights, outside the stacks": max(others),
+            "gathered weights, one-layer stacks": mtp + sum(gathered(kinds) for kinds, repeats in segments
+                                                            if repeats == 1),
+            "embedding gradient": embedding_gradient_bytes(report)}
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Per-device memory of a training run: ``print(plan.table())``, ``plan.to_dict()``."""
@@ -687,9 +1034,15 @@ class MemoryPlan:
         """The estimated peak of the backward's temporaries (``activation_peak``)."""
         return activation_peak(self.activations[remat])
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The Variables that are not parameters (no gradient, no optimizer state): routers' selection biases,
+        DeepSeek-V4's hash-routing tables (``[vocab, k]`` int32 per hash layer, replicated)."""
+        return self.report.bytes_per_device - self.param_bytes
+
     def total(self, remat: str) -> int:
-        """Parameters + gradients (same size) + optimizer state + the activations' peak."""
-        return 2 * self.param_bytes + self.optimizer_bytes + self.activation_bytes(remat)
+        """Parameters + gradients (same size) + optimizer state + buffers + the activations' peak."""
+        return 2 * self.param_bytes + self.optimizer_bytes + self.buffer_bytes + self.activation_bytes(remat)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mesh": self.report.mesh_shape, "global_batch": self.global_batch, "seq_len": self.seq_len,
@@ -697,23 +1050,30 @@ class MemoryPlan:
                 "gradient_bytes_per_device": self.param_bytes, "adamw_bytes_per_device": self.optimizer_bytes,
                 "activations": self.activations,
                 "activation_peak_bytes_per_device": {r: self.activation_bytes(r) for r in REMATS},
+                "buffer_bytes_per_device": self.buffer_bytes,
                 "total_bytes_per_device": {r: self.total(r) for r in REMATS},
                 "fallback_bytes_per_device": self.report.fallback_bytes_per_device}
 
     def table(self) -> str:
         s, n = self.shapes, self.local
         dtype = {4: "float32", 2: "bfloat16"}.get(s.dtype_bytes, f"{s.dtype_bytes}-byte")
+        attention = f"attention {s.attention} " + (
+            "(scores materialized)" if s.attention == "xla" else
+            f"(each query's {s.index_topk} chosen keys, the indexer's scores a block of queries at a time)"
+            if s.index_topk else "(no score matrix)")
+        if s.v4 is not None:
+            attention = v4_description(s.v4, n.keys)
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
-            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, attention {s.attention} "
-            + ("(scores materialized)" if s.attention == "xla" else
-               f"(each query's {s.index_topk} chosen keys, the indexer's scores a block of queries at a time)"
-               if s.index_topk else "(no score matrix)") + ", logits of "
+            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, {attention}, logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             f"  parameters                  {_human(self.param_bytes)}",
             f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
             f"  AdamW state                 {_human(self.optimizer_bytes)}  (2 moments in float32)",
         ]
+        if self.buffer_bytes:
+            lines.append(f"  buffers                     {_human(self.buffer_bytes)}  (not trained: routing biases, "
+                         "hash-routing tables)")
         for remat in REMATS:
             parts = self.activations[remat]
             lines.append(f"  activations, remat {remat:<5}   {_human(self.activation_bytes(remat))}  (peak: what the "
@@ -752,8 +1112,8 @@ def memory_plan(
     of ``activation_batch``), or ``global_batch`` split over them (at least one row each; default one row per
     shard); ``seq_len`` is the whole sequence (context parallelism splits it). Divisibility fallbacks as in
     ``sharding_report`` (``allow_partial``). ``kernels``: the implementations that will run, as
-    ``nnx_zoo.layers.kernels.kernel_choices`` gives them for the target platform (``{"attention": "cudnn", "moe":
-    "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``,
+    ``nnx_zoo.layers.kernel_choices.kernel_choices`` gives them for the target platform (``{"attention": "cudnn",
+    "moe": "gmm", ...}``; default: the config's settings, ``auto`` counted as materialized attention scores and ``gmm``,
     and a config's sparse attention, ``sparse_attention_keys(seq_len)``, as ``sparse-top<k>``).
     ``loss_chunk_tokens``: the trainer's chunked loss holds that many tokens' logits at a time per device
     (``nnx_zoo.train.loss.default_chunk_tokens``); None: the whole batch's logits at once.
@@ -762,6 +1122,8 @@ def memory_plan(
     # Without a kernel named: a config's sparse attention (DeepSeek-V3.2) runs whatever its attention_impl says,
     # as kernel_choices reports it.
     sparse_keys = getattr(config, "sparse_attention_keys", None)
+    if V4Shapes.from_config(config) is not None:  # V4's indexer is part of its own attention (V4Shapes)
+        sparse_keys = None
     topk = sparse_keys(seq_len) if sparse_keys is not None and not (kernels or {}).get("attention") else 0
     if topk:
         kernels = {**(kernels or {}), "attention": f"{SPARSE}{topk}"}
@@ -773,7 +1135,10 @@ def memory_plan(
     report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
     shapes = DecoderShapes.from_config(config, kernels, loss_chunk_tokens)
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
-    weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
+    if shapes.v4 is not None:
+        weights = v4_weight_parts(report, shapes)
+    else:
+        weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
     activations = {remat: {**activation_breakdown(shapes, local, remat), **weights} for remat in REMATS}
     # Under 'full' the MLP's cotangents peak after its down projection's gathered weight and gradient are gone
     # (the largest of the layer, like its gate's and up's): they take those two buffers first.
