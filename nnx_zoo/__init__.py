@@ -10,6 +10,7 @@ from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
+from nnx_zoo.models.kimi_linear import KimiLinear, KimiLinearConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.llama4 import Llama4, Llama4Config
 from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
@@ -39,6 +40,8 @@ __all__ = [
     "Glm5Config",
     "GptOss",
     "GptOssConfig",
+    "KimiLinear",
+    "KimiLinearConfig",
     "Llama3",
     "Llama3Config",
     "Llama4",

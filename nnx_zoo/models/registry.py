@@ -21,6 +21,7 @@ from nnx_zoo.models.gemma4 import Gemma4, Gemma4Config
 from nnx_zoo.models.glm4_moe import Glm4MoE, Glm4MoEConfig
 from nnx_zoo.models.glm5 import Glm5, Glm5Config
 from nnx_zoo.models.gpt_oss import GptOss, GptOssConfig
+from nnx_zoo.models.kimi_linear import KimiLinear, KimiLinearConfig
 from nnx_zoo.models.llama import Llama3, Llama3Config
 from nnx_zoo.models.llama4 import Llama4, Llama4Config
 from nnx_zoo.models.minimax_m2 import MiniMaxM2, MiniMaxM2Config
@@ -45,6 +46,7 @@ MODEL_TYPES: dict[str, tuple[type, type]] = {
     "qwen3": (Qwen3Config, Qwen3),
     "qwen3_moe": (Qwen3MoEConfig, Qwen3MoE),
     "qwen3_next": (Qwen3NextConfig, Qwen3Next),
+    "kimi_linear": (KimiLinearConfig, KimiLinear),  # Kimi Linear: KDA linear layers, MLA without rope, sigmoid MoE
     "qwen3_5_text": (Qwen35Config, Qwen35),
     "qwen3_5": (Qwen35Config, Qwen35),  # the multimodal checkpoint: its text model (exported as qwen3_5_text)
     "qwen3_5_moe_text": (Qwen35MoEConfig, Qwen35MoE),

@@ -87,7 +87,38 @@ class GatedAttention(Attention):
         return restore_sharding(self._out(out, gate), in_sharding), k_cache, v_cache
 
 
-class GatedDeltaNet(nnx.Module):
+class DeltaRuleMixer(nnx.Module):
+    """A linear-attention token mixer run by the gated delta rule: the shape ``__call__`` and ``decode`` share
+    around a subclass's ``_mix(x, token_mask, segment_ids, tail, state) -> (out, conv tail, delta-rule state)``
+    (the projections, the short convolution continuing ``tail``, the delta rule continuing ``state``; None: empty).
+    Qwen3-Next's ``GatedDeltaNet`` and Kimi Linear's KDA are two of them."""
+
+    def _mix(self, x: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None, tail: jax.Array | None,
+             state: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        raise NotImplementedError(f"{type(self).__name__} must define _mix")
+
+    def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
+                 mask: AttentionMask | None) -> jax.Array:
+        """``x [b, s, embed]`` -> same shape; ``cos``/``sin`` unused (no rope), ``mask`` (``causal_mask``'s) gives
+        the padding and the documents."""
+        del cos, sin
+        s = x.shape[1]
+        token_mask = jnp.ones((1, s), bool) if mask is None else mask.query_valid(s)
+        token_mask = jnp.broadcast_to(token_mask, x.shape[:2])
+        segments = None if mask is None else mask.query_segment_ids(s)
+        return self._mix(x, token_mask, segments, None, None)[0]
+
+    def decode(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, tail: jax.Array, state: jax.Array,
+               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``t`` new tokens after the cached ``tail [b, K-1, C]`` and ``state [b, hv, dk, dv]``: ``(out, tail,
+        state)``. ``mask`` (the cache's, ``q_offset = start``) says which new tokens are padding."""
+        del cos, sin, start
+        token_mask = jnp.broadcast_to(mask.query_valid(x.shape[1]), x.shape[:2])
+        out, tail, new_state = self._mix(x, token_mask, None, tail.astype(x.dtype), state)
+        return out, tail.astype(x.dtype), new_state.astype(state.dtype)
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """A linear-attention layer: projections, a causal convolution over queries, keys and values
     (``ShortConv``, SiLU), L2-normalized queries and keys, the gated delta rule (``gated_delta_rule``: write
     strength ``beta = sigmoid(b)``, log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head), an
@@ -167,23 +198,3 @@ class GatedDeltaNet(nnx.Module):
                                       segment_ids=segment_ids, token_mask=token_mask, chunk_size=self.chunk_size)
         out = self.norm(out, z)  # [b, s, hv, dv]
         return restore_sharding(self.out_proj(shard(out.astype(self.dtype), _BLHD), _BLE), in_sharding), tail, state
-
-    def __call__(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None,
-                 mask: AttentionMask | None) -> jax.Array:
-        """``x [b, s, embed]`` -> same shape; ``cos``/``sin`` unused (no rope), ``mask`` (``causal_mask``'s) gives
-        the padding and the documents."""
-        del cos, sin
-        s = x.shape[1]
-        token_mask = jnp.ones((1, s), bool) if mask is None else mask.query_valid(s)
-        token_mask = jnp.broadcast_to(token_mask, x.shape[:2])
-        segments = None if mask is None else mask.query_segment_ids(s)
-        return self._mix(x, token_mask, segments, None, None)[0]
-
-    def decode(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, tail: jax.Array, state: jax.Array,
-               start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``t`` new tokens after the cached ``tail [b, K-1, C]`` and ``state [b, hv, dk, dv]``: ``(out, tail,
-        state)``. ``mask`` (the cache's, ``q_offset = start``) says which new tokens are padding."""
-        del cos, sin, start
-        token_mask = jnp.broadcast_to(mask.query_valid(x.shape[1]), x.shape[:2])
-        out, tail, new_state = self._mix(x, token_mask, None, tail.astype(x.dtype), state)
-        return out, tail.astype(x.dtype), new_state.astype(state.dtype)
