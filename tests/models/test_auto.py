@@ -26,6 +26,7 @@ from nnx_zoo import (
     Glm4MoEConfig,
     Glm5Config,
     GptOssConfig,
+    KimiLinearConfig,
     Llama3,
     Llama3Config,
     Llama4Config,
@@ -106,14 +107,14 @@ def test_presets_of_every_family():
     names = preset_names()
     assert set(names) == {"DeepSeekV3", "DeepSeekV4", "Llama3", "Qwen3", "Qwen3MoE", "Mixtral", "Glm4MoE", "Glm5",
                           "Mistral4", "Llama4", "MiniMaxM2", "GptOss", "Gemma3", "Gemma4", "Qwen3Next", "Qwen35",
-                          "Qwen35MoE"}
+                          "Qwen35MoE", "KimiLinear"}
     for family, cls in (("DeepSeekV3", DeepSeekV3Config), ("DeepSeekV4", DeepSeekV4Config), ("Llama3", Llama3Config),
                         ("Qwen3", Qwen3Config),
                         ("Qwen3MoE", Qwen3MoEConfig), ("Mixtral", MixtralConfig), ("Glm4MoE", Glm4MoEConfig),
                         ("Glm5", Glm5Config), ("Mistral4", Mistral4Config),
                         ("Llama4", Llama4Config), ("MiniMaxM2", MiniMaxM2Config), ("GptOss", GptOssConfig),
                         ("Gemma3", Gemma3Config), ("Gemma4", Gemma4Config), ("Qwen3Next", Qwen3NextConfig),
-                        ("Qwen35", Qwen35Config), ("Qwen35MoE", Qwen35MoEConfig)):
+                        ("Qwen35", Qwen35Config), ("Qwen35MoE", Qwen35MoEConfig), ("KimiLinear", KimiLinearConfig)):
         for name in names[family]:
             assert type(AutoConfig.preset(name)) is cls, name
     assert AutoConfig.preset("qwen3-0.6b", num_hidden_layers=2).num_hidden_layers == 2
@@ -130,6 +131,7 @@ def test_presets_of_every_family():
     assert AutoModelForCausalLM.model_class("qwen3_5") is AutoModelForCausalLM.model_class("qwen3_5_text")
     assert AutoModelForCausalLM.model_class("qwen3_5_moe") is AutoModelForCausalLM.model_class("qwen3_5_moe_text")
     assert AutoModelForCausalLM.model_class("qwen3_next").__name__ == "Qwen3Next"
+    assert AutoModelForCausalLM.model_class("kimi_linear").__name__ == "KimiLinear"
 
 
 def test_config_validation():

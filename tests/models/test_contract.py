@@ -26,7 +26,7 @@ PRESET_OF = {"DeepSeekV3": "deepseek3-mini", "DeepSeekV4": "deepseek4-tiny", "Ll
              "Glm5": "glm5-tiny", "Mistral4": "mistral4-tiny", "Llama4": "llama4-tiny",
              "MiniMaxM2": "minimax-m2-tiny", "GptOss": "gpt-oss-tiny", "Gemma3": "gemma3-tiny",
              "Gemma4": "gemma4-tiny", "Qwen3Next": "qwen3-next-tiny", "Qwen35": "qwen3.5-tiny",
-             "Qwen35MoE": "qwen3.5-moe-tiny"}
+             "Qwen35MoE": "qwen3.5-moe-tiny", "KimiLinear": "kimi-linear-tiny"}
 FAMILIES = sorted({model_cls for _, model_cls in MODEL_TYPES.values()}, key=lambda c: c.__name__)
 BATCH, SEQ, LAYERS, VOCAB = 2, 8, 2, 256
 
@@ -64,6 +64,9 @@ LORA_DEFAULT = {
     "Qwen35": {f"linear_layers/attn/{p}" for p in _QWEN35_LINEAR} | {f"linear_layers/{p}" for p in _GQA_SWIGLU[4:]}
     | {f"layers/{p}" for p in _GQA_SWIGLU},
     "Qwen35MoE": {f"linear_layers/attn/{p}" for p in _QWEN35_LINEAR} | {f"layers/{p}" for p in _GQA_SWIGLU[:4]},
+    # Layer 0 a dense KDA one (its q/k/v/o and SwiGLU), layer 1 an MoE MLA one (its projections; no q_lora).
+    "KimiLinear": {f"linear_dense_layers/{p}" for p in _GQA_SWIGLU}
+    | {f"layers/attn/{p}" for p in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")},
 }
 
 

@@ -43,7 +43,8 @@ KIMI_LINEAR_48B_A3B: dict[str, Any] = dict(
     vocab_size=163840, hidden_size=2304, intermediate_size=9216, num_hidden_layers=27, num_attention_heads=32,
     num_key_value_heads=32, rms_norm_eps=1e-5, max_position_embeddings=1048576, bos_token_id=163584,
     eos_token_id=163586, num_experts_per_tok=8)
-# The CPU presets: KDA, KDA, KDA, MLA repeating (so the tiny one holds both kinds), layer 0 dense, 8 experts of
+# The CPU presets: KDA and MLA alternating in the tiny one (so two layers hold both kinds), KDA x3, MLA, KDA, MLA
+# in the small one (with query compression); layer 0 dense, 8 experts of
 # width 64 / 128 (top-2 of 2 groups, one kept) and a shared one as wide, linear heads of width 32, an untied head.
 _CPU = cpu_presets("kimi-linear", head_dim=16, num_experts=8, num_experts_per_tok=2, num_expert_group=2,
                    topk_group=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
@@ -52,7 +53,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "kimi-linear-48b-a3b": dict(layer_types=tuple("full_attention" if i + 1 in _FULL_48B else "linear_attention"
                                                   for i in range(27))),
     "kimi-linear-tiny": {**_CPU["kimi-linear-tiny"], "tie_word_embeddings": False, "num_key_value_heads": 4,
-                         "moe_intermediate_size": 64, "linear_num_heads": 4, "layer_types": ("linear_attention",) * 3 + ("full_attention",)},
+                         "moe_intermediate_size": 64, "linear_num_heads": 4,
+                         "layer_types": ("linear_attention", "full_attention") * 2},
     "kimi-linear-small": {**_CPU["kimi-linear-small"], "num_key_value_heads": 8, "moe_intermediate_size": 128,
                           "linear_num_heads": 8, "q_lora_rank": 64,
                           "layer_types": ("linear_attention",) * 3 + ("full_attention", "linear_attention",

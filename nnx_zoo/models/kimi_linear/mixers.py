@@ -28,9 +28,10 @@ class KimiDeltaAttention(DeltaRuleMixer):
     """KDA: ``q_proj``, ``k_proj``, ``v_proj [embed, h, d]``, each through its own causal convolution (``q_conv``,
     ``k_conv``, ``v_conv``: ``ShortConv`` over the flat ``C`` channels, SiLU); queries and keys L2-normalized per
     head; the gated delta rule with write strength ``beta = sigmoid(b_proj(x))`` per head and log-decay
-    ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` per key channel (a low-rank projection, ``dt_bias [h, d]``, ``A_log [h]``); the output RMSNorm per
-    head gated by ``sigmoid(g_b(g_a(x)))`` (another low-rank projection); ``o_proj``. The decoding cache's conv
-    tail is the three convolutions' last inputs side by side (queries, keys, values: ``[b, K - 1, 3 C]``).
+    ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` per key channel (a low-rank projection, ``dt_bias [h,
+    d]``, ``A_log [h]``); the output RMSNorm per head gated by ``sigmoid(g_b(g_a(x)))`` (another low-rank
+    projection); ``o_proj``. The decoding cache's conv tail is the three convolutions' last inputs side by side
+    (queries, keys, values: ``[b, K - 1, 3 C]``).
 
     >>> kda = KimiDeltaAttention(64, heads=2, head_dim=16, conv_kernel=4, rngs=nnx.Rngs(0))
     >>> kda(jnp.ones((2, 10, 64)), None, None, causal_mask(10)).shape
