@@ -26,6 +26,8 @@ from tests.models.kimi_linear.reference import hf_outputs, make_hf
 
 TOL = 1e-5
 SEQ, PAD, SEED = 11, 3, 0
+# One compile for the reference run and every ablation that changes only parameter values (same structure).
+_forward = nnx.jit(lambda model, ids, mask: model.forward(ids, mask, with_hidden_states=True, with_routing=True))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def case(tmp_path_factory):
     hf.save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     ids, mask = left_padded_batch(hf.config.vocab_size, seq=SEQ, pad=PAD, seed=SEED)
-    ours = model.forward(jnp.asarray(ids), jnp.asarray(mask), with_hidden_states=True, with_routing=True)
+    ours = _forward(model, jnp.asarray(ids), jnp.asarray(mask))
     return dict(hf=hf, path=path, model=model, ids=ids, mask=mask, ours=ours, want=hf_outputs(hf, ids, mask))
 
 
@@ -51,8 +53,8 @@ def test_logits_hidden_states_and_experts_equal_transformers(case):
     real = mask.astype(bool)
     chosen = np.sort(np.asarray(ours.expert_indices), axis=-1)  # transformers' top-k is unsorted
     np.testing.assert_array_equal(chosen[:, real], want["experts"][:, real])
-    unpadded = c["model"](jnp.asarray(c["ids"][1:]))  # no mask at all
-    plain = rel_err(np.asarray(unpadded), hf_outputs(c["hf"], c["ids"][1:], None)["logits"])
+    unpadded = _forward(c["model"], jnp.asarray(c["ids"]), jnp.ones_like(jnp.asarray(mask))).logits  # no padding
+    plain = rel_err(np.asarray(unpadded), hf_outputs(c["hf"], c["ids"], None)["logits"])
     assert logits < TOL and hidden < TOL and plain < TOL, (logits, hidden, plain)
     print(f"max relative error logits {logits:.2e}, hidden states {hidden:.2e}, unpadded {plain:.2e}")
 
@@ -141,8 +143,6 @@ def _no_shared_expert(model):
         stack.mlp.shared_experts.down.kernel[...] = jnp.zeros_like(stack.mlp.shared_experts.down.kernel[...])
 
 
-# One compile for every ablation that changes only parameter values (the model's structure is the same).
-_forward = nnx.jit(lambda model, ids, mask: model.forward(ids, mask, with_routing=True))
 # part -> (config overrides, parameter surgery): the model with that part off.
 ABLATIONS = {
     "per_channel_decay": ({}, _per_head_decay),
