@@ -72,7 +72,7 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
     >>> [k.attention for k in cfg.layer_kinds()[:4]]
     ['linear', 'linear', 'linear', 'full']
     >>> round(cfg.num_parameters().total / 1e9, 2), round(cfg.num_parameters().active / 1e9, 2)
-    (49.12, 2.97)
+    (49.12, 3.48)
     """
 
     # head_dim is MLA's rope width in transformers' config (it sets it so); ours follows qk_rope_head_dim.
