@@ -173,7 +173,8 @@ def recipe_args(preset: str, batch: int, seq: int, *more: str) -> list[str]:
 def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool,
                  overrides: str = "{}") -> dict:
     """transformers' model from the nnx_zoo preset's own HF config (with ``overrides``, a JSON object of config
-    fields), one training step per iteration."""
+    fields), one training step per iteration; sdpa attention, or eager attention where transformers has no sdpa
+    path for the model."""
     import torch
     import transformers
 
@@ -183,8 +184,13 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
-                                                          dtype=torch.float32).to(device)
+    attn = "sdpa"
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.float32)
+    except ValueError:  # a model transformers has no sdpa path for (GPT-OSS's sinks): its eager attention
+        attn = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.float32)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
     forward = torch.compile(model) if compile_model else model
     ids = torch.randint(0, 256, (batch, seq), device=device)
@@ -208,7 +214,7 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
     flops = config.train_flops_per_token(seq)
     return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "kernels": "sdpa" + (", torch.compile" if compile_model else ", eager")}
+            "kernels": f"{attn} attention" + (", torch.compile" if compile_model else ", eager")}
 
 
 # --------------------------------------------------------------------------------------------- kernels alone
