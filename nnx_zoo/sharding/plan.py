@@ -169,6 +169,7 @@ class DecoderShapes:
     grouped_matmul: str = "kernel"  # 'tiled': the portable grouped matmul (per-tile weight copies); else a kernel
     loss_chunk_tokens: int | None = None  # tokens whose logits the loss holds at once per device; None: all
     swiglu_clamped: bool = False  # the SwiGLUs clamp their pre-activations (``swiglu_limit``): more residuals
+    gate_activation: str = "silu"  # the gated MLPs' activation (``config.gate_activation``; GATE_EXTRA_KEPT)
     v4: V4Shapes | None = None  # DeepSeek-V4's own parts (``V4Shapes``); None for every other family
     # Several layer kinds (local attention, NoPE, shared K/V, interleaved MoE): each kind's own sizes and the stack
     # of each layer in model order (``KindShapes``, ``kind_schedule``); empty for one kind of layer per stack.
@@ -215,6 +216,7 @@ class DecoderShapes:
             index_dim=get("index_head_dim") if topk else 0,
             indexer_trained=bool(topk) and get("indexer_training", "off") == "sparse",
             swiglu_clamped=getattr(config, "swiglu_limit", None) is not None, v4=v4,
+            gate_activation=getattr(config, "gate_activation", None) or "silu",
             **kind_schedule(config, kernels, "xla" if attention == "auto" else attention),
         )
 
@@ -246,6 +248,8 @@ class KindShapes:
     sinks: bool = False
     rope: bool = True
     kv: bool = True  # computes its own keys and values
+    l2_qk_norm: bool = False  # a weightless per-head norm of queries and keys (Llama 4's rope layers)
+    temperature: bool = False  # queries scaled by their slot in float32 (Llama 4's NoPE layers)
     norms: int = 2  # RMSNorms of the hidden width in a layer (input and post-attention: 2; Gemma's sandwich: 4)
 
     @property
@@ -278,7 +282,8 @@ def kind_schedule(config: Any, kernels: dict[str, str], attention: str) -> dict[
                                                                               config.intermediate_size),
             moe=bool(kind.moe), window=options.get("window"), chunk=options.get("chunk"),
             sinks=bool(options.get("sinks")), rope=bool(getattr(kind, "rope", True)),
-            kv=getattr(kind, "kv", "own") != "shared"))
+            kv=getattr(kind, "kv", "own") != "shared", l2_qk_norm=bool(options.get("l2_qk_norm")),
+            temperature=options.get("temperature") is not None))
     name = {kind: config.stack_name(kind) for kind in set(kinds)}
     return {"kinds": tuple(out), "schedule": tuple(name[k] for k in kinds)}
 
@@ -502,9 +507,16 @@ SWIGLU_KEPT = {True: 6, False: 4}  # looped -> widths kept
 SWIGLU_CLAMP_KEPT = {True: 3, False: 1}
 
 
+# A gate activation other than silu keeps more of its own (autodiff's residuals of one ``[T, I]`` gated MLP: silu 6,
+# Gemma's tanh-approximated GELU 8: its tanh and the polynomial inside it).
+GATE_EXTRA_KEPT = {"gelu_tanh": 2}
+
+
 def swiglu_kept(s: DecoderShapes, looped: bool) -> int:
-    """Widths of ``[T, I]`` a SwiGLU keeps (``SWIGLU_KEPT``, plus ``SWIGLU_CLAMP_KEPT`` when clamped)."""
-    return SWIGLU_KEPT[looped] + (SWIGLU_CLAMP_KEPT[looped] if s.swiglu_clamped else 0)
+    """Widths of ``[T, I]`` a SwiGLU keeps (``SWIGLU_KEPT``, plus ``SWIGLU_CLAMP_KEPT`` when clamped, plus
+    ``GATE_EXTRA_KEPT`` for its activation)."""
+    return (SWIGLU_KEPT[looped] + (SWIGLU_CLAMP_KEPT[looped] if s.swiglu_clamped else 0)
+            + GATE_EXTRA_KEPT.get(s.gate_activation, 0))
 
 
 def mlp_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
@@ -796,13 +808,14 @@ def kind_attention_bytes(s: DecoderShapes, n: Local, k: KindShapes) -> int:
     a, t, e, h, kv, d = s.dtype_bytes, n.tokens, s.hidden, n.heads, n.kv_heads if k.kv else 0, k.head_dim
     copies = 2 if k.rope else 1  # before and after rope
     per_token = 3 * e + copies * h * d + (copies + 2) * kv * d + h * d
-    if s.qk_norm:
+    if s.qk_norm or k.l2_qk_norm:  # each head's norm keeps 3 of its width, as the layer's norms do
         per_token += 3 * (h + kv) * d
+    kept = t * a * per_token + (t * 4 * h * d if k.temperature else 0)  # the float32 scaled queries
     if k.kernel == "xla":
         scores = n.batch * h * n.seq * (n.keys + int(k.sinks)) * (a + 10)
     else:
         scores = n.batch * h * n.seq * 4
-    return t * a * per_token + scores
+    return kept + scores
 
 
 def kind_layer_bytes(s: DecoderShapes, n: Local, k: KindShapes, looped: bool) -> int:
