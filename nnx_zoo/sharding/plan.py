@@ -99,6 +99,12 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   one-layer stack. The routed experts' weights go as the MoE path gathers them: ``gmm`` all of a layer's experts
   whole on every device (``3*E*e*I`` elements), ``ep`` this device's ``E / n_ep`` experts whole, ``dense`` their
   FSDP dims only (``EXPERT_GATHERS``). Gathered gradients: the layer's largest weight, at the same size.
+- several layer kinds (``config.layer_kinds()``: sliding or chunked attention, NoPE, shared K/V, interleaved MoE;
+  ``KindShapes``): each kind's layer by the formulas above with its own heads, widths, norms and attention kernel
+  (``kernels["attention_<kind>"]``; a window or chunk changes no kept bytes: ``xla`` masks its full scores,
+  the flash-style kernels keep a log-sum-exp per row), run as the model scans them (``kind_segments``: a step of
+  a looped pattern, one layer of each of its kinds, is the recomputed unit; a segment of one repeat is kept whole).
+  The plan reports no generation KV cache (its ring caches for windowed layers are ``nnx_zoo.layers.kv_cache``'s).
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
 
