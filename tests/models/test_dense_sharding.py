@@ -51,6 +51,12 @@ from nnx_zoo import (
     Qwen3Config,
     Qwen3MoE,
     Qwen3MoEConfig,
+    Qwen3Next,
+    Qwen3NextConfig,
+    Qwen35,
+    Qwen35Config,
+    Qwen35MoE,
+    Qwen35MoEConfig,
 )
 from nnx_zoo.sharding import get_rules, iter_variables, logical_to_mesh_axes, make_mesh, state_shardings
 from nnx_zoo.train import OptimizerConfig, make_optimizer, train_step
@@ -63,7 +69,13 @@ FAMILIES = {"llama": (Llama3, Llama3Config.preset("llama3-tiny", **TINY)),
             # A sliding layer (4-token window) then a global one; soft caps on, the embedding tied.
             "gemma3": (Gemma3, Gemma3Config.preset("gemma3-tiny", **TINY, sliding_window=4,
                                                    attn_logit_softcapping=20.0, final_logit_softcapping=30.0))}
+# The linear-attention hybrids: a gated-delta-rule layer then a gated-attention one; 2 query/key heads over 4 value
+# heads, so tensor parallelism splits both.
+LINEAR = dict(full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, partial_rotary_factor=0.5)
+FAMILIES["qwen3_5"] = (Qwen35, Qwen35Config.preset("qwen3.5-tiny", **TINY, **LINEAR))
 MOE = dict(moe_impl="ep", output_router_logits=True, router_aux_loss_coef=0.1)
+QWEN_MOE = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=False)
 MOE_FAMILIES = {
     # Its MoE layer runs on two micro-batches (batch_split_factor): on every mesh the same as on one device.
     "qwen3_moe": (Qwen3MoE, Qwen3MoEConfig.preset("qwen3-moe-tiny", **TINY, **MOE, mlp_only_layers=(0,),
@@ -82,14 +94,17 @@ MOE_FAMILIES = {
     # MLP (expert parallel).
     "gemma4": (Gemma4, Gemma4Config.preset("gemma4-tiny", **TINY, global_head_dim=16, sliding_window=4,
                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-                                           num_experts=4, moe_intermediate_size=32, moe_impl="ep"))}
+                                           num_experts=4, moe_intermediate_size=32, moe_impl="ep")),
+    # Packed (Qwen3-Next) and separate (Qwen3.5) linear-layer projections; every layer MoE with a gated shared expert.
+    "qwen3_next": (Qwen3Next, Qwen3NextConfig.preset("qwen3-next-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE)),
+    "qwen3_5_moe": (Qwen35MoE, Qwen35MoEConfig.preset("qwen3.5-moe-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
 BIAS_BALANCING = dict(model_kwargs=(("with_expert_load", True),), routing_bias_rate=BIAS_RATE)
 STEP_KWARGS = {"glm4_moe": BIAS_BALANCING, "minimax_m2": BIAS_BALANCING}
 # MoE families run on tensor-parallel meshes too where the heads' split meets a norm over all heads.
-TP_TOO = {"minimax_m2"}
+TP_TOO = {"minimax_m2", "qwen3_next", "qwen3_5_moe"}
 MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}, "fsdp4-ep2": {"fsdp": 4, "expert": 2}}
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 CASES = [(f, m, mode, "default") for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")
@@ -106,7 +121,9 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("minimax_m2", "fsdp4-tp2", "explicit", "default"), ("minimax_m2", "fsdp4-ep2", "auto", "ep-as-cp"),
              ("gpt_oss", "fsdp4-ep2", "auto", "ep-as-cp"), ("gpt_oss", "fsdp4-ep2", "explicit", "default"),
              ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default"),
-             ("gemma4", "fsdp4-ep2", "explicit", "ep-as-cp")]
+             ("gemma4", "fsdp4-ep2", "explicit", "ep-as-cp"),
+             ("qwen3_next", "fsdp4-ep2", "explicit", "ep-as-cp"), ("qwen3_5", "fsdp4-tp2", "auto", "default"),
+             ("qwen3_5_moe", "fsdp4-tp2", "explicit", "default")]
 
 
 @functools.cache
