@@ -347,6 +347,11 @@ class DecoderConfig(FamilyConfig):
             raise NotImplementedError(f"{type(self).__name__} has no {kind.attention!r} attention layers")
         return {}
 
+    def mlp_width(self, kind: Any) -> int:
+        """The dense MLP's width in a layer of ``kind`` (0: none, an MoE layer's sparse block takes its place); the
+        sharding plan counts each kind's activations with it."""
+        return 0 if kind.moe else self.intermediate_size
+
     def stack_name(self, kind: Any) -> str:
         """The model attribute holding the stack of ``kind``'s layers: ``layers``, prefixed by the attention kind
         unless full (``sliding_layers``), and ``dense_`` for the dense layers of a model mixing dense and MoE

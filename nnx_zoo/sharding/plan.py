@@ -99,6 +99,12 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   one-layer stack. The routed experts' weights go as the MoE path gathers them: ``gmm`` all of a layer's experts
   whole on every device (``3*E*e*I`` elements), ``ep`` this device's ``E / n_ep`` experts whole, ``dense`` their
   FSDP dims only (``EXPERT_GATHERS``). Gathered gradients: the layer's largest weight, at the same size.
+- several layer kinds (``config.layer_kinds()``: sliding or chunked attention, NoPE, shared K/V, interleaved MoE;
+  ``KindShapes``): each kind's layer by the formulas above with its own heads, widths, norms and attention kernel
+  (``kernels["attention_<kind>"]``; a window or chunk changes no kept bytes: ``xla`` masks its full scores,
+  the flash-style kernels keep a log-sum-exp per row), run as the model scans them (``kind_segments``: a step of
+  a looped pattern, one layer of each of its kinds, is the recomputed unit; a segment of one repeat is kept whole).
+  The plan reports no generation KV cache (its ring caches for windowed layers are ``nnx_zoo.layers.kv_cache``'s).
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
 
@@ -169,7 +175,12 @@ class DecoderShapes:
     grouped_matmul: str = "kernel"  # 'tiled': the portable grouped matmul (per-tile weight copies); else a kernel
     loss_chunk_tokens: int | None = None  # tokens whose logits the loss holds at once per device; None: all
     swiglu_clamped: bool = False  # the SwiGLUs clamp their pre-activations (``swiglu_limit``): more residuals
+    gate_activation: str = "silu"  # the gated MLPs' activation (``config.gate_activation``; GATE_EXTRA_KEPT)
     v4: V4Shapes | None = None  # DeepSeek-V4's own parts (``V4Shapes``); None for every other family
+    # Several layer kinds (local attention, NoPE, shared K/V, interleaved MoE): each kind's own sizes and the stack
+    # of each layer in model order (``KindShapes``, ``kind_schedule``); empty for one kind of layer per stack.
+    kinds: tuple[KindShapes, ...] = ()
+    schedule: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Any, kernels: dict[str, str] | None = None,
@@ -211,7 +222,99 @@ class DecoderShapes:
             index_dim=get("index_head_dim") if topk else 0,
             indexer_trained=bool(topk) and get("indexer_training", "off") == "sparse",
             swiglu_clamped=getattr(config, "swiglu_limit", None) is not None, v4=v4,
+            gate_activation=getattr(config, "gate_activation", None) or "silu",
+            **kind_schedule(config, kernels, "xla" if attention == "auto" else attention),
         )
+
+
+LOCAL_ATTENTION = ("full", "sliding", "chunked")  # the attention kinds the shared decoder layers run
+
+
+@dataclasses.dataclass(frozen=True)
+class KindShapes:
+    """One layer kind's own sizes (``config.layer_kinds()``), read through the config's per-kind answers:
+    ``attention_options(kind)`` (window, chunk, sinks), ``head_dims(kind)`` where widths differ by kind (Gemma 4's
+    global layers), ``mlp_width(kind)`` (0: no dense MLP), and the kind's own fields ``rope`` (False: NoPE) and
+    ``kv`` (``"shared"``: no key/value projections, another layer's keys and values).
+
+    >>> [k.stack for k in DecoderShapes.from_config(config).kinds]   # GPT-OSS
+    ['sliding_layers', 'layers']
+    """
+
+    stack: str
+    attention: str  # 'full' | 'sliding' | 'chunked'
+    kernel: str  # the attention kernel its layers run (kernels' ``attention_<kind>``, else ``attention``)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int  # dense MLP width (0: none)
+    moe: bool
+    window: int | None = None
+    chunk: int | None = None
+    sinks: bool = False
+    rope: bool = True
+    kv: bool = True  # computes its own keys and values
+    l2_qk_norm: bool = False  # a weightless per-head norm of queries and keys (Llama 4's rope layers)
+    temperature: bool = False  # queries scaled by their slot in float32 (Llama 4's NoPE layers)
+    norms: int = 2  # RMSNorms of the hidden width in a layer (input and post-attention: 2; Gemma's sandwich: 4)
+
+    @property
+    def span(self) -> int | None:
+        """Keys a query sees at most (its window or chunk; None: every earlier one)."""
+        spans = [v for v in (self.window, self.chunk) if v is not None]
+        return min(spans) if spans else None
+
+
+def kind_schedule(config: Any, kernels: dict[str, str], attention: str) -> dict[str, Any]:
+    """``DecoderShapes``' ``kinds`` and ``schedule`` of a config with several layer kinds on the shared decoder
+    layers (``layer_kinds``, ``attention_options``, ``stack_name``); empty for one kind (the plain path counts
+    it), for DeepSeek's own configs and for kinds that are no softmax attention (linear attention)."""
+    kinds_of = getattr(config, "layer_kinds", None)
+    if kinds_of is None or not hasattr(config, "attention_options") or not hasattr(config, "stack_name"):
+        return {}
+    kinds = tuple(kinds_of())
+    if len(set(kinds)) < 2 or any(k.attention not in LOCAL_ATTENTION for k in kinds):
+        return {}
+    out = []
+    for kind in dict.fromkeys(kinds):
+        options = config.attention_options(kind)
+        head_dim, kv_heads = (config.head_dims(kind) if hasattr(config, "head_dims")
+                              else (config.head_dim, config.num_key_value_heads))
+        kernel = kernels.get(f"attention_{kind.attention}") or attention
+        out.append(KindShapes(
+            stack=config.stack_name(kind), attention=kind.attention, kernel="xla" if kernel == "auto" else kernel,
+            heads=config.num_attention_heads, kv_heads=kv_heads, head_dim=head_dim,
+            mlp=config.mlp_width(kind) if hasattr(config, "mlp_width") else (0 if kind.moe else
+                                                                              config.intermediate_size),
+            moe=bool(kind.moe), window=options.get("window"), chunk=options.get("chunk"),
+            sinks=bool(options.get("sinks")), rope=bool(getattr(kind, "rope", True)),
+            kv=getattr(kind, "kv", "own") != "shared", l2_qk_norm=bool(options.get("l2_qk_norm")),
+            temperature=options.get("temperature") is not None))
+    name = {kind: config.stack_name(kind) for kind in set(kinds)}
+    return {"kinds": tuple(out), "schedule": tuple(name[k] for k in kinds)}
+
+
+def periodic_runs(kinds: list[Any] | tuple[Any, ...], max_period: int) -> list[tuple[tuple[Any, ...], int]]:
+    """A schedule as the models scan it: ``(pattern, repeats)`` segments (``nnx_zoo.layers.scan.periodic_runs``'s
+    rule; a segment of one repeat is no loop once compiled)."""
+    kinds, out, i = list(kinds), [], 0
+    while i < len(kinds):
+        best, cover = (tuple(kinds[i:i + 1]), 1), 1
+        for period in range(1, max_period + 1):
+            pattern = kinds[i:i + period]
+            if len(pattern) < period:
+                break
+            repeats = 1
+            while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
+                repeats += 1
+            if repeats > 1 and repeats * period > cover:
+                best, cover = (tuple(pattern), repeats), repeats * period
+        out.append(best)
+        i += cover
+    return out
+
+
+KIND_MAX_PERIOD = 8  # nnx_zoo.layers.scan.segments' max_period: the shared decoder's scan patterns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +335,10 @@ class Local:
     # Expert parallelism gathers the tokens over the EP axes that split them (batch or sequence): each device
     # computes its experts on this many devices' tokens.
     ep_token_gather: int = 1
+    # Shards of the heads, key/value heads and MLP width (each layer kind's widths split by them: ``kind_local``).
+    head_shards: int = 1
+    kv_head_shards: int = 1
+    mlp_shards: int = 1
 
     @property
     def tokens(self) -> int:
@@ -286,6 +393,8 @@ def local_sizes(shapes: DecoderShapes, batch_per_device: int, seq_len: int, rule
         shared_mlp=_split(s.shared_intermediate, _shards("activation_mlp", rules, mesh)),
         ep_experts=_split(s.experts, _shards("exp", rules, mesh)),
         ep_token_gather=_ep_token_gather(rules, mesh) if s.moe_impl == "ep" else 1,
+        head_shards=_shards("activation_heads", rules, mesh),
+        kv_head_shards=_shards("activation_kv_heads", rules, mesh), mlp_shards=_shards("activation_mlp", rules, mesh),
     )
 
 
@@ -404,9 +513,16 @@ SWIGLU_KEPT = {True: 6, False: 4}  # looped -> widths kept
 SWIGLU_CLAMP_KEPT = {True: 3, False: 1}
 
 
+# A gate activation other than silu keeps more of its own (autodiff's residuals of one ``[T, I]`` gated MLP: silu 6,
+# Gemma's tanh-approximated GELU 8: its tanh and the polynomial inside it).
+GATE_EXTRA_KEPT = {"gelu_tanh": 2}
+
+
 def swiglu_kept(s: DecoderShapes, looped: bool) -> int:
-    """Widths of ``[T, I]`` a SwiGLU keeps (``SWIGLU_KEPT``, plus ``SWIGLU_CLAMP_KEPT`` when clamped)."""
-    return SWIGLU_KEPT[looped] + (SWIGLU_CLAMP_KEPT[looped] if s.swiglu_clamped else 0)
+    """Widths of ``[T, I]`` a SwiGLU keeps (``SWIGLU_KEPT``, plus ``SWIGLU_CLAMP_KEPT`` when clamped, plus
+    ``GATE_EXTRA_KEPT`` for its activation)."""
+    return (SWIGLU_KEPT[looped] + (SWIGLU_CLAMP_KEPT[looped] if s.swiglu_clamped else 0)
+            + GATE_EXTRA_KEPT.get(s.gate_activation, 0))
 
 
 def mlp_bytes(s: DecoderShapes, n: Local, looped: bool = True) -> int:
@@ -621,6 +737,8 @@ def activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, in
         raise ValueError(f"the estimate covers remat 'none' and 'full', got {remat!r}")
     if s.v4 is not None:
         return v4_activation_breakdown(s, n, remat)
+    if s.kinds:
+        return kind_activation_breakdown(s, n, remat)
     # A layer of a looped stack under 'none' stores its residuals across the loop; one compiled whole (no loop,
     # or recomputed inside the backward's loop body) keeps fewer (SWIGLU_KEPT).
     def dense_layer(looped: bool) -> int:
@@ -678,6 +796,150 @@ def activation_peak(parts: dict[str, int]) -> int:
     """The estimated peak: the parts held throughout the backward plus the larger of its two phases."""
     by_phase = {p: sum(v for k, v in parts.items() if PART_PHASES[k] == p) for p in PHASES}
     return by_phase["held"] + max(by_phase["output head"], by_phase["one layer"])
+
+
+# ---- several layer kinds on the shared decoder layers: local attention, NoPE, shared K/V, interleaved MoE ----
+
+def kind_local(n: Local, k: KindShapes) -> Local:
+    """``n`` with the heads and MLP width of kind ``k``, split as the model's are."""
+    return dataclasses.replace(n, heads=_split(k.heads, n.head_shards), kv_heads=_split(k.kv_heads, n.kv_head_shards),
+                               mlp=_split(k.mlp, n.mlp_shards))
+
+
+def kind_attention_bytes(s: DecoderShapes, n: Local, k: KindShapes) -> int:
+    """What one attention layer of kind ``k`` keeps for its backward: GQA's ``attention_bytes`` with the kind's
+    heads and kernel (``k.kernel``: ``xla`` keeps its scores over every key, a window or chunk only masks them;
+    the flash-style kernels a log-sum-exp per row, the window only shortens their loops), a NoPE layer's queries
+    and keys once (no roped copies), a shared-K/V layer's no keys or values (the storing layer keeps them)."""
+    a, t, e, h, kv, d = s.dtype_bytes, n.tokens, s.hidden, n.heads, n.kv_heads if k.kv else 0, k.head_dim
+    copies = 2 if k.rope else 1  # before and after rope
+    per_token = 3 * e + copies * h * d + (copies + 2) * kv * d + h * d
+    if s.qk_norm or k.l2_qk_norm:  # each head's norm keeps 3 of its width, as the layer's norms do
+        per_token += 3 * (h + kv) * d
+    kept = t * a * per_token + (t * 4 * h * d if k.temperature else 0)  # the float32 scaled queries
+    if k.kernel == "xla":
+        scores = n.batch * h * n.seq * (n.keys + int(k.sinks)) * (a + 10)
+    else:
+        scores = n.batch * h * n.seq * 4
+    return kept + scores
+
+
+def kind_layer_bytes(s: DecoderShapes, n: Local, k: KindShapes, looped: bool) -> int:
+    """One layer of kind ``k``: its attention, its extra norms (beyond the input and post-attention ones, 3 widths
+    each), its dense MLP and its MoE block (either or both)."""
+    m = kind_local(n, k)
+    kept = kind_attention_bytes(s, m, k) + max(0, k.norms - 2) * 3 * n.tokens * s.dtype_bytes * s.hidden
+    if k.mlp:
+        kept += mlp_bytes(s, m, looped)
+    if k.moe:
+        kept += moe_bytes(s, m, looped)
+    return kept
+
+
+def kind_cotangent_bytes(s: DecoderShapes, n: Local, k: KindShapes) -> int:
+    """``mlp_cotangent_bytes`` of kind ``k``'s MLP and MoE block."""
+    m = kind_local(n, k)
+    return (mlp_cotangent_bytes(s, m, False) if k.mlp else 0) + (mlp_cotangent_bytes(s, m, True) if k.moe else 0)
+
+
+def kind_segments(s: DecoderShapes) -> list[tuple[tuple[KindShapes, ...], int]]:
+    """The layers as the model scans them: ``(pattern of kinds, repeats)`` (``KIND_MAX_PERIOD``)."""
+    by_stack = {k.stack: k for k in s.kinds}
+    return [(tuple(by_stack[name] for name in pattern), repeats)
+            for pattern, repeats in periodic_runs(s.schedule, KIND_MAX_PERIOD)]
+
+
+def kind_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[str, int]:
+    """``activation_breakdown`` for several layer kinds: the layers run as the segments of their schedule
+    (``kind_segments``), each one scan over a pattern of kinds; under remat 'full' a step of a looped segment (one
+    layer of each kind of its pattern) is the recomputed unit, and the scan carries one ``[T, e]`` per step. A
+    segment of one repeat is no loop: kept whole under either remat."""
+    segments = kind_segments(s)
+    layer_input = n.tokens * s.dtype_bytes * s.hidden
+
+    def pattern(kinds: tuple[KindShapes, ...], looped: bool) -> int:
+        return sum(kind_layer_bytes(s, n, k, looped) for k in kinds)
+
+    looped = [(kinds, repeats) for kinds, repeats in segments if repeats > 1]
+    whole = sum(pattern(kinds, False) for kinds, repeats in segments if repeats == 1)
+    if remat == "none":
+        layers = {"moe layers": sum(repeats * pattern(kinds, repeats > 1) for kinds, repeats in segments)}
+        moe = sum(repeats * sum(k.moe for k in kinds) for kinds, repeats in looped)
+        if moe:
+            layers["expert weights, every layer"] = moe * kept_expert_weight_bytes(s, n)
+        # A step's backward holds its pattern compiled whole (as one layer's cotangents for a plain stack).
+        layers["cotangents, one layer"] = max((pattern(kinds, False) for kinds, _ in looped), default=0)
+    else:
+        steps = [(pattern(kinds, False), max(kind_cotangent_bytes(s, n, k) for k in kinds)) for kinds, _ in looped]
+        size, cot = max(steps, key=sum, default=(0, 0))
+        layers = {"layer inputs": sum(repeats for _, repeats in looped) * layer_input,
+                  "one layer recomputed": size, "cotangents, one layer": cot, "one-layer stacks, kept whole": whole}
+    return {**layers, "embeddings and logits": output_bytes(s, n)}
+
+
+def kind_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:
+    """``weight_parts`` for several layer kinds: one stack per kind (its parameters under ``<stack>.``), scanned in
+    slices by the segments, so one recomputed step gathers one layer of each kind of its pattern, and a segment of
+    one repeat keeps its pattern's gathered weights from the forward to the backward (``v4_weight_parts``'s rule)."""
+    stacks = {k.stack for k in s.kinds}
+    per_layer, largest = stack_gathered(report, s.expert_gather if s.moe_layers else "fsdp", stacks)
+    others = per_layer.pop(None, [0])
+    segments = periodic_runs(s.schedule, KIND_MAX_PERIOD)
+    gathered = lambda names: sum(per_layer.get(name, 0) for name in dict.fromkeys(names))  # noqa: E731
+    looped = [names for names, repeats in segments if repeats > 1]
+    step = max(looped, key=gathered, default=())
+    return {"gathered weights, one layer": gathered(step),
+            "gathered gradient, one weight": max((largest.get(name, 0) for name in step), default=0),
+            "gathered weights, outside the stacks": max(others),
+            "gathered weights, one-layer stacks": sum(gathered(names) for names, repeats in segments if repeats == 1),
+            "embedding gradient": embedding_gradient_bytes(report)}
+
+
+def stack_gathered(report: ShardingReport, expert_gather: str, stacks: set[str]) -> tuple[dict, dict[str, int]]:
+    """Per stack of ``stacks`` (by path prefix), one layer's gathered weight bytes and its largest weight's; under
+    the key None, the list of the other parameters' gathered sizes."""
+    per_layer: dict[Any, Any] = {None: [0]}
+    largest: dict[str, int] = {}
+    for r in report.params:
+        if r.names is None:
+            continue
+        shape = list(r.per_device_shape)
+        gathered = _gathered_dims(r.names, expert_gather)
+        for dim, axes in enumerate(r.spec):
+            if gathered[dim] and axes is not None:
+                shape[dim] = r.shape[dim]
+        if shape == list(r.per_device_shape):
+            continue
+        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
+        stack = next((k for k in stacks if r.path.startswith(k + ".")), None)
+        if stack is None:
+            per_layer[None].append(whole)
+            continue
+        per_layer[stack] = per_layer.get(stack, 0) + whole // r.shape[0]
+        largest[stack] = max(largest.get(stack, 0), whole // r.shape[0])
+    return per_layer, largest
+
+
+def stack_norms(report: ShardingReport, stacks: set[str], hidden: int) -> dict[str, int]:
+    """RMSNorms of the hidden width in one layer of each stack: its ``[layers, hidden]`` parameters named
+    ``*norm*`` (read from the model, so a family's extra norms count without naming it)."""
+    out = dict.fromkeys(stacks, 0)
+    for r in report.params:
+        stack = next((k for k in stacks if r.path.startswith(k + ".")), None)
+        if stack is not None and "norm" in r.path and tuple(r.shape[1:]) == (hidden,):
+            out[stack] += 1
+    return out
+
+
+def kind_description(s: DecoderShapes) -> str:
+    """The plan's one-line summary of the layer kinds: each stack's layers, attention, span and kernel."""
+    parts = []
+    for k in s.kinds:
+        span = f" window {k.window}" if k.window else f" chunk {k.chunk}" if k.chunk else ""
+        extra = "".join([", sinks" if k.sinks else "", ", NoPE" if not k.rope else "",
+                         ", shared K/V" if not k.kv else "", ", MoE" if k.moe else ""])
+        parts.append(f"{s.schedule.count(k.stack)} {k.stack} ({k.attention}{span}, {k.kernel}{extra})")
+    return "layers: " + "; ".join(parts)
 
 
 # ---- DeepSeek-V4 (``nnx_zoo.models.deepseek4``): its own attention, hyper-connection streams and layer schedule ----
@@ -747,21 +1009,7 @@ class V4Shapes:
     def segments(self) -> list[tuple[tuple[tuple[str, str], ...], int]]:
         """The schedule as the model scans it: ``(pattern of kinds, repeats)`` (``nnx_zoo.layers.scan.
         periodic_runs``, period up to 4; a segment of one repeat is no loop once compiled)."""
-        kinds, out, i = list(self.kinds), [], 0
-        while i < len(kinds):
-            best, cover = (tuple(kinds[i:i + 1]), 1), 1
-            for period in range(1, 5):
-                pattern = kinds[i:i + period]
-                if len(pattern) < period:
-                    break
-                repeats = 1
-                while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
-                    repeats += 1
-                if repeats > 1 and repeats * period > cover:
-                    best, cover = (tuple(pattern), repeats), repeats * period
-            out.append(best)
-            i += cover
-        return out
+        return periodic_runs(self.kinds, 4)
 
 
 def v4_stack_name(kind: tuple[str, str]) -> str:
@@ -1067,6 +1315,7 @@ class MemoryPlan:
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
             f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, {attention}, logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
+            *([f"  {kind_description(s)}"] if s.kinds else []),
             f"  parameters                  {_human(self.param_bytes)}",
             f"  gradients                   {_human(self.param_bytes)}  (parameter dtype, sharded like them)",
             f"  AdamW state                 {_human(self.optimizer_bytes)}  (2 moments in float32)",
@@ -1134,9 +1383,15 @@ def memory_plan(
         raise ValueError(f"the batch per device and seq_len must be positive, got {batch_per_device} and {seq_len}")
     report = sharding_report(model, mesh, rules, allow_partial=allow_partial)
     shapes = DecoderShapes.from_config(config, kernels, loss_chunk_tokens)
+    if shapes.kinds:  # each kind's norms as its stack holds them
+        norms = stack_norms(report, {k.stack for k in shapes.kinds}, shapes.hidden)
+        shapes = dataclasses.replace(shapes, kinds=tuple(dataclasses.replace(k, norms=norms[k.stack] or k.norms)
+                                                         for k in shapes.kinds))
     local = local_sizes(shapes, batch_per_device, seq_len, rules, mesh)
     if shapes.v4 is not None:
         weights = v4_weight_parts(report, shapes)
+    elif shapes.kinds:
+        weights = kind_weight_parts(report, shapes)
     else:
         weights = weight_parts(report, shapes.expert_gather if shapes.moe_layers else "fsdp")
     activations = {remat: {**activation_breakdown(shapes, local, remat), **weights} for remat in REMATS}

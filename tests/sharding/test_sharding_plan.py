@@ -30,6 +30,7 @@ from nnx_zoo.sharding import (
     use_rules,
 )
 from nnx_zoo.sharding.plan import (
+    KIND_MAX_PERIOD,
     PART_PHASES,
     V4_BLOCK,
     V4_CSA,
@@ -44,6 +45,7 @@ from nnx_zoo.sharding.plan import (
     attention_bytes,
     gathered_weight_bytes,
     memory_plan,
+    periodic_runs,
     tiled_grouped_matmul_bytes,
     v4_stack_name,
 )
@@ -202,6 +204,16 @@ LONG = [
                                                                               indexer_training="sparse")),
     ("deepseek3.2-tiny", 2, "full", "sparse-top512", (1, 2048), 512, 256, dict(indexer_training="sparse")),
     ("qwen3-tiny", 4, "full", "xla", (8, 64), 512, None, {}),
+    # Several layer kinds, a window or chunk of 128 at 1,024 positions (blockwise skips the blocks outside it; its
+    # memory is the log-sum-exp per row whatever the span), remat full: GPT-OSS (sliding / full with sinks, all
+    # MoE) and Gemma 3 (sliding / global, sandwich norms, tanh GELU) scan one (sliding, full) step twice, the step
+    # the recomputed unit: 0.93 and 0.96 (counted as one layer of one stack, the plan before: 0.56 and 0.45; Gemma 3
+    # without its two extra norms and GELU residuals 0.84). Llama 4 (chunked dense, chunked MoE, chunked dense, NoPE
+    # MoE; no repeat: every layer kept whole): 0.96 (as two looped stacks: 0.38; without the dense layers'
+    # intermediate_size_mlp, the L2 q/k norm and NoPE temperature: 0.86).
+    ("gpt-oss-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(sliding_window=128)),
+    ("gemma3-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(sliding_window=128)),
+    ("llama4-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(attention_chunk_size=128)),
 ]
 
 
@@ -324,8 +336,11 @@ def test_every_preset_plans(platform):
             assert (shapes.experts, shapes.moe_intermediate) == (config.num_routed_experts,
                                                                  config.expert_intermediate_size), name
         full, none = plan.activation_bytes("full"), plan.activation_bytes("none")
-        # A schedule without a repeat (deepseek4-tiny's) is segments of one layer each: kept whole under either remat.
-        if shapes.v4 is not None and all(repeats == 1 for _, repeats in shapes.v4.segments()):
+        # A schedule without a repeat (deepseek4-tiny's, llama4-small's) is segments of one layer each: kept whole
+        # under either remat.
+        segments = (shapes.v4.segments() if shapes.v4 is not None else
+                    periodic_runs(shapes.schedule, KIND_MAX_PERIOD) if shapes.kinds else [((), 2)])
+        if all(repeats == 1 for _, repeats in segments):
             assert 0 < full == none, name
         else:
             assert 0 < full < none, name
@@ -355,6 +370,15 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
     estimate = plan.activation_bytes(remat)
     low, high = (0.95, 1.10) if preset == "qwen3-tiny" else (0.85, 1.15)  # the one-layer phase, modelled to 3%
     assert low <= estimate / xla <= high, (estimate, xla, plan.activations[remat])
+    if extra.get("sliding_window") or extra.get("attention_chunk_size"):  # counted per kind, scanned as the model
+        from nnx_zoo.layers.scan import periodic_runs as scan_runs
+
+        kinds = plan.shapes.kinds
+        assert len(kinds) > 1 and set(plan.shapes.schedule) == {k.stack for k in kinds}
+        assert periodic_runs(plan.shapes.schedule, KIND_MAX_PERIOD) == scan_runs(plan.shapes.schedule, KIND_MAX_PERIOD)
+        local = [k for k in kinds if k.span]
+        assert local and {k.span for k in local} == set(extra.values()) and all(k.kernel == attention for k in kinds)
+        assert all(f"{'window' if k.window else 'chunk'} {k.span}, {attention}" in plan.table() for k in local)
     if attention.startswith("sparse-top"):  # its indexer's scratch is the one-layer phase, above the head's
         parts = plan.activations[remat]
         assert parts["sparse attention, one block"] > parts["embeddings and logits"]

@@ -22,7 +22,21 @@ from nnx_zoo.models import dense_hf
 from nnx_zoo.models.deepseek import hf as deepseek_hf
 from nnx_zoo.models.kimi_linear.config import KimiLinearConfig
 from nnx_zoo.models.moe_causal_lm import expert_rows
-from nnx_zoo.models.qwen3_next.hf import DENSE_MLP_ROWS, NORM_ROWS, DepthwiseConv
+from nnx_zoo.models.qwen3_next.hf import DENSE_MLP_ROWS, NORM_ROWS
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConv:
+    """``nn.Conv1d`` depthwise weight ``[h * d, 1, K]`` <-> our per-head ``ShortConv.weight [h, d, K]``."""
+
+    def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+        return (ours[0] * ours[1], 1, ours[2])
+
+    def to_ours(self, a: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+        return a[:, 0, :].reshape(ours)
+
+    def to_hf(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1, 1, a.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +59,7 @@ class Padded:
 
 KDA_ROWS = tuple(Row(f"self_attn.{name}_proj.weight", f"attn.{name}_proj.kernel", DENSE)
                  for name in ("q", "k", "v", "f_a", "f_b", "b", "g_a", "g_b")) + tuple(
-    Row(f"self_attn.{name}_conv1d.weight", f"attn.{name}_conv.weight", DepthwiseConv()) for name in "qkv") + (
+    Row(f"self_attn.{name}_conv1d.weight", f"attn.{name}_conv.weight", HeadConv()) for name in "qkv") + (
     Row("self_attn.dt_bias", "attn.dt_bias", Padded()),
     Row("self_attn.A_log", "attn.A_log", Padded(2, 1)),
     Row("self_attn.o_norm.weight", "attn.o_norm.scale"),

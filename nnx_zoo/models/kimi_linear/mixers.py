@@ -26,12 +26,12 @@ _BL_ = ("activation_batch", "activation_length", None)
 
 class KimiDeltaAttention(DeltaRuleMixer):
     """KDA: ``q_proj``, ``k_proj``, ``v_proj [embed, h, d]``, each through its own causal convolution (``q_conv``,
-    ``k_conv``, ``v_conv``: ``ShortConv`` over the flat ``C`` channels, SiLU); queries and keys L2-normalized per
+    ``k_conv``, ``v_conv``: ``ShortConv`` per head, SiLU); queries and keys L2-normalized per
     head; the gated delta rule with write strength ``beta = sigmoid(b_proj(x))`` per head and log-decay
     ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` per key channel (a low-rank projection, ``dt_bias [h,
     d]``, ``A_log [h]``); the output RMSNorm per head gated by ``sigmoid(g_b(g_a(x)))`` (another low-rank
     projection); ``o_proj``. The decoding cache's conv tail is the three convolutions' last inputs side by side
-    (queries, keys, values: ``[b, K - 1, 3 C]``).
+    (per head its queries, keys, values: ``[b, K - 1, h, 3 d]``).
 
     >>> kda = KimiDeltaAttention(64, heads=2, head_dim=16, conv_kernel=4, rngs=nnx.Rngs(0))
     >>> kda(jnp.ones((2, 10, 64)), None, None, causal_mask(10)).shape
@@ -47,11 +47,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.q_proj = Linear(features, (h, d), kernel_names=("embed", "heads", "kv"), **kw)
         self.k_proj = Linear(features, (h, d), kernel_names=("embed", "heads", "kv"), **kw)
         self.v_proj = Linear(features, (h, d), kernel_names=("embed", "heads", "kv"), **kw)
-        # Flat channels [C, K], as the checkpoints store each filter ([C, 1, K]).
-        conv = dict(names=(None, None), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_conv = ShortConv(h * d, conv_kernel, **conv)
-        self.k_conv = ShortConv(h * d, conv_kernel, **conv)
-        self.v_conv = ShortConv(h * d, conv_kernel, **conv)
+        # Per head ([h, d, K]; the checkpoints' [C, 1, K]), so tensor parallelism splits filters and tails by heads.
+        conv = dict(names=("heads", None, None), channel_names=("activation_heads", None), dtype=dtype,
+                    param_dtype=param_dtype, rngs=rngs)
+        self.q_conv = ShortConv((h, d), conv_kernel, **conv)
+        self.k_conv = ShortConv((h, d), conv_kernel, **conv)
+        self.v_conv = ShortConv((h, d), conv_kernel, **conv)
         self.f_a_proj = Linear(features, d, kernel_names=("embed", None), **kw)
         self.f_b_proj = Linear(d, (h, d), kernel_names=(None, "heads", "kv"), **kw)
         # transformers' init: dt = exp(U[ln 1e-3, ln 1e-1)) stored as softplus^-1(dt); A in [1, 16).
@@ -74,19 +75,17 @@ class KimiDeltaAttention(DeltaRuleMixer):
 
     def _mix(self, x: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None, tail: jax.Array | None,
              state: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(out [b, s, embed], conv tail [b, K - 1, 3 C], delta-rule state [b, h, d, d])`` continuing ``tail`` /
-        ``state`` (None: empty)."""
+        """``(out [b, s, embed], conv tail [b, K - 1, h, 3 d], delta-rule state [b, h, d, d])`` continuing ``tail``
+        / ``state`` (None: empty)."""
         in_sharding = sharding_of(x)
-        bsz, s = x.shape[:2]
-        h, d = self.heads, self.head_dim
+        d = self.head_dim
         x = jnp.where(token_mask[:, :, None], x, 0).astype(x.dtype)  # padding reads as 0, as transformers zeroes it
         tails = [None] * 3 if tail is None else jnp.split(tail, 3, axis=-1)
         mixed, new_tails = [], []
         for proj, conv, before in zip((self.q_proj, self.k_proj, self.v_proj), (self.q_conv, self.k_conv,
                                                                                  self.v_conv), tails):
-            y, after = conv(proj(x, _BLHD).reshape(bsz, s, h * d), tail=before, segment_ids=segment_ids,
-                            token_mask=token_mask)
-            mixed.append(shard(y.reshape(bsz, s, h, d), _BLHD))
+            y, after = conv(proj(x, _BLHD), tail=before, segment_ids=segment_ids, token_mask=token_mask)
+            mixed.append(y)
             new_tails.append(after)
         q, k, v = mixed
         tail = jnp.concatenate(new_tails, axis=-1)

@@ -103,8 +103,8 @@ class KimiLinear(Qwen3Next):
     def init_cache(self, batch: int, max_len: int) -> HybridCache:
         """An empty ``HybridCache`` for ``batch`` rows of up to ``max_len`` tokens: per MLA stack ``k`` the
         normed latent ``[layers, batch, max_len, kv_lora_rank]`` and ``v`` the shared key head ``[..,
-        qk_rope_head_dim]``; per KDA stack ``conv [layers, batch, K - 1, 3 C]`` and ``state [layers, batch, heads,
-        d, d]`` (float32)."""
+        qk_rope_head_dim]``; per KDA stack ``conv [layers, batch, K - 1, heads, 3 d]`` and ``state [layers, batch,
+        heads, d, d]`` (float32)."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         k, v, conv, state = {}, {}, {}, {}
@@ -112,8 +112,8 @@ class KimiLinear(Qwen3Next):
             for name, kind, indices in c.layer_stacks():
                 n = len(indices)
                 if kind.attention == "linear":
-                    conv[name] = shard(jnp.zeros((n, batch, c.linear_conv_kernel_dim - 1, 3 * c.linear_width),
-                                                 dtype), _CONV_NAMES)
+                    tail = (n, batch, c.linear_conv_kernel_dim - 1, c.linear_num_heads, 3 * c.linear_head_dim)
+                    conv[name] = shard(jnp.zeros(tail, dtype), _CONV_NAMES)
                     state[name] = shard(jnp.zeros((n, batch, c.linear_num_heads, c.linear_head_dim,
                                                    c.linear_head_dim), jnp.float32), _STATE_NAMES)
                 else:

@@ -146,6 +146,10 @@ class Llama4Config(MoEDecoderConfig, model_type="llama4_text", architecture="Lla
             options["temperature"] = (self.floor_scale, self.attn_scale)
         return options
 
+    def mlp_width(self, kind: Any) -> int:
+        """Dense layers: a SwiGLU of width ``intermediate_size_mlp``; MoE layers: none (the sparse block)."""
+        return 0 if kind.moe else self.intermediate_size_mlp
+
     def stack_name(self, kind: Any) -> str:
         """``DecoderConfig.stack_name``'s, prefixed ``nope_`` for NoPE layers (Scout: ``chunked_layers`` and
         ``nope_layers``; Maverick also ``chunked_dense_layers`` and ``nope_dense_layers``)."""

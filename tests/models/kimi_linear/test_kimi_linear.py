@@ -92,7 +92,8 @@ def test_cached_greedy_decoding_equals_uncached_and_transformers(case):
     cache = model.init_cache(3, 16)
     assert set(cache.conv) == set(cache.state) == {"linear_layers", "linear_dense_layers"} and set(cache.k) == {
         "layers"}
-    assert cache.state["linear_layers"].shape == (2, 3, 2, 8, 8) and cache.conv["linear_layers"].shape == (2, 3, 3, 48)
+    assert cache.state["linear_layers"].shape == (2, 3, 2, 8, 8)
+    assert cache.conv["linear_layers"].shape == (2, 3, 3, 2, 24)  # per head its queries', keys', values' tails
     assert cache.k["layers"].shape == (1, 3, 16, 16) and cache.v["layers"].shape == (1, 3, 16, 4)  # latent, key head
     forward = nnx.jit(lambda m, s, k: m(s, k))
     seq = np.concatenate([ids, np.zeros((3, new), np.int32)], 1)
