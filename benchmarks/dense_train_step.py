@@ -1,5 +1,8 @@
-"""Dense-family training-step throughput: nnx_zoo (JAX) Llama3 / Qwen3 against transformers' LlamaForCausalLM /
-Qwen3ForCausalLM (PyTorch), CPU, float32.
+"""Training-step throughput per family: nnx_zoo (JAX) against transformers' model class of the same family
+(PyTorch), CPU, float32; by default Llama3 / Qwen3 (LlamaForCausalLM / Qwen3ForCausalLM), and any preset whose
+``save_pretrained`` transformers loads (``--presets gpt-oss-tiny gemma3-tiny gemma4-tiny llama4-tiny
+minimax-m2-tiny qwen3-next-tiny qwen3.5-tiny``: the MoE ones train without an aux loss on both sides, transformers
+adding its own only under ``output_router_logits``, which the checkpoints leave off).
 
 The step: forward + backward of the mean next-token cross-entropy over all parameters, same config, same batch,
 same weights (the torch model loads the JAX model's `save_pretrained` output), tokens/s = batch * seq / seconds
@@ -24,6 +27,8 @@ median of per-round ratios (see `_harness.py`).
     python benchmarks/dense_train_step.py             # llama3-small, qwen3-small at 1x128 and 4x128 (~15 min)
     python benchmarks/dense_train_step.py --quick     # smoke run: llama3-tiny, 1x128, 2 rounds
     python benchmarks/dense_train_step.py --profile   # also: where the JAX step's time goes, per HLO op
+    python benchmarks/dense_train_step.py --presets gpt-oss-tiny gemma3-tiny gemma4-tiny llama4-tiny \
+        minimax-m2-tiny qwen3-next-tiny qwen3.5-tiny --batches 1x128 --out-name family_train_step   # per family
 """
 
 from __future__ import annotations
@@ -218,8 +223,9 @@ def render(results: list[dict], a) -> str:
                           r.get("lm_head_matmuls_jax_over_torch", "-"), 1e3 * jx["median_s"],
                           1e3 * c[s["best_torch"]]["median_s"]])
     threads = [f"torch {t}t" for t in a.torch_threads]
-    parts = [f"# Dense train step (Llama 3 / Qwen3) on {env['backend']} ({env['processor']}, {env['cpu_count']} "
-             "cores)", "",
+    presets = ", ".join(dict.fromkeys(s["preset"] for s in results))
+    parts = [f"# Train step against transformers ({presets}) on {env['backend']} ({env['processor']}, "
+             f"{env['cpu_count']} cores)", "",
              f"jax {env['jax']} / flax {env.get('flax')}, float32, forward+backward of the mean next-token "
              f"cross-entropy, same weights in both; {a.rounds} interleaved rounds, medians.", "",
              "`jax / torch Nt`: median over rounds of (torch time / nnx_zoo time), > 1 = nnx_zoo faster; `jax / best "

@@ -2,7 +2,8 @@
 # On a bare GPU machine (the device tool's image: Python 3.12, jax with CUDA, torch, transformers): install the
 # carried wheels (benchmarks/gpu_wheels.sh) into /tmp/site and run the GPU benchmark. Results go to $OUT when set
 # (the device tool brings that folder back), else benchmarks/results. Extra arguments go to gpu_train_step.py
-# (its cases: llama, moe, qwen3moe, attention, gmm, v4 = a DeepSeek-V4 training step; e.g. `--cases v4`).
+# (its cases: llama, moe, attention, gmm, and the family cases from its FAMILIES table: qwen3moe, gpt_oss,
+# gemma3, qwen3_5, v4 = a DeepSeek-V4 training step; e.g. `--cases gpt_oss gemma3`).
 # The case `dsa` (`--cases dsa`, alone or with others) runs benchmarks/dsa_layer.py --platform gpu instead: one
 # DeepSeek-V3.2 DSA layer against the dense MLA layer (cuDNN), bf16, contexts 4k-64k; DSA_ARGS adds arguments to
 # it (e.g. DSA_ARGS="--contexts 4096 8192 --rounds 3"); with --smoke it runs its --quick shapes.

@@ -15,20 +15,24 @@ Cases (each in its own subprocess, so one case's memory or an out-of-memory erro
   AdamW, clip 1.0), eager and under ``torch.compile``. Then the recipe's train step is profiled (below).
 - ``moe``: the ``deepseek2-lite`` preset cut to 4 layers, batch 4 x 2048, the recipe with ``moe_impl`` ``gmm``
   (each grouped-matmul kernel: ``auto``, ``tokamax``, ``pallas_triton``, ``tiled``) and ``dense``.
-- ``qwen3moe``: the ``qwen3-moe-30b-a3b`` preset (128 experts, top-8, GQA 32/4, q/k norm) cut to 2 layers, batch
-  4 x 2048: the recipe as a user runs it (``moe_impl`` ``auto``: ``gmm`` with the best grouped-matmul kernel)
-  against transformers' ``Qwen3MoeForCausalLM`` on the same cut config, eager and under ``torch.compile``; then
-  the profile. The profile (``llama`` and ``qwen3moe``): the recipe's ``train_step`` traced under ``jax.profiler``,
-  device time per step by part of the model, by the source line each kernel's HLO op came from, and by kernel.
+- The family cases, one table (``FAMILIES``: preset, cut, batch x seq): the recipe as a user runs it (``moe_impl``
+  ``auto``: ``gmm`` with the best grouped-matmul kernel) against transformers' model class on the same cut config,
+  eager and under ``torch.compile``; then the profile. ``qwen3moe``: ``qwen3-moe-30b-a3b`` (128 experts, top-8,
+  GQA 32/4, q/k norm) cut to 2 layers; ``gpt_oss``: ``gpt-oss-20b`` (32 biased experts, top-4, sinks, sliding /
+  full) cut to 2 layers; ``gemma3``: the whole ``gemma3-1b`` (5:1 sliding / global); ``qwen3_5``:
+  ``qwen3.5-35b-a3b``'s first 4 layers (3 gated DeltaNet, 1 gated attention) with 128 of its 256 experts; all at
+  batch 4 x 2048. The profile (``llama`` and the family cases): the recipe's ``train_step`` traced under
+  ``jax.profiler``, device time per step by part of the model, by the source line each kernel's HLO op came from,
+  and by kernel.
 - ``attention``: forward + backward of one attention call (GQA 32/8 heads, head dim 64, causal; and MLA 16 heads,
   192/128) for each ``attention_impl`` against ``cudnn`` at b4 s2048 and b1 s8192; the packed-document case
   (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
 - ``gmm``: forward + backward of one grouped matmul at the MoE layer's shape (4 x 2048 tokens x top-6 rows,
   64 experts, 2048 -> 1408) for each grouped-matmul kernel.
-- ``v4``: DeepSeek-V4's training step: the ``deepseek4-flash`` preset (its attention, 4 hyper-connection streams,
-  MTP layer) cut to its first 4 layers (two sliding-window layers, one CSA, one HCA; three hash-routed) and 8 of its
-  256 experts, batch 1 x 4096 (the memory plan: ~60 GiB per device under remat full), the recipe as a user runs it
-  (``attention_impl`` ``auto``), then the profile.
+- ``v4`` (a family case without transformers): DeepSeek-V4's training step: the ``deepseek4-flash`` preset (its
+  attention, 4 hyper-connection streams, MTP layer) cut to its first 4 layers (two sliding-window layers, one CSA,
+  one HCA; three hash-routed) and 8 of its 256 experts, batch 1 x 4096 (the memory plan: ~60 GiB per device under
+  remat full), the recipe as a user runs it (``attention_impl`` ``auto``), then the profile.
 
 Every tokens/s figure uses one FLOP formula: the nnx_zoo config's ``train_flops_per_token(seq_len)`` (6 x active
 matmul parameters + causal attention), and MFU divides by the data-sheet dense bf16 peak (989 TFLOP/s on H100).
@@ -45,6 +49,7 @@ Writes ``gpu_train_step.{json,md}`` to ``--out`` (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -54,14 +59,57 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CASES = ("llama", "moe", "qwen3moe", "attention", "gmm", "v4")
 GMM_KERNELS = ("auto", "tokamax", "pallas_triton", "tiled")
 ATTENTION_IMPLS = ("cudnn", "tokamax", "blockwise", "xla")
+
+
+class FamilyRun(NamedTuple):
+    """One family case's run: a preset, the config fields that cut it to fit one device, batch x seq."""
+
+    preset: str
+    cut: dict[str, int]
+    batch: int
+    seq: int
+
+
+class Family(NamedTuple):
+    """A family case: the recipe as a user runs it at ``full`` (``smoke`` on the CPU), against transformers eager
+    and ``torch.compile`` on the same cut config when ``torch``, then the profile. ``moe``: a failed recipe run is
+    retried with the ``pallas_triton`` grouped-matmul kernel (the run a user falls back to when tokamax fails)."""
+
+    full: FamilyRun
+    smoke: FamilyRun
+    moe: bool
+    torch: bool = True
+
+
+# Every cut plans under remat full below an H100's 78 GiB (tests/test_device_scripts.py checks it).
+FAMILIES = {
+    # 128 experts, top-8, GQA 32/4, q/k norm; 2 of 48 layers: ~1.8B parameters
+    "qwen3moe": Family(FamilyRun("qwen3-moe-30b-a3b", {"num_hidden_layers": 2}, 4, 2048),
+                       FamilyRun("qwen3-moe-tiny", {"num_hidden_layers": 2}, 2, 64), moe=True),
+    # 32 experts (biased, clamped SwiGLU), top-4, sinks, a 128-token sliding layer then a full one; 2 of 24 layers
+    "gpt_oss": Family(FamilyRun("gpt-oss-20b", {"num_hidden_layers": 2}, 4, 2048),
+                      FamilyRun("gpt-oss-tiny", {}, 2, 64), moe=True),
+    # the whole 1B model: 26 layers, 5 sliding (512 tokens) : 1 global, 262k vocabulary (~18 GiB planned)
+    "gemma3": Family(FamilyRun("gemma3-1b", {}, 4, 2048), FamilyRun("gemma3-tiny", {}, 2, 64), moe=False),
+    # Qwen3.5-35B-A3B's first 4 layers (3 gated-DeltaNet, 1 gated full attention) with 128 of its 256 experts
+    # (all 256 plan at ~71 GiB before transformers' own activations), top-8 and a shared expert
+    "qwen3_5": Family(FamilyRun("qwen3.5-35b-a3b", {"num_hidden_layers": 4, "num_experts": 128}, 4, 2048),
+                      FamilyRun("qwen3.5-moe-tiny", {}, 2, 64), moe=True),
+    # DeepSeek-V4 (no transformers model): its first 4 layers (two sliding-window, one CSA, one HCA; three
+    # hash-routed) and 8 of its 256 experts, 1 x 4096 (~60 GiB planned); deepseek4-tiny is already 4 layers of
+    # every type, a hash layer and MTP, of 8 experts
+    "v4": Family(FamilyRun("deepseek4-flash", {"num_hidden_layers": 4, "n_routed_experts": 8}, 1, 4096),
+                 FamilyRun("deepseek4-tiny", {}, 2, 64), moe=True, torch=False),
+}
+CASES = ("llama", "moe", *FAMILIES, "attention", "gmm")
 
 
 class Shapes:
@@ -72,16 +120,12 @@ class Shapes:
         self.llama = ("llama3-tiny", 2, 64) if smoke else ("llama3.2-1b", 4, 2048)  # preset, batch, seq
         self.moe = ("deepseek3-tiny", 2, 64) if smoke else ("deepseek2-lite", 4, 2048)
         self.moe_layers = 2 if smoke else 4
-        self.qwen3moe = ("qwen3-moe-tiny", 2, 64) if smoke else ("qwen3-moe-30b-a3b", 4, 2048)
-        self.qwen3moe_layers = 2  # 2 of 48: ~1.8B parameters, ~29 GB of f32 weights, gradients and AdamW state
         # (batch, seq, heads, kv_heads, qk_dim, v_dim)
         self.attention = ([(1, 128, 4, 2, 32, 32), (1, 256, 4, 2, 48, 32)] if smoke else
                           [(4, 2048, 32, 8, 64, 64), (1, 8192, 32, 8, 64, 64), (4, 2048, 16, 16, 192, 128),
                            (1, 8192, 16, 16, 192, 128)])
         self.gmm = (512, 8, 64, 32) if smoke else (4 * 2048 * 6, 64, 2048, 1408)  # rows, groups, k, n
-        self.v4 = ("deepseek4-tiny", 2, 64) if smoke else ("deepseek4-flash", 1, 4096)
-        # deepseek4-tiny is already 4 layers (every layer type, a hash layer, MTP) of 8 experts
-        self.v4_cut = {} if smoke else {"num_hidden_layers": 4, "n_routed_experts": 8}
+        self.families = {name: f.smoke if smoke else f.full for name, f in FAMILIES.items()}
         self.steps, self.skip = (4, 1) if smoke else (12, 4)
         self.profile_steps = 2 if smoke else 3
 
@@ -129,7 +173,8 @@ def recipe_args(preset: str, batch: int, seq: int, *more: str) -> list[str]:
 def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool,
                  overrides: str = "{}") -> dict:
     """transformers' model from the nnx_zoo preset's own HF config (with ``overrides``, a JSON object of config
-    fields), one training step per iteration."""
+    fields), one training step per iteration; sdpa attention, or eager attention where transformers has no sdpa
+    path for the model."""
     import torch
     import transformers
 
@@ -139,8 +184,13 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
     hf_config = transformers.AutoConfig.for_model(**config.to_hf_dict())
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
-                                                          dtype=torch.float32).to(device)
+    attn = "sdpa"
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.float32)
+    except ValueError:  # a model transformers has no sdpa path for (GPT-OSS's sinks): its eager attention
+        attn = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.float32)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
     forward = torch.compile(model) if compile_model else model
     ids = torch.randint(0, 256, (batch, seq), device=device)
@@ -164,7 +214,7 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
     flops = config.train_flops_per_token(seq)
     return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "kernels": "sdpa" + (", torch.compile" if compile_model else ", eager")}
+            "kernels": f"{attn} attention" + (", torch.compile" if compile_model else ", eager")}
 
 
 # --------------------------------------------------------------------------------------------- kernels alone
@@ -349,19 +399,24 @@ def moe_case(s: Shapes, timeout_s: float) -> list[dict]:
     return rows
 
 
-def qwen3moe_case(s: Shapes, timeout_s: float) -> list[dict]:
-    preset, batch, seq = s.qwen3moe
-    cut = {"num_hidden_layers": s.qwen3moe_layers}
-    argv = recipe_args(preset, batch, seq, "--model.num_hidden_layers", str(s.qwen3moe_layers))
+def family_recipe_args(run: FamilyRun) -> list[str]:
+    """The recipe's command line of a family case (``recipe_args`` with its cut of the preset)."""
+    return recipe_args(run.preset, run.batch, run.seq,
+                       *(w for k, v in run.cut.items() for w in (f"--model.{k}", str(v))))
+
+
+def family_case(name: str, s: Shapes, timeout_s: float) -> list[dict]:
+    run, family = s.families[name], FAMILIES[name]
+    argv, cut = family_recipe_args(run), json.dumps(run.cut)
     rows = [run_recipe("nnx_zoo recipe", argv, s.steps, s.skip, timeout_s)]
-    if "error" in rows[0]:  # auto's kernel (tokamax when it imports) failed: the run a user falls back to
-        rows.append(run_recipe("nnx_zoo recipe (gmm pallas_triton)", [*argv, "--model.grouped_matmul_impl",
-                                                                      "pallas_triton"], s.steps, s.skip, timeout_s))
-    for compiled in (False, True):
-        name = "transformers + torch.compile" if compiled else "transformers eager"
-        rows.append({"name": name, **_worker(["torch", preset, batch, seq, s.steps, s.skip, int(compiled),
-                                              json.dumps(cut)], timeout_s)})
-    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", preset, batch, seq, json.dumps(cut),
+    if family.moe and "error" in rows[0]:  # auto's kernel (tokamax when it imports) failed: the run a user falls
+        rows.append(run_recipe("nnx_zoo recipe (gmm pallas_triton)",  # back to
+                               [*argv, "--model.grouped_matmul_impl", "pallas_triton"], s.steps, s.skip, timeout_s))
+    for compiled in (False, True) if family.torch else ():
+        label = "transformers + torch.compile" if compiled else "transformers eager"
+        rows.append({"name": label, **_worker(["torch", run.preset, run.batch, run.seq, s.steps, s.skip,
+                                               int(compiled), cut], timeout_s)})
+    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", run.preset, run.batch, run.seq, cut,
                                                                s.profile_steps], timeout_s)})
     return rows
 
@@ -373,20 +428,6 @@ def attention_case(s: Shapes, timeout_s: float) -> list[dict]:
         result = _worker(["attention", json.dumps(shape), json.dumps(variants)], timeout_s)
         rows += result if isinstance(result, list) else [{"shape": list(shape), "impl": "all", "segments": False,
                                                            **result}]
-    return rows
-
-
-def v4_recipe_args(s: Shapes) -> list[str]:
-    """The recipe's command line of the ``v4`` case (``recipe_args`` with its cut of the preset)."""
-    preset, batch, seq = s.v4
-    return recipe_args(preset, batch, seq, *(w for k, v in s.v4_cut.items() for w in (f"--model.{k}", str(v))))
-
-
-def v4_case(s: Shapes, timeout_s: float) -> list[dict]:
-    preset, batch, seq = s.v4
-    rows = [run_recipe("nnx_zoo recipe", v4_recipe_args(s), s.steps, s.skip, timeout_s)]
-    rows.append({"name": "nnx_zoo step, profiled", **_worker(["profile", preset, batch, seq, json.dumps(s.v4_cut),
-                                                               s.profile_steps], timeout_s)})
     return rows
 
 
@@ -467,7 +508,7 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 _SMOKE = [False]
-RECIPE_CASES = ("llama", "moe", "qwen3moe", "v4")  # the cases that run the recipe (a tokens/s table)
+RECIPE_CASES = ("llama", "moe", *FAMILIES)  # the cases that run the recipe (a tokens/s table)
 
 
 def markdown(results: dict) -> str:
@@ -524,8 +565,8 @@ def main() -> None:
     shapes = Shapes(args.smoke)
     results: dict = {"device": str(jax.devices()[0].device_kind), "environment": environment(),
                      "steps": shapes.steps, "skip": shapes.skip}
-    runners = {"llama": llama_case, "moe": moe_case, "qwen3moe": qwen3moe_case, "attention": attention_case,
-               "gmm": gmm_case, "v4": v4_case}
+    runners = {"llama": llama_case, "moe": moe_case, "attention": attention_case, "gmm": gmm_case,
+               **{name: functools.partial(family_case, name) for name in FAMILIES}}
     for case in args.cases:
         print(f"== {case}", flush=True)
         results[case] = runners[case](shapes, args.timeout)

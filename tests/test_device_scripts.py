@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -68,21 +69,51 @@ def test_the_gpu_profile_worker_attributes_the_train_step_to_model_code():
 
 
 
+def _recipe():
+    spec = importlib.util.spec_from_file_location("pretrain_gpu", BENCHMARKS.parent / "recipes" / "pretrain.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def _planned_gib(out: str) -> float:
+    total = next(line for line in out.splitlines() if line.strip().startswith("total"))
+    return float(total.split("remat full:")[1].split("GiB")[0])
+
+
 def test_the_gpu_v4_case_plans_under_an_h100_and_its_smoke_shape_parses(capsys):
     """The `v4` case's recipe commands (the train step itself runs through `run_recipe` and `profile_worker`, which
     the other cases check): at full size it plans (abstract, nothing compiled, ~1 s) under an H100's 78 GiB with
     V4's attention, and its smoke command is a V4 preset the recipe takes."""
-    gpu = _script("gpu_train_step")
-    spec = importlib.util.spec_from_file_location("pretrain_for_v4_case", BENCHMARKS.parent / "recipes" / "pretrain.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    argv = gpu.v4_recipe_args(gpu.Shapes(smoke=False))
+    gpu, recipe = _script("gpu_train_step"), _recipe()
+    argv = gpu.family_recipe_args(gpu.Shapes(smoke=False).families["v4"])
     assert argv[:2] == ["--model", "deepseek4-flash"] and "--model.num_hidden_layers" in argv
     assert recipe.main([*argv, "--plan", "--mesh", "fsdp=1"]) == 0
     out = capsys.readouterr().out
     assert "V4 attention (sliding blockwise, CSA blockwise, HCA blockwise" in out, out
-    total = next(line for line in out.splitlines() if line.strip().startswith("total"))
-    assert float(total.split("remat full:")[1].split("GiB")[0]) < 78, total
-    smoke = gpu.v4_recipe_args(gpu.Shapes(smoke=True))
+    assert _planned_gib(out) < 78, out
+    smoke = gpu.family_recipe_args(gpu.Shapes(smoke=True).families["v4"])
     assert recipe.main([*smoke, "--plan", "--mesh", "fsdp=1"]) == 0
     assert "2 hyper-connection streams" in capsys.readouterr().out  # deepseek4-tiny's
+
+
+@pytest.mark.parametrize("case", ["qwen3moe", "gpt_oss", "gemma3", "qwen3_5"])
+def test_the_gpu_family_cases_plan_under_an_h100_and_transformers_has_their_model(case, capsys):
+    """Each family case's cut of its published preset plans under remat full below an H100's 78 GiB (abstract,
+    ~1 s), its smoke command is one the recipe takes, and the torch side's config (the cut config through
+    transformers' AutoConfig) has a causal-LM class in the installed transformers with the cut's sizes."""
+    import transformers
+
+    from nnx_zoo import AutoConfig
+
+    gpu, recipe = _script("gpu_train_step"), _recipe()
+    for smoke in (False, True):
+        run = gpu.Shapes(smoke=smoke).families[case]
+        assert recipe.main([*gpu.family_recipe_args(run), "--plan", "--mesh", "fsdp=1"]) == 0
+        out = capsys.readouterr().out
+        assert f"global batch {run.batch} x sequence {run.seq}" in out, out
+        if not smoke:
+            assert 10 < _planned_gib(out) < 78, out  # a cut that still weighs something, and fits
+        hf = transformers.AutoConfig.for_model(**AutoConfig.preset(run.preset, **run.cut).to_hf_dict())
+        assert transformers.AutoModelForCausalLM._model_mapping[type(hf)].__name__.endswith("ForCausalLM")
+        assert all(getattr(hf, k) == v for k, v in run.cut.items()), (hf, run.cut)

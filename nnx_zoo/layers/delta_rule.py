@@ -36,11 +36,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.attention import activation_spec, ambient_mesh, vary_over
+from nnx_zoo.layers.spec import explicit_spec
 from nnx_zoo.sharding import axes_tuple
 from nnx_zoo.sharding.constrain import shard_to_spec
 
 DELTA_RULE_IMPLS = ("auto", "chunked", "recurrent")
 DEFAULT_CHUNK = 64
+_BSHD = ("activation_batch", "activation_length", "activation_heads", None)
 
 
 def _grouped(x: jax.Array, heads: int) -> jax.Array:
@@ -48,7 +50,10 @@ def _grouped(x: jax.Array, heads: int) -> jax.Array:
     hk = x.shape[2]
     if heads % hk:
         raise ValueError(f"query/key heads ({hk}) must divide the value heads ({heads})")
-    return x if hk == heads else jnp.repeat(x, heads // hk, axis=2)
+    if hk == heads:
+        return x
+    shape = (*x.shape[:2], heads, x.shape[3])  # key head i's copies stay on its devices when heads are split
+    return jnp.repeat(x, heads // hk, axis=2, out_sharding=explicit_spec(_BSHD, shape))
 
 
 def gated_delta_rule(
@@ -104,7 +109,6 @@ def gated_delta_rule(
 
 
 # ---------------------------------------------------------------------------------------------- under a mesh
-_BSHD = ("activation_batch", "activation_length", "activation_heads", None)
 
 
 def _per_device(run, q, k, v, g, beta, segments, state):

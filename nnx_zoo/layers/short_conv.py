@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.attention import activation_spec, ambient_mesh, vary_over
-from nnx_zoo.sharding import axes_tuple, shard
+from nnx_zoo.sharding import axes_tuple, restore_sharding, shard, sharding_of
 from nnx_zoo.sharding.constrain import shard_to_spec
 
 ACTIVATIONS = {"silu": jax.nn.silu, "identity": lambda x: x}
@@ -54,6 +54,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, *, activation: str = "silu", 
     mesh = ambient_mesh()
     spec = None if mesh is None else activation_spec(("activation_batch", "activation_length", *names), x.shape)
     if spec is None or not axes_tuple(spec[1]):
+        before = _laid_out_like(before, x)
         y = _conv(x, weight, before, segment_ids, None, activation)
         return y, _last_inputs(before, x, taps)
     return _split_sequence(x, weight, before, segment_ids, activation, spec)
@@ -62,6 +63,14 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, *, activation: str = "silu", 
 def _expand(a: jax.Array, ndim: int) -> jax.Array:
     """``[b, s]`` -> ``[b, s, 1, ...]`` against an array of ``ndim`` dims."""
     return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def _laid_out_like(before: jax.Array, x: jax.Array) -> jax.Array:
+    """``before`` split over batch and channels as ``x`` is (whole over its K - 1 rows), so the two concatenate
+    under an Explicit mesh (a zero tail arrives replicated, heads split over devices do not)."""
+    sharding = sharding_of(x)
+    spec = PartitionSpec(*[None if i == 1 else e for i, e in enumerate(sharding.spec)])
+    return restore_sharding(before, sharding.update(spec=spec))
 
 
 def _last_inputs(before: jax.Array, x: jax.Array, taps: int) -> jax.Array:

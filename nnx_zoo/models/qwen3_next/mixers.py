@@ -21,6 +21,7 @@ from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import GatedRMSNorm, RMSNorm, l2_normalize
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.layers.short_conv import ShortConv
+from nnx_zoo.layers.spec import explicit_spec
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
@@ -95,8 +96,10 @@ class GatedDeltaNet(nnx.Module):
 
     ``packed=True`` (Qwen3-Next): ``in_proj_qkvz [embed, hk, 2 dk + 2 r dv]`` and ``in_proj_ba [embed, hk, 2 r]``,
     each query/key head's q, k, its r value heads' v and z (and b, a) side by side; ``packed=False`` (Qwen3.5):
-    ``in_proj_qkv [embed, C]`` (all queries, all keys, all values), ``in_proj_z [embed, hv, dv]``, ``in_proj_b`` and
-    ``in_proj_a [embed, hv]``. The convolution's channels are queries, keys, values in that order either way.
+    ``in_proj_qkv [embed, hk, 2 dk + r dv]`` (the checkpoint's all queries, all keys, all values regrouped per
+    query/key head), ``in_proj_z [embed, hv, dv]``, ``in_proj_b`` and ``in_proj_a [embed, hv]``. Either way the
+    convolution runs per query/key head on ``[b, s, hk, 2 dk + r dv]`` (its query, key and values), so every
+    activation and weight but ``out_proj``'s input width splits by heads under tensor parallelism.
 
     >>> net = GatedDeltaNet(64, key_heads=2, value_heads=4, key_dim=16, value_dim=16, conv_kernel=4, packed=True,
     ...                     rngs=nnx.Rngs(0))
@@ -115,16 +118,18 @@ class GatedDeltaNet(nnx.Module):
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = hk, hv, dk, dv
         self.packed, self.chunk_size, self.dtype = packed, chunk_size, dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        w = 2 * dk + r * dv  # a query/key head's conv channels: its query, its key, its r value heads' values
         if packed:
-            self.in_proj_qkvz = Linear(features, (hk, 2 * dk + 2 * r * dv), kernel_names=("embed", "heads", None), **kw)
+            self.in_proj_qkvz = Linear(features, (hk, w + r * dv), kernel_names=("embed", "heads", None), **kw)
             self.in_proj_ba = Linear(features, (hk, 2 * r), kernel_names=("embed", "heads", None), **kw)
-        else:
-            self.in_proj_qkv = Linear(features, 2 * hk * dk + hv * dv, kernel_names=("embed", None), **kw)
+        else:  # stored per query/key head too (the checkpoint's [C, embed] regrouped on load), so TP splits it
+            self.in_proj_qkv = Linear(features, (hk, w), kernel_names=("embed", "heads", None), **kw)
             self.in_proj_z = Linear(features, (hv, dv), kernel_names=("embed", "heads", "kv"), **kw)
             self.in_proj_b = Linear(features, hv, kernel_names=("embed", "heads"), **kw)
             self.in_proj_a = Linear(features, hv, kernel_names=("embed", "heads"), **kw)
-        self.conv = ShortConv(2 * hk * dk + hv * dv, conv_kernel, names=(None, None), dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+        self.conv = ShortConv((hk, w), conv_kernel, names=("heads", None, None),
+                              channel_names=("activation_heads", None), dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
         self.dt_bias = nnx.Param(jnp.ones((hv,), param_dtype), out_sharding=("heads",), eager_sharding=False)
         # A in [1, 16) at init (transformers draws it from [0.01, 16)): decay rates spread over the heads.
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), param_dtype, 1.0, 16.0)),
@@ -133,33 +138,37 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear((hv, dv), features, kernel_names=("heads", "kv", "embed"), **kw)
 
     def _inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """``(mixed [b, s, C], z [b, s, hv, dv], b, a [b, s, hv])`` from the projections."""
-        bsz, s = x.shape[:2]
-        hk, hv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
-        r = hv // hk
+        """``(qkv [b, s, hk, 2 dk + r dv], z [b, s, hv, dv], b, a [b, s, hv])`` from the projections, every one
+        split by heads."""
+        hk, dk, dv = self.key_heads, self.key_dim, self.value_dim
+        r = self.value_heads // hk
         if not self.packed:
-            return self.in_proj_qkv(x, _BL_), self.in_proj_z(x, _BLHD), self.in_proj_b(x, _BLH), self.in_proj_a(x, _BLH)
+            return (self.in_proj_qkv(x, _BLH_), self.in_proj_z(x, _BLHD), self.in_proj_b(x, _BLH),
+                    self.in_proj_a(x, _BLH))
         qkvz = self.in_proj_qkvz(x, _BLH_)  # [b, s, hk, 2 dk + 2 r dv]
-        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
         ba = self.in_proj_ba(x, _BLH_)  # [b, s, hk, 2 r]
-        beta_in, a = ba[..., :r].reshape(bsz, s, hv), ba[..., r:].reshape(bsz, s, hv)
-        mixed = jnp.concatenate([q.reshape(bsz, s, hk * dk), k.reshape(bsz, s, hk * dk), v.reshape(bsz, s, hv * dv)],
-                                axis=-1)
-        return mixed, z.reshape(bsz, s, hv, dv), beta_in, a
+        w = 2 * dk + r * dv
+        return qkvz[..., :w], self._value_heads(qkvz[..., w:], dv), self._value_heads(ba[..., :r]), \
+            self._value_heads(ba[..., r:])
+
+    def _value_heads(self, a: jax.Array, width: int | None = None) -> jax.Array:
+        """``[b, s, hk, r * width]`` -> ``[b, s, hv, width]`` (or ``[b, s, hk, r]`` -> ``[b, s, hv]``): query/key
+        head ``i``'s ``r`` value heads are ``i r .. i r + r - 1``, so a split over heads stays on its devices."""
+        shape = (*a.shape[:2], self.value_heads) + (() if width is None else (width,))
+        names = _BLHD if width is not None else _BLH
+        return shard(jnp.reshape(a, shape, out_sharding=explicit_spec(names, shape)), names)
 
     def _mix(self, x: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None, tail: jax.Array | None,
              state: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(out [b, s, embed], conv tail, delta-rule state)`` continuing ``tail`` / ``state`` (None: empty)."""
         in_sharding = sharding_of(x)
-        bsz, s = x.shape[:2]
-        hk, hv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
+        dk, dv = self.key_dim, self.value_dim
         x = jnp.where(token_mask[:, :, None], x, 0).astype(x.dtype)  # padding reads as 0, as transformers zeroes it
-        mixed, z, beta_in, a = self._inputs(x)
-        mixed, tail = self.conv(mixed, tail=tail, segment_ids=segment_ids, token_mask=token_mask)
-        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
-        q = l2_normalize(q.reshape(bsz, s, hk, dk), 1e-6)
-        k = l2_normalize(k.reshape(bsz, s, hk, dk), 1e-6)
-        v = v.reshape(bsz, s, hv, dv)
+        qkv, z, beta_in, a = self._inputs(x)
+        qkv, tail = self.conv(qkv, tail=tail, segment_ids=segment_ids, token_mask=token_mask)  # [b, s, hk, w]
+        q = l2_normalize(qkv[..., :dk], 1e-6)
+        k = l2_normalize(qkv[..., dk:2 * dk], 1e-6)
+        v = self._value_heads(qkv[..., 2 * dk:], dv)
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
@@ -181,8 +190,8 @@ class GatedDeltaNet(nnx.Module):
 
     def decode(self, x: jax.Array, cos: jax.Array | None, sin: jax.Array | None, tail: jax.Array, state: jax.Array,
                start: jax.Array, mask: AttentionMask) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``t`` new tokens after the cached ``tail [b, K-1, C]`` and ``state [b, hv, dk, dv]``: ``(out, tail,
-        state)``. ``mask`` (the cache's, ``q_offset = start``) says which new tokens are padding."""
+        """``t`` new tokens after the cached ``tail [b, K-1, hk, 2 dk + r dv]`` and ``state [b, hv, dk, dv]``:
+        ``(out, tail, state)``. ``mask`` (the cache's, ``q_offset = start``) says which new tokens are padding."""
         del cos, sin, start
         token_mask = jnp.broadcast_to(mask.query_valid(x.shape[1]), x.shape[:2])
         out, tail, new_state = self._mix(x, token_mask, None, tail.astype(x.dtype), state)

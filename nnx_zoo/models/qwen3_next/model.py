@@ -28,7 +28,8 @@ from nnx_zoo.models.qwen3_next.config import Qwen3NextConfig
 from nnx_zoo.models.qwen3_next.mixers import GatedAttention, GatedDeltaNet, centred_norm
 from nnx_zoo.sharding import shard, use_rules
 
-_CONV_NAMES = ("activation_stack", "cache_batch", None, None)  # [layers, batch, K - 1, channels]
+# [layers, batch, K - 1, hk, 2 dk + r dv]: per query/key head, as the convolution runs
+_CONV_NAMES = ("activation_stack", "cache_batch", None, "cache_kv_heads", None)
 _STATE_NAMES = ("activation_stack", "cache_batch", "cache_kv_heads", None, None)  # [layers, batch, hv, dk, dv]
 
 
@@ -65,10 +66,10 @@ class HybridMoELayer(_HybridLayer, MoEDecoderLayer):
 
 class HybridCache(NamedTuple):
     """The decoding cache of a model with full and linear layers: per full stack ``k``, ``v [layers, batch,
-    max_len, kv_heads, head_dim]``; per linear stack ``conv [layers, batch, K - 1, C]`` (the convolution's last
-    inputs) and ``state [layers, batch, hv, dk, dv]`` (float32, the delta rule's state); the slot bookkeeping
-    (``valid``, ``next_position``, ``length``) is ``KVCache``'s. A linear layer's memory does not grow with the
-    context.
+    max_len, kv_heads, head_dim]``; per linear stack ``conv [layers, batch, K - 1, hk, C / hk]`` (the
+    convolution's last inputs, per query/key head) and ``state [layers, batch, hv, dk, dv]`` (float32, the delta
+    rule's state); the slot bookkeeping (``valid``, ``next_position``, ``length``) is ``KVCache``'s. A linear
+    layer's memory does not grow with the context.
 
     >>> cache = model.init_cache(batch=2, max_len=64)
     >>> cache.conv["linear_layers"].shape, cache.state["linear_layers"].shape
@@ -125,8 +126,9 @@ class Qwen3Next(MoECausalLM):
             for name, kind, indices in c.layer_stacks():
                 n = len(indices)
                 if kind.attention == "linear":
-                    conv[name] = shard(jnp.zeros((n, batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype),
-                                       _CONV_NAMES)
+                    hk = c.linear_num_key_heads
+                    tail = (n, batch, c.linear_conv_kernel_dim - 1, hk, c.linear_conv_dim // hk)
+                    conv[name] = shard(jnp.zeros(tail, dtype), _CONV_NAMES)
                     state[name] = shard(jnp.zeros((n, batch, c.linear_num_value_heads, c.linear_key_head_dim,
                                                    c.linear_value_head_dim), jnp.float32), _STATE_NAMES)
                 else:

@@ -124,7 +124,8 @@ def test_cached_greedy_decoding_equals_uncached_and_transformers(cases):
     cache = model.init_cache(3, 16)
     assert set(cache.conv) == set(cache.state) == {"linear_layers", "linear_dense_layers"} and set(cache.k) == {
         "layers"}
-    assert cache.state["linear_layers"].shape == (2, 3, 4, 8, 8) and cache.conv["linear_layers"].shape == (2, 3, 3, 64)
+    assert cache.state["linear_layers"].shape == (2, 3, 4, 8, 8)
+    assert cache.conv["linear_layers"].shape == (2, 3, 3, 2, 32)
     forward = nnx.jit(lambda m, s, k, p: m(s, k, position_ids=p))
     seq = np.concatenate([ids, np.zeros((3, new), np.int32)], 1)
     seq_mask = np.concatenate([mask, np.ones((3, new), np.int32)], 1)
