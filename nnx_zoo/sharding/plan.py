@@ -104,6 +104,11 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   (``kernels["attention_<kind>"]``; a window or chunk changes no kept bytes: ``xla`` masks its full scores,
   the flash-style kernels keep a log-sum-exp per row), run as the model scans them (``kind_segments``: a step of
   a looped pattern, one layer of each of its kinds, is the recomputed unit; a segment of one repeat is kept whole).
+  A kind's layer may hold a dense MLP and a MoE block beside it (Gemma 4): both are counted, the MoE read by the
+  names every MoE config answers (``num_routed_experts``, ``expert_intermediate_size``, ``num_moe_layers``).
+  Per-layer inputs (``hidden_size_per_layer_input`` ``p``, Gemma 4): ``T*a*6*L*p`` held before the layers (the
+  second table's rows, the projection, its norm's 3, the mix: ``PER_LAYER_INPUTS_KEPT``) and ``T*a*4*p`` per layer
+  (the gate, its GELU, the product: ``PER_LAYER_INPUT_KEPT``).
   The plan reports no generation KV cache (its ring caches for windowed layers are ``nnx_zoo.layers.kv_cache``'s).
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
@@ -181,6 +186,9 @@ class DecoderShapes:
     # of each layer in model order (``KindShapes``, ``kind_schedule``); empty for one kind of layer per stack.
     kinds: tuple[KindShapes, ...] = ()
     schedule: tuple[str, ...] = ()
+    # Per-layer inputs (HF ``hidden_size_per_layer_input``, Gemma 3n / 4): a ``[layers x width]`` input per token,
+    # made once from a second embedding table and a projection, gated into each layer; 0: none.
+    per_layer_input: int = 0
 
     @classmethod
     def from_config(cls, config: Any, kernels: dict[str, str] | None = None,
@@ -223,6 +231,7 @@ class DecoderShapes:
             indexer_trained=bool(topk) and get("indexer_training", "off") == "sparse",
             swiglu_clamped=getattr(config, "swiglu_limit", None) is not None, v4=v4,
             gate_activation=getattr(config, "gate_activation", None) or "silu",
+            per_layer_input=get("hidden_size_per_layer_input"),
             **kind_schedule(config, kernels, "xla" if attention == "auto" else attention),
         )
 
@@ -727,6 +736,7 @@ PART_PHASES = {
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
     "sparse attention, one block": "one layer", "attention scratch, one layer": "one layer",
     "hyper-connection head": "output head", "streams from the embeddings": "held", "mtp layers": "output head",
+    "per-layer inputs": "held",
 }
 
 
@@ -829,6 +839,9 @@ def kind_layer_bytes(s: DecoderShapes, n: Local, k: KindShapes, looped: bool) ->
     each), its dense MLP and its MoE block (either or both)."""
     m = kind_local(n, k)
     kept = kind_attention_bytes(s, m, k) + max(0, k.norms - 2) * 3 * n.tokens * s.dtype_bytes * s.hidden
+    # The per-layer input's gate: its projection, the activation's residuals and the gated product, [T, p] each
+    # (its output's norm is one of the layer's norms).
+    kept += n.tokens * s.dtype_bytes * PER_LAYER_INPUT_KEPT * s.per_layer_input
     if k.mlp:
         kept += mlp_bytes(s, m, looped)
     if k.moe:
@@ -837,9 +850,10 @@ def kind_layer_bytes(s: DecoderShapes, n: Local, k: KindShapes, looped: bool) ->
 
 
 def kind_cotangent_bytes(s: DecoderShapes, n: Local, k: KindShapes) -> int:
-    """``mlp_cotangent_bytes`` of kind ``k``'s MLP and MoE block."""
+    """``mlp_cotangent_bytes`` of kind ``k``'s MLP or MoE block; with both (Gemma 4's MoE beside the MLP) the larger:
+    their backwards run one after the other."""
     m = kind_local(n, k)
-    return (mlp_cotangent_bytes(s, m, False) if k.mlp else 0) + (mlp_cotangent_bytes(s, m, True) if k.moe else 0)
+    return max(mlp_cotangent_bytes(s, m, False) if k.mlp else 0, mlp_cotangent_bytes(s, m, True) if k.moe else 0)
 
 
 def kind_segments(s: DecoderShapes) -> list[tuple[tuple[KindShapes, ...], int]]:
@@ -874,7 +888,18 @@ def kind_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[st
         size, cot = max(steps, key=sum, default=(0, 0))
         layers = {"layer inputs": sum(repeats for _, repeats in looped) * layer_input,
                   "one layer recomputed": size, "cotangents, one layer": cot, "one-layer stacks, kept whole": whole}
-    return {**layers, "embeddings and logits": output_bytes(s, n)}
+    # The per-layer inputs of every layer, made once before the layers and read by each one's backward: the table's
+    # rows, the projection of the embeddings, its norm's 3 and the mix, [T, layers * p] each.
+    per_layer = n.tokens * s.dtype_bytes * PER_LAYER_INPUTS_KEPT * len(s.schedule) * s.per_layer_input
+    return {**layers, "embeddings and logits": output_bytes(s, n), **({"per-layer inputs": per_layer}
+                                                                       if per_layer else {})}
+
+
+# Widths of [T, p] that one layer's per-layer input gate keeps (the gate's projection, its GELU's tanh and output,
+# the gated product), and of [T, layers * p] that the per-layer inputs keep before the layers (table rows,
+# projection, its norm's 3, the mix).
+PER_LAYER_INPUT_KEPT = 4
+PER_LAYER_INPUTS_KEPT = 6
 
 
 def kind_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:

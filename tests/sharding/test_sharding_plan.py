@@ -214,6 +214,12 @@ LONG = [
     ("gpt-oss-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(sliding_window=128)),
     ("gemma3-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(sliding_window=128)),
     ("llama4-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(attention_chunk_size=128)),
+    # Gemma 4 (sliding / global with its own head width and K = V, sandwich norms, tanh GELU, the MoE block beside
+    # the MLP in every layer, per-layer inputs; the per-layer table at vocab 512 too) scans one (sliding, full) step
+    # twice: 1.07 (its MoE unread, the config answering none of the MoE names: 0.77; the MLP's and MoE's cotangents
+    # added, not the larger: 1.12).
+    ("gemma4-tiny", 4, "full", "blockwise", (1, 1024), 512, 256, dict(sliding_window=128,
+                                                                       vocab_size_per_layer_input=512)),
 ]
 
 
@@ -377,7 +383,10 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
         assert len(kinds) > 1 and set(plan.shapes.schedule) == {k.stack for k in kinds}
         assert periodic_runs(plan.shapes.schedule, KIND_MAX_PERIOD) == scan_runs(plan.shapes.schedule, KIND_MAX_PERIOD)
         local = [k for k in kinds if k.span]
-        assert local and {k.span for k in local} == set(extra.values()) and all(k.kernel == attention for k in kinds)
+        span = extra.get("sliding_window") or extra["attention_chunk_size"]
+        assert local and {k.span for k in local} == {span} and all(k.kernel == attention for k in kinds)
+    if getattr(config, "num_moe_layers", 0):  # the MoE block is read, by the names every MoE config answers
+        assert (plan.shapes.experts, plan.shapes.moe_layers) == (config.num_routed_experts, config.num_moe_layers)
         assert all(f"{'window' if k.window else 'chunk'} {k.span}, {attention}" in plan.table() for k in local)
     if attention.startswith("sparse-top"):  # its indexer's scratch is the one-layer phase, above the head's
         parts = plan.activations[remat]

@@ -246,6 +246,25 @@ class Gemma4Config(DecoderConfig, model_type="gemma4_text", architecture="Gemma4
     def gate_activation(self) -> str:
         return ACTIVATIONS[self.hidden_activation]
 
+    # The MoE questions every MoE family's config answers (``MoEDecoderConfig``'s names; the memory plan, kernel
+    # choices and the trainer read these, not Gemma 4's HF fields). Without the MoE block: no experts, no MoE layers.
+    @property
+    def num_routed_experts(self) -> int:
+        return self.num_experts if self.enable_moe_block else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size if self.enable_moe_block else 0
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.top_k_experts if self.enable_moe_block else 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with the MoE block beside their MLP: every layer with ``enable_moe_block``, else none."""
+        return self.num_hidden_layers if self.enable_moe_block else 0
+
     def head_dims(self, kind: Any) -> tuple[int, int]:
         """``(head width, key/value heads)`` of a layer of ``kind``."""
         if kind.attention == "full":
