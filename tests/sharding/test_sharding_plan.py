@@ -385,9 +385,9 @@ def test_estimate_follows_the_attention_kernel_and_the_chunked_loss(preset, laye
         local = [k for k in kinds if k.span]
         span = extra.get("sliding_window") or extra["attention_chunk_size"]
         assert local and {k.span for k in local} == {span} and all(k.kernel == attention for k in kinds)
+        assert all(f"{'window' if k.window else 'chunk'} {k.span}, {attention}" in plan.table() for k in local)
     if getattr(config, "num_moe_layers", 0):  # the MoE block is read, by the names every MoE config answers
         assert (plan.shapes.experts, plan.shapes.moe_layers) == (config.num_routed_experts, config.num_moe_layers)
-        assert all(f"{'window' if k.window else 'chunk'} {k.span}, {attention}" in plan.table() for k in local)
     if attention.startswith("sparse-top"):  # its indexer's scratch is the one-layer phase, above the head's
         parts = plan.activations[remat]
         assert parts["sparse attention, one block"] > parts["embeddings and logits"]
