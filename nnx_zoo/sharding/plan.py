@@ -688,16 +688,9 @@ def gathered_weights(report: ShardingReport, expert_gather: str = "fsdp") -> Gat
     depth: dict[str, int] = {}
     others = [0]
     for r in report.params:
-        if r.names is None:
-            continue
-        shape = list(r.per_device_shape)
-        gathered = _gathered_dims(r.names, expert_gather)
-        for dim, axes in enumerate(r.spec):
-            if gathered[dim] and axes is not None:
-                shape[dim] = r.shape[dim]
-        if shape == list(r.per_device_shape):
+        whole = _gathered_bytes(r, expert_gather)
+        if whole is None:
             continue  # used where it lies: no gather
-        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
         stack = r.names[0] if r.names[0] in STACK_AXES else None
         if stack is None:
             others.append(whole)
@@ -920,22 +913,29 @@ def kind_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int
             "embedding gradient": embedding_gradient_bytes(report)}
 
 
+def _gathered_bytes(r: Any, expert_gather: str) -> int | None:
+    """The bytes parameter ``r`` takes on a device once its gathered dims are whole (None: nothing is gathered)."""
+    if r.names is None:
+        return None
+    shape = list(r.per_device_shape)
+    gathered = _gathered_dims(r.names, expert_gather)
+    for dim, axes in enumerate(r.spec):
+        if gathered[dim] and axes is not None:
+            shape[dim] = r.shape[dim]
+    if shape == list(r.per_device_shape):
+        return None
+    return math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
+
+
 def stack_gathered(report: ShardingReport, expert_gather: str, stacks: set[str]) -> tuple[dict, dict[str, int]]:
     """Per stack of ``stacks`` (by path prefix), one layer's gathered weight bytes and its largest weight's; under
     the key None, the list of the other parameters' gathered sizes."""
     per_layer: dict[Any, Any] = {None: [0]}
     largest: dict[str, int] = {}
     for r in report.params:
-        if r.names is None:
+        whole = _gathered_bytes(r, expert_gather)
+        if whole is None:
             continue
-        shape = list(r.per_device_shape)
-        gathered = _gathered_dims(r.names, expert_gather)
-        for dim, axes in enumerate(r.spec):
-            if gathered[dim] and axes is not None:
-                shape[dim] = r.shape[dim]
-        if shape == list(r.per_device_shape):
-            continue
-        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
         stack = next((k for k in stacks if r.path.startswith(k + ".")), None)
         if stack is None:
             per_layer[None].append(whole)
@@ -1252,16 +1252,9 @@ def v4_weight_parts(report: ShardingReport, s: DecoderShapes) -> dict[str, int]:
     largest: dict[str, int] = {}
     others, mtp = [0], 0
     for r in report.params:
-        if r.names is None:
+        whole = _gathered_bytes(r, expert_gather)
+        if whole is None:
             continue
-        shape = list(r.per_device_shape)
-        gathered = _gathered_dims(r.names, expert_gather)
-        for dim, axes in enumerate(r.spec):
-            if gathered[dim] and axes is not None:
-                shape[dim] = r.shape[dim]
-        if shape == list(r.per_device_shape):
-            continue
-        whole = math.prod(shape) * r.bytes_per_device // max(1, math.prod(r.per_device_shape))
         stack = next((k for k in {v4_stack_name(kind) for kind in s.v4.kinds} if r.path.startswith(k + ".")), None)
         if stack is None and r.names[0] in STACK_AXES:  # the MTP layers: no loop, gathered once and kept
             mtp += whole // r.shape[0]

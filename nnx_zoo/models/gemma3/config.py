@@ -72,6 +72,18 @@ def pattern_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))
 
 
+def layer_types_problems(kinds: tuple[str, ...], num_layers: int) -> list[str]:
+    """What is wrong with a Gemma ``layer_types`` schedule: unknown entries, or not one entry per layer."""
+    p = []
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if unknown:
+        p.append(f"layer_types holds {unknown}; each entry must be one of {LAYER_TYPES}")
+    if len(kinds) != num_layers:
+        p.append(f"layer_types has {len(kinds)} entries but num_hidden_layers={num_layers}; give one per layer (or "
+                 "leave layer_types out: every sliding_window_pattern-th layer is global)")
+    return p
+
+
 def text_config_of(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The text model's config dict of a multimodal checkpoint's ``config.json`` (its ``text_config``, given
     ``model_type``), or ``d`` itself when it is a text model's."""
@@ -130,13 +142,7 @@ class Gemma3Config(DecoderConfig, model_type="gemma3_text", architecture="Gemma3
         p = super()._problems()
         kinds = self.resolved_layer_types
         if kinds is not None:
-            unknown = sorted(set(kinds) - set(LAYER_TYPES))
-            if unknown:
-                p.append(f"layer_types holds {unknown}; each entry must be one of {LAYER_TYPES}")
-            if len(kinds) != self.num_hidden_layers:
-                p.append(f"layer_types has {len(kinds)} entries but num_hidden_layers={self.num_hidden_layers}; "
-                         "give one per layer (or leave layer_types out: every sliding_window_pattern-th layer is "
-                         "global)")
+            p += layer_types_problems(kinds, self.num_hidden_layers)
             if "sliding_attention" in kinds and not _positive_int(self.sliding_window):
                 p.append(f"sliding layers need a positive integer sliding_window, got {self.sliding_window!r}")
         if not _positive_int(self.sliding_window_pattern):

@@ -27,7 +27,13 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 from nnx_zoo.models.decoder_config import DecoderConfig, ParameterCount, _positive_int
-from nnx_zoo.models.gemma3.config import ACTIVATIONS, LAYER_TYPES, pattern_layer_types, text_config_of
+from nnx_zoo.models.gemma3.config import (
+    ACTIVATIONS,
+    LAYER_TYPES,
+    layer_types_problems,
+    pattern_layer_types,
+    text_config_of,
+)
 from nnx_zoo.models.moe_decoder_config import MOE_IMPLS
 
 KV_MODES = ("own", "store", "shared")
@@ -158,15 +164,8 @@ class Gemma4Config(DecoderConfig, model_type="gemma4_text", architecture="Gemma4
         p = super()._problems()
         kinds = self.resolved_layer_types
         if kinds is not None:
-            unknown = sorted(set(kinds) - set(LAYER_TYPES))
-            if unknown:
-                p.append(f"layer_types holds {unknown}; each entry must be one of {LAYER_TYPES}")
-            if len(kinds) != self.num_hidden_layers:
-                p.append(f"layer_types has {len(kinds)} entries but num_hidden_layers={self.num_hidden_layers}; "
-                         "give one per layer (or leave layer_types out: every sliding_window_pattern-th layer is "
-                         "global)")
-            elif not unknown:
-                p += self._sharing_problems(kinds)
+            schedule = layer_types_problems(kinds, self.num_hidden_layers)
+            p += schedule or self._sharing_problems(kinds)
         for name in ("sliding_window", "sliding_window_pattern", "global_head_dim", "vocab_size_per_layer_input"):
             if not _positive_int(getattr(self, name)):
                 p.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
