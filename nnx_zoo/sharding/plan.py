@@ -1331,7 +1331,9 @@ class MemoryPlan:
             attention = v4_description(s.v4, n.keys)
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
-            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, {attention}, logits of "
+            f"sequence {self.seq_len}); activations in {dtype}, "
+            + (f"MoE path {s.moe_impl}, " if s.experts else "")  # a dense model has no MoE path to name
+            + f"{attention}, logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             *([f"  {kind_description(s)}"] if s.kinds else []),
             f"  parameters                  {_human(self.param_bytes)}",

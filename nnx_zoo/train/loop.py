@@ -28,7 +28,14 @@ from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, resolve_peak
-from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, trainable_filter, trains_part
+from nnx_zoo.train.optim import (
+    OptimizerConfig,
+    learning_rate_schedule,
+    make_optimizer,
+    trainable_filter,
+    trains_part,
+    warmup_note,
+)
 from nnx_zoo.train.run_spec import RunMismatchError, reconcile, run_definition
 from nnx_zoo.train.step import train_step
 
@@ -106,6 +113,11 @@ class TrainConfig:
             problems.append(f"loss_chunk_tokens must be >= 0 (0: no chunking) or None, got {self.loss_chunk_tokens}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
+        elif self.profile_steps is not None and self.profile_steps[1] > self.steps:
+            first, last = self.profile_steps
+            problems.append(f"profile_steps {first}:{last} ends past the run's last step {self.steps}, so the trace "
+                            f"would never be written whole; profile steps within 1:{self.steps} (recipes: "
+                            f"--profile-steps {min(first, self.steps)}:{self.steps})")
         if self.peak_flops_per_device is not None and not 0 < self.peak_flops_per_device < math.inf:
             problems.append(f"peak_flops_per_device must be a positive number (FLOP/s per device), got "
                             f"{self.peak_flops_per_device}")
@@ -333,6 +345,16 @@ def train(
         start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
         reference_loss = meta.get("first_loss")
+    if config.profile_steps is not None and config.profile_steps[0] <= start_step < config.steps:
+        checkpoints.close()
+        first, last = config.profile_steps
+        raise ValueError(f"profile_steps {first}:{last}: this run resumes after step {start_step}, so step {first} "
+                         f"has run already and no trace would be written; profile steps within "
+                         f"{start_step + 1}:{config.steps} (recipes: --profile-steps {start_step + 1}:"
+                         f"{min(max(last, start_step + 1), config.steps)})")
+    warmup = warmup_note(config.optimizer, schedule_steps)
+    if warmup is not None:
+        notes.append(warmup)
     for note in notes if primary else ():
         print(f"nnx_zoo: {note}", file=sys.stderr)
 
