@@ -271,6 +271,9 @@ def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
                    help="'synthetic' (default), or a .txt/.jsonl/.parquet file or a directory of them")
     g.add_argument("--tokenizer", default="bytes",
                    help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
+    g.add_argument("--eos-token", metavar="TOKEN",
+                   help="the token of a tokenizers JSON file that ends each document (default: the first of </s>, "
+                   "<|endoftext|>, <eos>, <｜end▁of▁sentence｜> that it has)")
     g.add_argument("--synthetic-vocab", type=int, default=None, metavar="N",
                    help=f"token ids the synthetic data uses, 0 .. N-1; at most the model's vocab_size (default: "
                    f"{SYNTHETIC_VOCAB}, or the model's vocab_size if smaller)")
@@ -629,8 +632,8 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
             name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
             schedule=args.schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
-        data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
-                        seed=args.seed, synthetic_vocab=synthetic_vocab(args, config)),
+        data=DataConfig(source=args.data, tokenizer=args.tokenizer, eos_token=args.eos_token, seq_len=args.seq_len,
+                        global_batch=args.batch, seed=args.seed, synthetic_vocab=synthetic_vocab(args, config)),
     )
 
 

@@ -198,14 +198,27 @@ class _StopSignal:
         name = signal.Signals(signum).name
         if self.received is not None:
             sys.stdout.flush()
-            sys.stderr.write(f"\nsecond {name}: exiting now, without waiting for a checkpoint in progress; the last "
-                             f"complete checkpoint in {self.checkpoint_dir} is kept and a rerun resumes from it\n")
+            sys.stderr.write(f"\n{self.second_signal_message(name)}\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         self.received = signum
         sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint (send it again to exit at "
                          "once)\n")
         sys.stderr.flush()
+
+    def second_signal_message(self, name: str) -> str:
+        """What a second signal's exit keeps: the newest complete checkpoint (orbax renames one to its bare step
+        number only when it is whole), or nothing, when none was written yet."""
+        try:
+            steps = [int(p.name) for p in self.checkpoint_dir.iterdir() if p.name.isdigit() and p.is_dir()]
+        except OSError:
+            steps = []
+        if not steps:
+            return (f"second {name}: exiting now, before any checkpoint of this run was complete, so no step of it "
+                    f"is kept; rerun the same command to start it again from the beginning")
+        return (f"second {name}: exiting now, without waiting for a checkpoint in progress; the last complete "
+                f"checkpoint (step {max(steps)} in {self.checkpoint_dir}) is kept and rerunning the same command "
+                "resumes from it")
 
     def agree(self, save_due: bool = False) -> bool:
         """After a step: sets ``agreed_signal`` to the signal any process received (or None) and returns whether
@@ -318,6 +331,21 @@ def train(
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
                                async_save=config.async_checkpoints)
     resume_step = checkpoints.latest_step()
+    # What the model trains, checked before the run's settings: a stage change (say the indexer's warm-up resumed
+    # as its sparse stage) cannot be resumed with any flag, so the first message must say what to do instead.
+    trained = _trained_part(make_model)
+    if resume_step is not None:
+        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
+        if stored_trained != trained:
+            checkpoints.close()
+            run = Path(config.run_dir)
+            out = Path("exports") / run.name
+            raise RunMismatchError(
+                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
+                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
+                "state does not carry over. Start a new run from this one's weights instead: export them with "
+                f"`python recipes/export_hf.py {run} {out}`, then rerun this command with --from-pretrained {out} "
+                f"in place of its --model (or --from-pretrained) and a new run directory, e.g. --run-dir {run}-next.")
     definition, notes = _run_definition(config, checkpoints, resume_step, model_structure, model_settings)
     schedule_steps = definition["schedule_steps"]
 
@@ -326,22 +354,11 @@ def train(
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps, wrt=trainable_filter(model)))
 
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
-    partial = trains_part(state.model, state.optimizer.wrt)
-    trained = _trained(state.optimizer.wrt) if partial else "all parameters"
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
     start_step, reference_loss = 0, None
     if resume_step is not None:
-        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
-        if stored_trained != trained:
-            checkpoints.close()
-            raise RunMismatchError(
-                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
-                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
-                "state does not carry over. Start a new run from this one's weights instead: export it "
-                f"(recipes/export_hf.py {config.run_dir} OUT) and train from there (--from-pretrained OUT) in a new "
-                "--run-dir.")
         start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
         reference_loss = meta.get("first_loss")
@@ -558,6 +575,14 @@ def _run_definition(
 
     return reconcile(stored, current, resume_step=resume_step, steps=config.steps, extend=config.extend,
                      override_settings=config.override_settings, lr_at=lr_at)
+
+
+def _trained_part(make_model: Callable[[], nnx.Module]) -> str:
+    """What ``make_model``'s model trains (``trainable_filter``), as a checkpoint records it; from an abstract model
+    (nothing allocated)."""
+    model = nnx.eval_shape(make_model)
+    wrt = trainable_filter(model)
+    return _trained(wrt) if trains_part(model, wrt) else "all parameters"
 
 
 def _trained(wrt: Any) -> str:

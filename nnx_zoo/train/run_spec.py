@@ -91,6 +91,8 @@ def run_definition(
 
 def _differences(stored: Any, current: Any) -> list[str]:
     old, new = _flatten("", stored, {}), _flatten("", current, {})
+    # A key one side lacks reads as None: a setting added since a checkpoint was written, left at its default None
+    # (say DataConfig.eos_token), is no difference.
     return [f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
