@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 
 import jax
@@ -55,9 +56,19 @@ def test_loss_falls_and_metrics_are_written(tmp_path, shard_mode):
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(1e-2)
 
 
-def test_stopped_and_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
-    whole = run(config(tmp_path / "a"))["losses"]
-    first = run(config(tmp_path / "b"), after_step=stop_after_three)
+@pytest.fixture(scope="module")
+def stopped_after_three(tmp_path_factory):
+    """``(the uninterrupted run's losses, the summary of the same run stopped by SIGTERM after step 3, its run
+    directory's parent)``, run once for the module: each test resumes its own copy of the stopped run."""
+    root = tmp_path_factory.mktemp("stopped")
+    whole = run(config(root / "a"))["losses"]
+    first = run(config(root / "b"), after_step=stop_after_three)
+    return whole, first, root / "b"
+
+
+def test_stopped_and_resumed_run_repeats_the_uninterrupted_losses(tmp_path, stopped_after_three):
+    whole, first, stopped = stopped_after_three
+    shutil.copytree(stopped, tmp_path / "b")
     assert first["end_step"] == 3 and first["stopped_by_signal"] == signal.SIGTERM
     assert Checkpointer(tmp_path / "b" / "run" / "checkpoints").latest_step() == 3
     second = run(config(tmp_path / "b"))
@@ -70,9 +81,9 @@ def stop_after_three(state, metrics):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_resume_onto_a_different_mesh(tmp_path):
-    whole = run(config(tmp_path / "a"))["losses"]
-    run(config(tmp_path / "b"), after_step=stop_after_three)
+def test_resume_onto_a_different_mesh(tmp_path, stopped_after_three):
+    whole, _, stopped = stopped_after_three
+    shutil.copytree(stopped, tmp_path / "b")
     resumed = run(config(tmp_path / "b", mesh={"fsdp": 8}, shard_mode="explicit"))
     assert resumed["start_step"] == 3
     np.testing.assert_allclose(resumed["losses"], whole[3:], rtol=1e-5)
