@@ -230,6 +230,82 @@ def collective_bytes(hlo: str, devices: int) -> dict[str, float]:
     return total
 
 
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w-]+)\((.*)")
+
+
+def moe_weight_ops(hlo: str, experts: int, hidden: int, moe_mlp: int, tokens: int, k: int) -> dict[str, dict]:
+    """What the compiled module ``hlo`` does to the routed experts' stacked weights (``[.., experts, hidden,
+    moe_mlp]`` / ``[.., experts, moe_mlp, hidden]``) and to the routed rows, per execution (ops inside a while
+    loop run its trip count times). Each entry: ``ops`` (instructions in the text), ``runs`` (executions per
+    step), ``bytes`` (their results' bytes per step):
+
+    - ``cast``: the program's float32 -> bfloat16 casts of expert weights (a ``convert`` whose ``op_name`` is
+      JAX's ``convert_element_type``); ``cast in loops``: those of them inside a while loop (a layer scan).
+      ``xla convert``: weight-shaped converts XLA added itself (XLA:CPU computes bfloat16 dots in float32).
+    - ``scatter`` / ``gather`` of routed rows: results ``[tokens or tokens * k, hidden]`` (size-1 dims dropped),
+      and of their routing weights ``[tokens * k]``.
+    - ``stack slice``: a ``dynamic-slice`` of a stacked expert weight ``[layers, ...]`` that is its own
+      instruction (a copy in memory), and ``stack slice (fused)``: one fused into its consumer; ``copy``: a
+      weight-shaped ``copy`` inside a loop (a layout change or a copy of a layer's weights) that is its own
+      instruction.
+    """
+    comps, entry = _computations(hlo)
+    mult = _multiplicities(comps, entry)
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line
+             for c in re.findall(r"calls=%?([\w.\-]+)", line)}
+    loops = {c for lines in comps.values() for line in lines if " while(" in line
+             for c in re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)}
+    changed = True
+    while changed:  # computations called from inside a loop are inside it too
+        before = len(loops)
+        for name in list(loops):
+            for line in comps.get(name, ()):
+                loops.update(re.findall(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", line))
+        changed = len(loops) != before
+    weights = {(experts, hidden, moe_mlp), (experts, moe_mlp, hidden)}
+    rows = {(tokens, hidden), (tokens * k, hidden), (tokens * k,)}  # routed rows, and their routing weights
+    out: dict[str, dict] = {key: {"ops": 0, "runs": 0, "bytes": 0} for key in (
+        "cast", "cast in loops", "xla convert", "scatter", "gather", "stack slice", "stack slice (fused)", "copy")}
+
+    def add(key: str, runs: int, size: int) -> None:
+        out[key]["ops"] += 1
+        out[key]["runs"] += runs
+        out[key]["bytes"] += runs * size
+
+    for name, lines in comps.items():
+        runs = mult.get(name, 0)
+        types = {}
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            result, kind, operands = m.group(2), m.group(3), m.group(4)
+            types[m.group(1)] = result
+            shape = _SHAPE.search(result)
+            if shape is None or not runs:
+                continue
+            dims = tuple(int(d) for d in shape.group(2).split(",") if d)
+            size = _shape_bytes(result)
+            first = re.match(r"%([\w.\-]+)", operands)
+            source = _SHAPE.search(types.get(first.group(1), "")) if first else None
+            if kind == "convert" and dims[-3:] in weights and source is not None:
+                if "convert_element_type" in line and shape.group(1) == "bf16" and source.group(1) == "f32":
+                    add("cast", runs, size)
+                    if name in loops:
+                        add("cast in loops", runs, size)
+                elif "convert_element_type" not in line:
+                    add("xla convert", runs, size)
+            elif kind in ("scatter", "gather") and tuple(d for d in dims if d != 1) in rows:
+                add(kind, runs, size)
+            elif kind == "dynamic-slice" and dims[-3:] in weights and source is not None:
+                stacked = tuple(int(d) for d in source.group(2).split(",") if d)
+                if len(stacked) == 4 and stacked[-3:] == dims[-3:]:
+                    add("stack slice (fused)" if name in fused else "stack slice", runs, size)
+            elif kind == "copy" and dims[-3:] in weights and name in loops and name not in fused:
+                add("copy", runs, size)
+    return out
+
+
 def as_reduce_scatter(measured: dict[str, float]) -> float:
     """Total bytes with each all-reduce + slice-by-partition counted as the reduce-scatter it is on GPU/TPU
     (XLA's ReduceScatterCreator): half the all-reduce's ring traffic."""

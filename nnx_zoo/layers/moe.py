@@ -41,10 +41,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from nnx_zoo.layers.grouped_matmul import grouped_matmul
+from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl, grouped_matmul
 from nnx_zoo.layers.linear import DEFAULT_INIT
 from nnx_zoo.layers.mlp import PLAIN, Glu
 from nnx_zoo.layers.spec import (
@@ -157,6 +158,28 @@ class RoutedExperts(nnx.Module):
         if capacity_factor is not None and impl != "ep":
             raise ValueError(f"capacity_factor is only used by impl='ep', got impl={impl!r}")
         return (out, dropped) if return_dropped else out
+
+    def cast_once_names(self, impl: MoeImpl, capacity_factor: float | None = None) -> tuple[str, ...]:
+        """The Params that ``self(..., impl=impl, capacity_factor=capacity_factor)`` casts whole to the compute
+        dtype, for a layer scan to cast once for all its layers (``nnx_zoo.layers.scan.run_stack``), outside the
+        rematerialized body: under remat the cast would run again in the backward's recomputation (a read of the
+        float32 weights and a write of their bfloat16 copy per layer). The same values; the bfloat16 copy of a
+        stack's expert weights then lives through the step (the memory plan counts it). None when the compute
+        dtype is the parameters' own, and none where the path reads the stored weights (``gmm`` with no mesh on
+        the ``tiled`` kernel, which casts a chunk at a time and accumulates the weight gradient in float32).
+
+        >>> RoutedExperts(8, 64, 32, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)).cast_once_names("dense")
+        ('wi_gate', 'wi_up', 'wo')
+        """
+        if jnp.dtype(self.dtype) == self.wi_gate.get_value().dtype:
+            return ()
+        mesh = ambient_mesh_or_none()
+        if impl == "auto" or (impl == "ep" and mesh is None and capacity_factor is None):
+            impl = default_moe_impl()  # what those paths run
+        if impl == "gmm" and mesh is None and choose_grouped_matmul_impl(self.grouped_matmul_impl) == "tiled":
+            return ()
+        names = ("wi_gate", "wi_up", "wo")
+        return names + ("wi_gate_bias", "wi_up_bias", "wo_bias") if self.wo_bias is not None else names
 
     def _weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         return tuple(w[...].astype(self.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
@@ -375,23 +398,72 @@ def _grouped_swiglu(num_experts: int, impl: str = "auto", act: Glu = PLAIN):
     def run(x, expert_idx, weights, wi_gate, wi_up, wo, *biases):
         num_tokens, k = expert_idx.shape
         flat_expert = expert_idx.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)  # (token, slot) pairs grouped by expert
-        rows = x[order // k]
+        # (token, slot) pairs grouped by expert: the sorted experts and the permutation (`order`) in one sort,
+        # and its inverse (each pair's place in the sorted rows) by a second sort, so that routing and its
+        # gradient move rows by gathers only (a scatter is slow on GPUs).
+        pairs = jnp.arange(flat_expert.shape[0], dtype=jnp.int32)
+        row_expert, order = jax.lax.sort((flat_expert, pairs), num_keys=1, is_stable=True)
+        inverse = jax.lax.sort((order, pairs), num_keys=1)[1]
+        rows = _dispatch_rows(x, order, inverse, k)
         group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
         gate = grouped_matmul(rows, wi_gate, group_sizes, impl=impl)
         up = grouped_matmul(rows, wi_up, group_sizes, impl=impl)
-        row_expert = flat_expert[order]
         if biases:
             gate = gate + _rows_of(biases[0], row_expert, gate.dtype)
             up = up + _rows_of(biases[1], row_expert, up.dtype)
         out_sorted = grouped_matmul(act(gate, up), wo, group_sizes, impl=impl)
         if biases:
             out_sorted = out_sorted + _rows_of(biases[2], row_expert, out_sorted.dtype)
-        out_sorted = out_sorted * weights.reshape(-1)[order][:, None].astype(out_sorted.dtype)
-        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
-        return out.reshape(num_tokens, k, -1).sum(axis=1)
+        row_weight = _permute_rows(weights.reshape(-1), order, inverse)
+        out_sorted = out_sorted * row_weight[:, None].astype(out_sorted.dtype)
+        return _permute_rows(out_sorted, inverse, order).reshape(num_tokens, k, -1).sum(axis=1)
 
     return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """``x [T, h]``'s row of each sorted (token, slot) pair, ``x[order // k]`` (``[T * k, h]``). Its gradient
+    gathers each pair's row back by ``inverse`` (``order``'s inverse) and sums a token's ``k`` slots, where
+    autodiff of the gather would scatter-add."""
+    return x[order // k]
+
+
+def _dispatch_rows_fwd(x, order, inverse, k):
+    return x[order // k], (order, inverse)
+
+
+def _dispatch_rows_bwd(k, residuals, d_rows):
+    order, inverse = residuals
+    d_x = d_rows[inverse].reshape(-1, k, d_rows.shape[-1]).sum(axis=1)
+    return d_x, _no_grad(order), _no_grad(inverse)
+
+
+_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+@jax.custom_vjp
+def _permute_rows(a: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``a[perm]`` for a permutation ``perm`` of ``a``'s rows; the gradient is the gather by ``inverse``
+    (``perm``'s inverse), where autodiff of the gather would scatter."""
+    return a[perm]
+
+
+def _permute_rows_fwd(a, perm, inverse):
+    return a[perm], (perm, inverse)
+
+
+def _permute_rows_bwd(residuals, d_out):
+    perm, inverse = residuals
+    return d_out[inverse], _no_grad(perm), _no_grad(inverse)
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def _no_grad(index: jax.Array) -> jax.Array:
+    """The cotangent of an integer input of a custom_vjp: float0 zeros."""
+    return np.zeros(index.shape, jax.dtypes.float0)
 
 
 def _rows_of(bias: jax.Array, expert: jax.Array, dtype: jnp.dtype) -> jax.Array:

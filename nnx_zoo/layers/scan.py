@@ -9,6 +9,7 @@ batch-split schedule).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -62,22 +63,69 @@ def run_stack(
     """
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat_policy {remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
-    graphdef, state = nnx.split(stack)
+    graphdef, stored, cast, state = cast_once(stack)
 
     def step(carry: Any, layer_state_and_x: Any) -> tuple[Any, Any]:
-        layer_state, x = layer_state_and_x
-        return body(nnx.merge(graphdef, layer_state), carry, x)
+        (layer_stored, layer_cast, layer_state), x = layer_state_and_x
+        return body(nnx.merge(graphdef, use_cast(layer_stored, layer_cast), layer_state), carry, x)
 
     if remat_policy != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[remat_policy], prevent_cse=not scan)
     if scan:
-        return jax.lax.scan(step, carry, (state, xs))
+        return jax.lax.scan(step, carry, ((stored, cast, state), xs))
     count = jax.tree.leaves(state)[0].shape[0]
     outputs = []
     for i in range(count):
-        carry, out = step(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
+        carry, out = step(carry, jax.tree.map(lambda a, i=i: a[i], ((stored, cast, state), xs)))
         outputs.append(out)
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+
+
+def cast_once(stack: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
+    """``(graphdef, stored, cast, rest)``: the Params of ``stack`` that its modules cast whole to their compute
+    dtype in every layer (``stored``), their cast (``cast``: made here, once for all the stacked layers), and the
+    rest of its state. A layer is ``nnx.merge(graphdef, use_cast(stored, cast), rest)`` (sliced to one layer).
+
+    A module names those Params with a ``params_cast_once()`` method, ``{path relative to it: dtype}``
+    (``SparseMoE``'s expert weights when they are computed in bfloat16). Cast here, outside the (rematerialized)
+    layer body, the cast runs once a step, not again in the backward's recomputation (inside, the module's own
+    cast is then a no-op). The cast is fenced (``optimization_barrier``), or XLA would sink it back into the loop
+    as a cast of each layer's slice. Its bfloat16 copy of the stack lives through the step.
+
+    >>> graphdef, stored, cast, rest = cast_once(stack)
+    >>> layer = nnx.merge(graphdef, use_cast(stored, cast), rest)
+    """
+    dtypes: dict[tuple[Any, ...], Any] = {}
+    for path, node in nnx.iter_graph(stack):
+        if isinstance(node, nnx.Module) and hasattr(node, "params_cast_once"):
+            dtypes.update({(*path, *name): dtype for name, dtype in node.params_cast_once().items()})
+    graphdef, stored, rest = nnx.split(stack, lambda path, _: tuple(path) in dtypes, ...)
+    cast = nnx.map_state(lambda path, v: v.replace(v.get_value().astype(dtypes[tuple(path)])), stored)
+    if dtypes:
+        cast = jax.lax.optimization_barrier(jax.lax.stop_gradient(cast))
+    return graphdef, stored, cast, rest
+
+
+def use_cast(stored: nnx.State, cast: nnx.State) -> nnx.State:
+    """``cast``'s values, with gradients flowing to ``stored`` (``cast_once``): the cast's gradient, converted
+    back to each stored dtype within the layer, as when the layer cast its weights itself."""
+    return jax.tree.map(lambda s, c: _cast_value(s, c, jnp.dtype(s.dtype)), stored, cast)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cast_value(stored: jax.Array, cast: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return cast
+
+
+def _cast_value_fwd(stored, cast, dtype):
+    return cast, None
+
+
+def _cast_value_bwd(dtype, _, d_cast):
+    return d_cast.astype(dtype), None
+
+
+_cast_value.defvjp(_cast_value_fwd, _cast_value_bwd)
 
 
 def periodic_runs(kinds: Sequence[Hashable], max_period: int = 4) -> list[tuple[tuple[Hashable, ...], int]]:

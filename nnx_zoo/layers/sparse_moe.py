@@ -205,6 +205,12 @@ class SparseMoE(nnx.Module):
         out = restore_sharding(shard(out.astype(x.dtype), _BLE), in_sharding)
         return RoutedOutput(out, routing, logits, dropped)
 
+    def params_cast_once(self) -> dict[tuple[str, ...], jnp.dtype]:
+        """``{path: dtype}`` of the Params this block casts whole to its compute dtype (its experts':
+        ``RoutedExperts.cast_once_names``), which a layer scan casts once for all its layers (``run_stack``)."""
+        names = self.experts.cast_once_names(self.moe_impl, self.capacity_factor)
+        return {("experts", name): self.experts.dtype for name in names}
+
     def _input_scaled(self, tokens: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
         """``sum_j expert_{i_j}(w_j * x)`` over the ``k`` choices, one top-1 dispatch each (outputs unweighted), and
         the dropped (token, expert) pairs summed."""

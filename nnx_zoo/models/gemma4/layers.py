@@ -169,6 +169,12 @@ class Gemma4MLP(SwiGLU):
         else:
             self.router = self.experts = None
 
+    def params_cast_once(self) -> dict[tuple[str, ...], Any]:
+        """``{path: dtype}`` of the expert weights a layer scan casts once for all its layers (``run_stack``)."""
+        if self.experts is None:
+            return {}
+        return {("experts", n): self.experts.dtype for n in self.experts.cast_once_names(self.moe_impl)}
+
     def __call__(self, x: jax.Array, residual: jax.Array | None = None  # type: ignore[override]
                  ) -> tuple[jax.Array, Routing | None]:
         """``(out, routing)`` for the pre-normed ``x`` and (with the MoE block) the ``residual`` it came from."""
