@@ -125,6 +125,11 @@ class LoRAExperts(nnx.Module):
     def factors(self, name: str) -> tuple[LoRAParam, LoRAParam]:
         return getattr(self, f"{name}_a"), getattr(self, f"{name}_b")
 
+    def cast_once_names(self, impl: str, capacity_factor: float | None = None) -> tuple[str, ...]:
+        """None (``RoutedExperts.cast_once_names``): each layer merges its adapters into the stored weights before
+        any cast, so a layer scan has nothing to cast beforehand."""
+        return ()
+
     def __call__(self, x: jax.Array, expert_idx: jax.Array, weights: jax.Array, **kwargs: Any) -> Any:
         """Same arguments and results as ``RoutedExperts.__call__``."""
         graphdef, state = nnx.split(self.base)

@@ -109,6 +109,8 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   Per-layer inputs (``hidden_size_per_layer_input`` ``p``, Gemma 4): ``T*a*6*L*p`` held before the layers (the
   second table's rows, the projection, its norm's 3, the mix: ``PER_LAYER_INPUTS_KEPT``) and ``T*a*4*p`` per layer
   (the gate, its GELU, the product: ``PER_LAYER_INPUT_KEPT``).
+- expert weights cast once: under ``'full'``, a compute dtype narrower than the parameters' holds the looped stacks'
+  routed expert weights cast once for the step (``cast_once_bytes``: each device's shard, at ``a`` bytes).
   A decoding cache for the same rows at ``seq_len`` slots is reported beside the training total, not in it
   (``kv_cache_bytes``: rings of ``span - 1`` for windowed and chunked layers, none for shared K/V; exactly
   ``init_cache``'s keys and values per device, tested). MLA's, DeepSeek-V4's and linear attention's are not modelled.
@@ -633,6 +635,20 @@ def kept_expert_weight_bytes(s: DecoderShapes, n: Local) -> int:
     return 2 * experts * s.hidden * s.moe_intermediate * s.dtype_bytes
 
 
+def cast_once_bytes(report: ShardingReport, s: DecoderShapes) -> int:
+    """The compute-dtype copy of the looped stacks' routed expert weights (``[layers, exp, ...]`` with a
+    ``moe_mlp`` dim) that a layer scan casts once a step and keeps through it (``nnx_zoo.layers.scan.cast_once``),
+    as each device holds them; 0 when the parameters are in the compute dtype already. The CPU's ``gmm`` without a
+    mesh (``tiled``, which reads the stored weights) casts nothing; a plan always has a mesh."""
+    total = 0
+    for r in report.params:
+        itemsize = jnp.dtype(r.dtype).itemsize
+        looped = r.names and r.names[0] in STACK_AXES and r.shape[0] > 1
+        if looped and "exp" in r.names and "moe_mlp" in r.names and s.dtype_bytes < itemsize:
+            total += r.bytes_per_device // itemsize * s.dtype_bytes
+    return total
+
+
 def output_bytes(s: DecoderShapes, n: Local) -> int:
     """Embedding lookup, final norm, and the logits with their float32 log-softmax and gradient."""
     a = s.dtype_bytes
@@ -731,7 +747,7 @@ PART_PHASES = {
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
     "sparse attention, one block": "one layer", "attention scratch, one layer": "one layer",
     "hyper-connection head": "output head", "streams from the embeddings": "held", "mtp layers": "output head",
-    "per-layer inputs": "held",
+    "per-layer inputs": "held", "expert weights, cast once": "held",
 }
 
 
@@ -1451,6 +1467,9 @@ def memory_plan(
     # (the largest of the layer, like its gate's and up's): they take those two buffers first.
     full = activations["full"]
     full["cotangents, one layer"] = max(0, full["cotangents, one layer"] - 2 * weights["gathered gradient, one weight"])
+    cast = cast_once_bytes(report, shapes)
+    if cast:  # under 'none' the layers keep their cast weights anyway ("expert weights, every layer")
+        full["expert weights, cast once"] = cast
     global_batch = batch_per_device * batch_shards
     kinds = getattr(config, "layer_kinds", ())
     kinds = kinds() if callable(kinds) else kinds
