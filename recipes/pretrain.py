@@ -627,6 +627,22 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
+    from nnx_zoo.train.run_lock import lock_run_dir
+
+    config = model_config(args, source)
+    if args.plan:
+        return plan(args, config)
+
+    # Before anything slow: a second run on a busy run directory is refused in seconds (train() holds it again).
+    hold = lock_run_dir(args.run_dir or f"runs/{source.name}")
+    try:
+        return _train(args, source, entry, config)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _train(args: argparse.Namespace, source: ModelSource, entry: Entry, config: Any) -> int:
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
@@ -635,9 +651,6 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
-    config = model_config(args, source)
-    if args.plan:
-        return plan(args, config)
     model_cls = AutoModelForCausalLM.model_class(config)
     extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),
                                       pretrained=source.pretrained is not None)

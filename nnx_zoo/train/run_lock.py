@@ -193,25 +193,54 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: str | Path) -> RunLock | None:
+_HELD: dict[Path, list[Any]] = {}  # run dir -> [its RunLock, how many holds] in this process
+
+
+class _Hold:
+    """One hold of a run directory's lock in this process; the lock is released with the last hold."""
+
+    def __init__(self, key: Path):
+        self.key = key
+
+    def release(self) -> None:
+        entry = _HELD.get(self.key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _HELD[self.key]
+            entry[0].release()
+
+
+def lock_run_dir(run_dir: str | Path) -> _Hold | None:
     """Lock ``run_dir`` for this run: the coordinating process takes the lock and every process learns whether it
-    did; all raise the same ``RunDirLockedError`` when it did not. Returns the lock to release (None in the other
-    processes). A takeover of a dead run's lock is printed once, by the coordinator."""
-    lock, problem = None, ""
+    did; all raise the same ``RunDirLockedError`` when it did not. Returns the hold to ``release()`` (None in the
+    other processes). A process that already holds the directory (a recipe locks it first, then ``train`` does)
+    holds it again. A takeover of a dead run's lock is printed once, by the coordinator.
+    """
+    hold, problem = None, ""
     if jax.process_index() == 0:
-        lock = RunLock(run_dir)
-        try:
-            lock.acquire()
-        except RunDirLockedError as err:
-            lock, problem = None, str(err)
-        else:
-            if lock.took_over:
-                print(f"nnx_zoo: {lock.took_over}", file=sys.stderr)
+        key = Path(run_dir).absolute()
+        if key not in _HELD:
+            lock = RunLock(key)
+            try:
+                lock.acquire()
+            except RunDirLockedError as err:
+                problem = str(err)
+            else:
+                _HELD[key] = [lock, 0]
+                if lock.took_over:
+                    print(f"nnx_zoo: {lock.took_over}", file=sys.stderr)
+        if not problem:
+            _HELD[key][1] += 1
+            hold = _Hold(key)
     if jax.process_count() > 1:
         problem = broadcast_text(problem)
     if problem:
+        if hold is not None:  # this process got it but another refused (cannot happen today: only process 0 locks)
+            hold.release()
         raise RunDirLockedError(problem)
-    return lock
+    return hold
 
 
 def broadcast_text(text: str) -> str:
