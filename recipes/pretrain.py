@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EXIT_CODES = """exit codes:
   0    finished (or nothing left to do)
-  2    bad settings or files, or a checkpoint could not be written; the message says what and how to fix it
+  2    bad settings or files, the run directory is in use by another run, a damaged checkpoint, or a checkpoint
+       could not be written; the message says what and how to fix it
   3    diverged: a step was not finite (loss, gradient norm or update), or the loss rose above
        --exploding-loss-factor times its first value; the newest checkpoint is the last healthy state (a bad
        one is moved to <run dir>/checkpoints-set-aside): lower --lr and rerun with --override-settings

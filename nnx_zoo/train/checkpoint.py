@@ -11,9 +11,10 @@ and the command that resumes from the previous checkpoint) instead of training o
   position-weighted sums of the array's bits, computed on the devices where the array lives (no host copy) by one
   global reduction, so the value does not depend on the sharding and a resume onto another mesh checks it too; in a
   multi-process run every process computes the same global sums and checks the whole;
-- once a save is complete on disk, the coordinating process writes ``<step>/nnx_zoo_files.json``: the size and
-  SHA-256 of every file of the step (so a flipped byte, a truncated or a missing file is named by its path). A step
-  whose process was killed before that (at the next save or at the end) has its arrays' checksums only;
+- once a save is complete on disk (seen at the next save, or at the end), the coordinating process writes
+  ``<step>/nnx_zoo_files.json`` in a thread beside the training: the size and SHA-256 of every file of the step (so
+  a flipped byte, a truncated or a missing file is named by its path). A step whose run was killed before that has
+  its arrays' checksums only;
 - a restore checks the files first (the coordinator, which tells the other processes), then the arrays' checksums
   after reading them, before any of it reaches the model.
 """
@@ -27,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,8 @@ from jax.experimental import multihost_utils
 
 from nnx_zoo.train.run_lock import broadcast_text
 
-ITEMS = ("state", "data", "meta", "checksums")
+ITEMS = ("state", "data", "meta")  # every checkpoint has these
+MANAGED_ITEMS = (*ITEMS, "checksums")  # checksums: absent in checkpoints of earlier versions
 FILES_MANIFEST = "nnx_zoo_files.json"
 
 
@@ -142,9 +145,10 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=MANAGED_ITEMS)
         self._pending: int | None = None
         self._unsealed: list[int] = []  # saved steps whose file manifest is not written yet
+        self._sealing: threading.Thread | None = None
         self._verified: set[int] = set()
 
     def latest_step(self) -> int | None:
@@ -177,20 +181,32 @@ class Checkpointer:
             self._unsealed.append(step)
 
     def _seal(self) -> None:
-        """Record the size and SHA-256 of every file of each completed save (the coordinator; after
-        ``wait_until_finished``). Written next to the files, by a rename, so it is whole or absent."""
+        """Start recording the size and SHA-256 of every file of each completed save (the coordinator; after
+        ``wait_until_finished``), in a thread: hashing a large checkpoint takes a while and the training goes on
+        meanwhile (hashlib releases the GIL). ``wait``, ``close`` and the next save wait for it."""
+        self._join_seal()
         steps, self._unsealed = self._unsealed, []
-        if jax.process_index() != 0:
-            return
+        if steps and jax.process_index() == 0:
+            self._sealing = threading.Thread(target=self._write_manifests, args=(steps,), daemon=True,
+                                             name="nnx_zoo checkpoint file hashes")
+            self._sealing.start()
+
+    def _join_seal(self) -> None:
+        if self._sealing is not None:
+            self._sealing.join()
+            self._sealing = None
+
+    def _write_manifests(self, steps: list[int]) -> None:
         for step in steps:
             root = self.directory / str(step)
-            if not root.is_dir():  # already dropped by keep-last-N
-                continue
-            files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(root.rglob("*")) if p.is_file() and p.name != FILES_MANIFEST}
-            temporary = root / (FILES_MANIFEST + ".tmp")
-            temporary.write_text(json.dumps({"step": step, "files": files}, indent=0))
-            os.replace(temporary, root / FILES_MANIFEST)
+            try:
+                files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                         for p in sorted(root.rglob("*")) if p.is_file() and not p.name.startswith(FILES_MANIFEST)}
+                temporary = root / (FILES_MANIFEST + ".tmp")
+                temporary.write_text(json.dumps({"step": step, "files": files}, indent=0))
+                os.replace(temporary, root / FILES_MANIFEST)  # whole or absent
+            except OSError:
+                continue  # dropped by keep-last-N meanwhile; a step without a manifest has its arrays' checksums
 
     def _check_free_space(self, module: nnx.Module) -> None:
         """Refuse a save that cannot fit, before any byte is written: a write that runs out of space midway
@@ -270,19 +286,32 @@ class Checkpointer:
                 f"from a different model. {self.resume_advice(step)}"
             ) from err
         if "checksums" in items:
-            expected = dict(restored.checksums)["arrays"]
-            got = array_checksums(restored.state)
-            changed = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
-            if changed:
-                shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-                raise DamagedCheckpointError(
-                    f"checkpoint step {step} in {self.directory} is damaged: the arrays read from "
-                    f"{self.directory / str(step) / 'state'} differ from the checksums recorded when they were saved "
-                    f"({shown}). {self.resume_advice(step)}")
+            self._compare(step, dict(restored.checksums)["arrays"], restored.state)
         state = nnx.state(module)
         nnx.replace_by_pure_dict(state, restored.state)
         nnx.update(module, state)
         return step, dict(restored.data), dict(restored.meta)
+
+    def verify_arrays(self, step: int, tree: Any) -> None:
+        """Raise ``DamagedCheckpointError`` when an array of ``tree`` (read from ``step``'s state, whole or a part
+        such as ``{"model": ...}``) differs from the checksum recorded when it was saved; a step of an earlier
+        version without checksums passes."""
+        if not (self.directory / str(step) / "checksums").is_dir():
+            return
+        restored = self.manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+        self._compare(step, dict(restored.checksums)["arrays"], tree)
+
+    def _compare(self, step: int, expected: dict[str, str], tree: Any) -> None:
+        got = array_checksums(tree)
+        changed = sorted(k for k in got if expected.get(k) != got[k])
+        if len(got) == len(expected):  # a whole state: an array it lacks has changed too
+            changed = sorted({*changed, *(k for k in expected if k not in got)})
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise DamagedCheckpointError(
+                f"checkpoint step {step} in {self.directory} is damaged: the arrays read from "
+                f"{self.directory / str(step) / 'state'} differ from the checksums recorded when they were saved "
+                f"({shown}). {self.resume_advice(step)}")
 
     def verify_files(self, step: int) -> None:
         """Raise ``DamagedCheckpointError`` when a file of ``step`` is missing, or differs in size or SHA-256 from
@@ -354,6 +383,7 @@ class Checkpointer:
         with self._write_errors():
             self.manager.wait_until_finished()
             self._seal()
+            self._join_seal()
 
     def close(self) -> None:
         try:
