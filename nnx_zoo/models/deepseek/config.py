@@ -183,6 +183,11 @@ class DeepSeekV3Config(FamilyConfig):
         if problems:
             raise ValueError("invalid DeepSeekV3Config:\n  - " + "\n  - ".join(problems))
 
+    @property
+    def mtp_depth(self) -> int:
+        """``FamilyConfig.mtp_depth``: one depth per MTP head (``num_nextn_predict_layers``)."""
+        return self.num_nextn_predict_layers
+
     def _problems(self) -> list[str]:
         p: list[str] = []
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
