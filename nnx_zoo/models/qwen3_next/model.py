@@ -171,7 +171,8 @@ class Qwen3Next(MoECausalLM):
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, **kwargs: Any):
         super().__init__(config, rngs=rngs, **kwargs)
         self.norm = centred_norm(config.hidden_size, config.rms_norm_eps, **_dtypes(config))
-        self.mtp = MTPBlock(config, rngs=rngs) if config.mtp_num_hidden_layers else None
+        # (A family built on this model whose config has no MTP field, Kimi Linear, has none.)
+        self.mtp = MTPBlock(config, rngs=rngs) if getattr(config, "mtp_num_hidden_layers", 0) else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
@@ -181,7 +182,8 @@ class Qwen3Next(MoECausalLM):
         drops them), as DeepSeek-V3 builds only the MTP heads its files hold. ``mtp_num_hidden_layers=0`` skips
         the files' MTP weights; ``mtp_num_hidden_layers=1`` for files without them is a ``CheckpointMismatchError``
         naming the missing keys."""
-        if "mtp_num_hidden_layers" not in config_overrides:
+        has_field = "mtp_num_hidden_layers" in cls.config_class.__dataclass_fields__
+        if has_field and "mtp_num_hidden_layers" not in config_overrides:
             with SafetensorsCheckpoint(Path(path)) as ckpt:
                 if not any(key.startswith("mtp.") for key in ckpt.entries):
                     config_overrides = {**config_overrides, "mtp_num_hidden_layers": 0}
@@ -203,8 +205,9 @@ class Qwen3Next(MoECausalLM):
         if not with_mtp:
             return super().forward(input_ids, attention_mask, with_logits=with_logits, **kwargs)
         if self.mtp is None:
-            raise ValueError(f"with_mtp=True but this {type(self).__name__} has no MTP layers "
-                             "(mtp_num_hidden_layers=0); build it with mtp_num_hidden_layers=1, as the releases have")
+            raise ValueError(f"with_mtp=True but this {type(self).__name__} has no MTP heads (multi-token "
+                             "prediction; mtp_num_hidden_layers=0 where its config has the field); build it with "
+                             "mtp_num_hidden_layers=1, as the Qwen3-Next / Qwen3.5 releases have")
         out = super().forward(input_ids, attention_mask, with_logits=False, **kwargs)
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             c, seq_len = self.config, input_ids.shape[1]
