@@ -216,7 +216,8 @@ def test_two_adamw_steps_match_one_device(family, mesh_name, mode, rules):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())  # float32 sums reordered
     rule_set = get_rules(rules)
     assert history[1][0] < history[0][0]  # it learns
-    if "routing_bias_rate" in STEP_KWARGS.get(family, {}):  # two balancing steps: each bias entry moved by -2, -1, 0, 1 or 2 rates, not all 0
+    # Two balancing steps: each bias entry moved by -2, -1, 0, 1 or 2 rates, not all 0.
+    if "routing_bias_rate" in STEP_KWARGS.get(family, {}):
         start = _model_parts(family, rules)[1]["layers"]["mlp"]["e_score_correction_bias"][...]
         steps = (np.asarray(model.layers.mlp.e_score_correction_bias[...]) - np.asarray(start)) / BIAS_RATE
         assert np.any(steps != 0) and np.allclose(steps, np.round(steps), atol=1e-4), steps

@@ -214,9 +214,6 @@ def test_presets_count_transformers_parameters():
     release's MTP depth, which transformers does not build (the published sizes leave it out too); with
     ``include_mtp`` the count adds exactly the Variables of our MTP block for that config (built abstractly)."""
     import jax
-
-    from nnx_zoo.models.qwen3_next.model import MTPBlock
-
     from transformers import (
         Qwen3_5ForCausalLM,
         Qwen3_5MoeForCausalLM,
@@ -225,6 +222,8 @@ def test_presets_count_transformers_parameters():
         Qwen3NextForCausalLM,
     )
     from transformers import Qwen3NextConfig as HFConfig
+
+    from nnx_zoo.models.qwen3_next.model import MTPBlock
 
     cases = [("qwen3-next-80b-a3b", HFConfig, Qwen3NextForCausalLM, 79.67),
              ("qwen3.5-9b", Qwen3_5TextConfig, Qwen3_5ForCausalLM, 8.95),
