@@ -161,6 +161,10 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Qwen3NextConfig:
         d = {"norm_topk_prob": False, **d} if cls.EXPERT_FIELDS.renormalize_topk == "norm_topk_prob" else dict(d)
+        if d.get("mtp_use_dedicated_embeddings") and d.get("mtp_num_hidden_layers"):
+            raise ValueError("mtp_use_dedicated_embeddings=true (an MTP depth with its own embedding table) is not "
+                             "supported: the releases share the model's; load with mtp_num_hidden_layers=0 to skip "
+                             "the MTP weights")
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         if isinstance(rope, Mapping):  # the multimodal rope's sections: the same rope for text-only positions
             key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"

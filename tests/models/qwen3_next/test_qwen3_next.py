@@ -269,3 +269,6 @@ def test_hub_config_json_reads_as_transformers_does():
     theirs = HFConfig(**{**nxt, "full_attention_interval": 3})
     assert [k.attention + "_attention" for k in ours.layer_kinds()] == theirs.layer_types
     assert ours.partial_rotary_factor == theirs.rope_parameters["partial_rotary_factor"] == 0.25
+    assert ours.mtp_num_hidden_layers == 1  # the release's MTP depth, read from the file
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings=true .* not supported"):
+        AutoConfig.from_hf({**nxt, "mtp_use_dedicated_embeddings": True})
