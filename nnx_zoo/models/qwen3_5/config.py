@@ -96,6 +96,11 @@ class Qwen35Config(_Qwen35Mixin, Qwen3NextConfig, model_type="qwen3_5_text", arc
     26.9
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen3_5_text": dict(eos_token_id=None, max_position_embeddings=32768, rope_theta=10000.0),
+    }
+
     MULTIMODAL_TYPE: ClassVar[str] = "qwen3_5"
     PACKED_PROJECTIONS: ClassVar[bool] = False
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 4
@@ -117,6 +122,11 @@ class Qwen35MoEConfig(_Qwen35Mixin, Qwen3NextConfig, model_type="qwen3_5_moe_tex
     >>> round(cfg.num_parameters().total / 1e9, 1), round(cfg.num_parameters().active / 1e9, 1)
     (34.7, 3.5)
     """
+
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen3_5_moe_text": dict(eos_token_id=None, max_position_embeddings=32768, rope_theta=10000.0),
+    }
 
     MULTIMODAL_TYPE: ClassVar[str] = "qwen3_5_moe"
     PACKED_PROJECTIONS: ClassVar[bool] = False

@@ -65,6 +65,12 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     (79.7, 3.9)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen3_next": dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=32768, rope_theta=10000.0,
+            norm_topk_prob=True),
+    }
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 2  # transformers' Qwen3NextConfig default
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 256  # its default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False
