@@ -28,7 +28,14 @@ from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, resolve_peak
-from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, trainable_filter, trains_part
+from nnx_zoo.train.optim import (
+    OptimizerConfig,
+    learning_rate_schedule,
+    make_optimizer,
+    trainable_filter,
+    trains_part,
+    warmup_note,
+)
 from nnx_zoo.train.run_lock import lock_run_dir
 from nnx_zoo.train.run_spec import RunMismatchError, reconcile, run_definition
 from nnx_zoo.train.step import train_step
@@ -107,6 +114,11 @@ class TrainConfig:
             problems.append(f"loss_chunk_tokens must be >= 0 (0: no chunking) or None, got {self.loss_chunk_tokens}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
+        elif self.profile_steps is not None and self.profile_steps[1] > self.steps:
+            first, last = self.profile_steps
+            problems.append(f"profile_steps {first}:{last} ends past the run's last step {self.steps}, so the trace "
+                            f"would never be written whole; profile steps within 1:{self.steps} (recipes: "
+                            f"--profile-steps {min(first, self.steps)}:{self.steps})")
         if self.peak_flops_per_device is not None and not 0 < self.peak_flops_per_device < math.inf:
             problems.append(f"peak_flops_per_device must be a positive number (FLOP/s per device), got "
                             f"{self.peak_flops_per_device}")
@@ -187,14 +199,27 @@ class _StopSignal:
         name = signal.Signals(signum).name
         if self.received is not None:
             sys.stdout.flush()
-            sys.stderr.write(f"\nsecond {name}: exiting now, without waiting for a checkpoint in progress; the last "
-                             f"complete checkpoint in {self.checkpoint_dir} is kept and a rerun resumes from it\n")
+            sys.stderr.write(f"\n{self.second_signal_message(name)}\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         self.received = signum
         sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint (send it again to exit at "
                          "once)\n")
         sys.stderr.flush()
+
+    def second_signal_message(self, name: str) -> str:
+        """What a second signal's exit keeps: the newest complete checkpoint (orbax renames one to its bare step
+        number only when it is whole), or nothing, when none was written yet."""
+        try:
+            steps = [int(p.name) for p in self.checkpoint_dir.iterdir() if p.name.isdigit() and p.is_dir()]
+        except OSError:
+            steps = []
+        if not steps:
+            return (f"second {name}: exiting now, before any checkpoint of this run was complete, so no step of it "
+                    f"is kept; rerun the same command to start it again from the beginning")
+        return (f"second {name}: exiting now, without waiting for a checkpoint in progress; the last complete "
+                f"checkpoint (step {max(steps)} in {self.checkpoint_dir}) is kept and rerunning the same command "
+                "resumes from it")
 
     def agree(self, save_due: bool = False) -> bool:
         """After a step: sets ``agreed_signal`` to the signal any process received (or None) and returns whether
@@ -331,6 +356,21 @@ def _train(
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
                                async_save=config.async_checkpoints)
     resume_step = checkpoints.latest_step()
+    # What the model trains, checked before the run's settings: a stage change (say the indexer's warm-up resumed
+    # as its sparse stage) cannot be resumed with any flag, so the first message must say what to do instead.
+    trained = _trained_part(make_model)
+    if resume_step is not None:
+        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
+        if stored_trained != trained:
+            checkpoints.close()
+            run = Path(config.run_dir)
+            out = Path("exports") / run.name
+            raise RunMismatchError(
+                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
+                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
+                "state does not carry over. Start a new run from this one's weights instead: export them with "
+                f"`python recipes/export_hf.py {run} {out}`, then rerun this command with --from-pretrained {out} "
+                f"in place of its --model (or --from-pretrained) and a new run directory, e.g. --run-dir {run}-next.")
     definition, notes = _run_definition(config, checkpoints, resume_step, model_structure, model_settings)
     schedule_steps = definition["schedule_steps"]
 
@@ -339,25 +379,24 @@ def _train(
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps, wrt=trainable_filter(model)))
 
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
-    partial = trains_part(state.model, state.optimizer.wrt)
-    trained = _trained(state.optimizer.wrt) if partial else "all parameters"
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
     start_step, reference_loss = 0, None
     if resume_step is not None:
-        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
-        if stored_trained != trained:
-            checkpoints.close()
-            raise RunMismatchError(
-                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
-                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
-                "state does not carry over. Start a new run from this one's weights instead: export it "
-                f"(recipes/export_hf.py {config.run_dir} OUT) and train from there (--from-pretrained OUT) in a new "
-                "--run-dir.")
         start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
         reference_loss = meta.get("first_loss")
+    if config.profile_steps is not None and config.profile_steps[0] <= start_step < config.steps:
+        checkpoints.close()
+        first, last = config.profile_steps
+        raise ValueError(f"profile_steps {first}:{last}: this run resumes after step {start_step}, so step {first} "
+                         f"has run already and no trace would be written; profile steps within "
+                         f"{start_step + 1}:{config.steps} (recipes: --profile-steps {start_step + 1}:"
+                         f"{min(max(last, start_step + 1), config.steps)})")
+    warmup = warmup_note(config.optimizer, schedule_steps)
+    if warmup is not None:
+        notes.append(warmup)
     for note in notes if primary else ():
         print(f"nnx_zoo: {note}", file=sys.stderr)
 
@@ -563,6 +602,14 @@ def _run_definition(
                      override_settings=config.override_settings, lr_at=lr_at)
 
 
+def _trained_part(make_model: Callable[[], nnx.Module]) -> str:
+    """What ``make_model``'s model trains (``trainable_filter``), as a checkpoint records it; from an abstract model
+    (nothing allocated)."""
+    model = nnx.eval_shape(make_model)
+    wrt = trainable_filter(model)
+    return _trained(wrt) if trains_part(model, wrt) else "all parameters"
+
+
 def _trained(wrt: Any) -> str:
     """The optimizer's ``wrt`` filter as a string, for a model that trains part of itself (stored in each
     checkpoint, compared on resume; a model that trains all of itself stores 'all parameters')."""
@@ -573,6 +620,50 @@ def _all_finite(tree: Any) -> jax.Array:
     """Whether every floating-point number in ``tree`` is finite (one fused reduction per array)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def _jitted_step(state: TrainState, rules: Any, allow_partial: bool, **step_kwargs: Any) -> Any:
+    """The jitted ``(state values, batch) -> (updated values, metrics)`` that ``_pinned_step`` runs."""
+    graphdef, _ = nnx.split(state)
+    shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
+
+    def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
+        live = nnx.merge(graphdef, values)
+        with use_rules(rules, allow_partial=allow_partial):
+            metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
+        updated = nnx.state(live)
+        # A finite loss can come with an overflowing update, so the whole updated state is checked.
+        return updated, {**metrics, "finite": _all_finite((metrics["loss"], metrics["grad_norm"], updated))}
+
+    return jax.jit(step, out_shardings=(shardings, None))
+
+
+def step_peak_bytes(make_model: Callable[[], nnx.Module], config: TrainConfig, vocab_size: int) -> int:
+    """Per-device peak bytes of the trainer's compiled step for ``config``, from XLA's buffer assignment:
+    arguments (the state and a batch) + outputs (the updated state; the input state is not donated, so a non-finite
+    step can be dropped) - aliased + temporaries. It creates the state (allocating it) and compiles the step
+    without running it: tests check ``--remat auto``'s choice against it.
+
+    >>> step_peak_bytes(lambda: Llama(config, rngs=nnx.Rngs(0)), TrainConfig(mesh={"fsdp": 8}), config.vocab_size)
+    """
+    mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
+    rules = get_rules(config.rules)
+
+    def make_state() -> TrainState:
+        model = make_model()
+        return TrainState(model, make_optimizer(config.optimizer, model, config.steps, wrt=trainable_filter(model)))
+
+    state = _create_state(make_state, mesh, rules, config.allow_partial, primary=False)
+    sharding = NamedSharding(mesh, _batch_spec(config, rules, mesh))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+             for k, v in next(make_iterator(config.data, vocab_size)).items()}
+    step = _jitted_step(state, rules, config.allow_partial, accum_steps=config.accum_steps,
+                        mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
+                        routing_bias_rate=config.routing_bias_rate, loss_chunk_tokens=config.loss_chunk_tokens)
+    with jax.set_mesh(mesh):
+        memory = step.lower(nnx.state(state), batch).compile().memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+               + memory.temp_size_in_bytes)
 
 
 def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
@@ -586,18 +677,7 @@ def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
     split like the activations they scale): the next step then sees different input shardings and compiles again,
     and the state drifts away from the rule set's layout. Under Explicit meshes the pin changes nothing.
     """
-    graphdef, _ = nnx.split(state)
-    shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
-
-    def step(values: nnx.State, batch: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
-        live = nnx.merge(graphdef, values)
-        with use_rules(rules, allow_partial=allow_partial):
-            metrics = train_step(live.model, live.optimizer, batch, **step_kwargs)
-        updated = nnx.state(live)
-        # A finite loss can come with an overflowing update, so the whole updated state is checked.
-        return updated, {**metrics, "finite": _all_finite((metrics["loss"], metrics["grad_norm"], updated))}
-
-    compiled = jax.jit(step, out_shardings=(shardings, None))
+    compiled = _jitted_step(state, rules, allow_partial, **step_kwargs)
 
     def run(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         values, metrics = compiled(nnx.state(state), batch)
