@@ -160,9 +160,9 @@ class RunLock:
                      f"{self.stale_after_s:.0f} s old. If that run is gone (its host crashed or rebooted), wait that "
                      f"long or delete {self.path}.")
         if pid is not None:
-            where = f"on host {host}: " if host and host != socket.gethostname() else ""
-            text += (f" To stop it {where}kill {pid} (SIGTERM: it saves a checkpoint, then exits; rerun to resume "
-                     "here).")
+            where = f" on host {host}" if host and host != socket.gethostname() else ""
+            text += (f" To stop it, run `kill {pid}`{where} (SIGTERM: it saves a checkpoint and exits; rerunning its "
+                     "command resumes it).")
         return text + " To start a separate run, use another --run-dir (TrainConfig.run_dir)."
 
     def _heartbeat(self) -> None:

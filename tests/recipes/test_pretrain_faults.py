@@ -193,7 +193,7 @@ def test_sigterm_saves_and_exits_75_and_a_second_signal_exits_at_once(tmp_path):
     _, err = second.communicate(timeout=120)
     assert second.returncode == 2, err[-3000:]
     assert f"is in use by another run: pid {proc.pid} on host {socket.gethostname()}, started " in err
-    assert f"kill {proc.pid} (SIGTERM" in err and "another --run-dir" in err and "Traceback" not in err
+    assert f"run `kill {proc.pid}` (SIGTERM" in err and "another --run-dir" in err and "Traceback" not in err
     assert "compiling" not in err and "parameters" not in err  # refused before the model was even described
     wait_for_rows(proc, run_dir, len(rows(run_dir)) + 1)
     proc.send_signal(signal.SIGTERM)

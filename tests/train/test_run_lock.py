@@ -25,7 +25,8 @@ def test_a_second_lock_on_a_held_directory_is_refused_and_names_the_holder(tmp_p
         assert time.monotonic() - start < 1  # at once, not after waiting for the holder
     message = str(refused.value)
     assert f"pid {os.getpid()} on host {socket.gethostname()}, started {holder['started']}" in message
-    assert holder["command"] in message and f"kill {os.getpid()}" in message and "another --run-dir" in message
+    assert holder["command"] in message and "another --run-dir" in message
+    assert f"run `kill {os.getpid()}` (SIGTERM" in message
     # A clean release empties the file: the next run takes it without a word.
     assert first.path.read_text() == ""
     with RunLock(tmp_path) as again:
@@ -48,7 +49,7 @@ def test_another_hosts_lock_is_judged_by_its_heartbeat(tmp_path):
     with pytest.raises(RunDirLockedError) as refused:  # fresh: that run may be alive, and its pid cannot be checked
         RunLock(tmp_path).acquire()
     message = str(refused.value)
-    assert "pid 4242 on host node-7" in message and "on host node-7: kill 4242" in message
+    assert "pid 4242 on host node-7" in message and "run `kill 4242` on host node-7 (SIGTERM" in message
     assert "last heartbeat was 0 s ago" in message and f"delete {path}" in message
     old = time.time() - 301
     os.utime(path, (old, old))  # no heartbeat for longer than STALE_AFTER_S (300 s)
