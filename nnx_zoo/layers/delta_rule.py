@@ -45,6 +45,22 @@ DEFAULT_CHUNK = 64
 _BSHD = ("activation_batch", "activation_length", "activation_heads", None)
 
 
+def delta_rule_problems(impl: object, chunk_size: object) -> list[str]:
+    """What is wrong with a config's ``delta_rule_impl`` / ``delta_rule_chunk_size`` (one line each; empty: fine),
+    the one check every hybrid family's config runs.
+
+    >>> delta_rule_problems("chunked", 0)
+    ['delta_rule_chunk_size must be a positive integer (tokens per chunk of the chunked scan, e.g. 64), got 0']
+    """
+    p = []
+    if impl not in DELTA_RULE_IMPLS:
+        p.append(f"delta_rule_impl must be one of {DELTA_RULE_IMPLS}, got {impl!r}")
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1):
+        p.append("delta_rule_chunk_size must be a positive integer (tokens per chunk of the chunked scan, e.g. "
+                 f"{DEFAULT_CHUNK}), got {chunk_size!r}")
+    return p
+
+
 def _grouped(x: jax.Array, heads: int) -> jax.Array:
     """``[b, s, hk, d]`` -> ``[b, s, heads, d]``: value head ``i`` reads key/query head ``i // (heads // hk)``."""
     hk = x.shape[2]

@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK, delta_rule_problems
 from nnx_zoo.models.decoder_config import LayerKind, ParameterCount, cpu_presets
 from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
@@ -71,6 +72,7 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     PACKED_PROJECTIONS: ClassVar[bool] = True
     # Fields transformers' config class for this model_type does not have (left out of config.json).
     HF_OMITTED: ClassVar[frozenset[str]] = frozenset({"full_attention_interval"})
+    NNX_ONLY: ClassVar[frozenset[str]] = MoEDecoderConfig.NNX_ONLY | {"delta_rule_impl", "delta_rule_chunk_size"}
 
     num_experts: int = 512
     moe_intermediate_size: int = 512
@@ -85,6 +87,9 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # ---- nnx_zoo only ----
+    delta_rule_impl: str = "auto"  # the linear layers' kernel: 'auto' | 'chunked' | 'recurrent' (gated_delta_rule)
+    delta_rule_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the chunked scan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
@@ -145,7 +150,7 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
             p.append("attention_bias=True is not supported (the released checkpoints have no attention biases)")
         if self.num_experts and not self.shared_expert_intermediate_size:
             p.append("shared_expert_intermediate_size must be positive (every MoE layer has a gated shared expert)")
-        return p
+        return p + delta_rule_problems(self.delta_rule_impl, self.delta_rule_chunk_size)
 
     # ---- Hugging Face config.json ----
     @classmethod
