@@ -166,6 +166,13 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
             rms_norm_eps=self.rms_norm_eps, initializer_range=self.initializer_range, dtype=self.dtype,
             param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
+    def linear_attention_shapes(self) -> dict[str, Any]:
+        """A KDA layer's sizes for the memory plan (``nnx_zoo.sharding.plan_linear.LinearShapes``)."""
+        h, d, width = self.linear_num_heads, self.linear_head_dim, self.linear_width
+        return dict(key_heads=h, value_heads=h, key_dim=d, value_dim=d, conv_channels=3 * width,
+                    chunk=self.delta_rule_chunk_size, per_channel_decay=True,
+                    projections=5 * width + 2 * d + h)  # q, k, v; f_a, f_b; g_a, g_b; b
+
     def _problems(self) -> list[str]:
         p = super()._problems()
         if p:

@@ -67,6 +67,7 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 256  # its default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False
     PARTIAL_ROTARY: ClassVar[bool] = True
+    ATTENTION_OUTPUT_GATE: ClassVar[bool] = True  # full layers gate their output by a sigmoid (read by the plan)
     # Whether the linear layers' input projections are packed per query/key head (Qwen3-Next's in_proj_qkvz and
     # in_proj_ba) or separate (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
     PACKED_PROJECTIONS: ClassVar[bool] = True
@@ -125,6 +126,13 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
         """Channels of a linear layer's convolution: queries, keys and values side by side."""
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
+
+    def linear_attention_shapes(self) -> dict[str, Any]:
+        """A linear layer's sizes for the memory plan (``nnx_zoo.sharding.plan_linear.LinearShapes``)."""
+        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+        return dict(key_heads=self.linear_num_key_heads, value_heads=hv, key_dim=self.linear_key_head_dim,
+                    value_dim=dv, conv_channels=self.linear_conv_dim, chunk=self.delta_rule_chunk_size,
+                    projections=self.linear_conv_dim + hv * dv + 2 * hv)  # q, k, v; the output gate z; b, a
 
     def _problems(self) -> list[str]:
         p = super()._problems()
