@@ -203,7 +203,7 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
             p.append(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
                      f"{self.num_attention_heads}: MLA expands keys and values for every head (transformers' eager "
                      "attention fails otherwise)")
-        p += delta_rule_problems(self.delta_rule_impl, self.delta_rule_chunk_size)
+        p += delta_rule_problems(self.delta_rule_chunk_size)
         if p or not self.num_moe_layers:
             return p
         experts, groups, kept = self.num_experts, self.num_expert_group, self.topk_group

@@ -158,7 +158,7 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
             p.append("attention_bias=True is not supported (the released checkpoints have no attention biases)")
         if self.num_experts and not self.shared_expert_intermediate_size:
             p.append("shared_expert_intermediate_size must be positive (every MoE layer has a gated shared expert)")
-        return p + delta_rule_problems(self.delta_rule_impl, self.delta_rule_chunk_size)
+        return p + delta_rule_problems(self.delta_rule_chunk_size)
 
     # ---- Hugging Face config.json ----
     @classmethod
