@@ -84,9 +84,14 @@ def test_transformers_reloads_our_save(case, tmp_path):
 
 def test_cached_greedy_decoding_equals_uncached_and_transformers(case):
     """An 11-token prompt (row 0 left-padded by 3) and 6 new tokens, through the cache, through full forwards, and
-    through transformers' generate."""
+    through transformers' generate. The KDA layers run chunks of 4, so the prompt's delta rule is the chunked form
+    across chunk boundaries (3 chunks, the last one padded) before the recurrent decoding steps continue its
+    state."""
     c = case
-    model, ids, mask, hf = c["model"], c["ids"], c["mask"], c["hf"]
+    ids, mask, hf = c["ids"], c["mask"], c["hf"]
+    model = AutoModelForCausalLM.from_pretrained(c["path"])
+    for stack in _stacks(model, "linear"):
+        stack.attn.chunk_size = 4
     new = 6
     tokens = np.asarray(generate(model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=new).tokens)
     cache = model.init_cache(3, 16)
