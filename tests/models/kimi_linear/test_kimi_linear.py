@@ -217,3 +217,27 @@ def test_hub_config_json_reads_as_transformers_does():
     lists = {**hub, "linear_attn_config": {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}}
     assert [k.attention + "_attention" for k in AutoConfig.from_hf(lists).layer_kinds()] == HFConfig(
         **lists).layer_types
+
+
+@pytest.mark.parametrize(("sizes", "rules"), [({"fsdp": 2, "tensor": 2}, "default"),
+                                              ({"fsdp": 2, "expert": 2}, "ep-as-cp")])
+def test_kda_keeps_its_input_sharding_under_an_explicit_mesh(sizes, rules):
+    """Heads split over 'tensor', or the sequence over 'expert' (ep-as-cp): KDA's output comes back laid out as its
+    input arrived, the rule set's layout or replicated (traced abstractly: the layouts are types under Explicit
+    axes, nothing is compiled)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_zoo.models.kimi_linear.mixers import KimiDeltaAttention
+    from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, use_rules
+
+    mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:4])
+    kda = KimiDeltaAttention(32, heads=2, head_dim=8, conv_kernel=4, rngs=nnx.Rngs(0))
+    spec = logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"), get_rules(rules), mesh)
+    assert (spec[1] == "expert") == (rules == "ep-as-cp")
+    with jax.set_mesh(mesh), use_rules(rules):
+        for in_spec in (spec, P(None, None, None)):
+            x = jax.ShapeDtypeStruct((4, 8, 32), jnp.float32, sharding=NamedSharding(mesh, in_spec))
+            out = nnx.eval_shape(lambda m, x: m(x, None, None, None), kda, x)
+            assert out.sharding.spec == in_spec, (in_spec, out.sharding)
