@@ -56,6 +56,10 @@ SYNTHETIC_VOCAB = 256  # --synthetic-vocab's default; smaller model vocabularies
 HOW_FIELDS = frozenset({"moe_impl", "grouped_matmul_impl", "attention_impl", "batch_split_factor", "scan_layers",
                         "remat_policy"})
 
+# The shortcut flags a family has only when its config has the field behind them (see _model_arguments).
+FAMILY_FLAGS = {"--attention-impl": "attention_impl", "--moe-impl": "moe_impl", "--remat": "remat_policy",
+                "--indexer-stage": "indexer_training"}
+
 
 # The module docstring, for --help (inside a class body ``__doc__`` is the class's own docstring).
 DESCRIPTION = __doc__
@@ -267,6 +271,9 @@ def _data_and_optimizer_arguments(g: argparse._ArgumentGroup) -> None:
                    help="'synthetic' (default), or a .txt/.jsonl/.parquet file or a directory of them")
     g.add_argument("--tokenizer", default="bytes",
                    help="for files: 'bytes' (built-in byte-level) or a tokenizers JSON file")
+    g.add_argument("--eos-token", metavar="TOKEN",
+                   help="the token of a tokenizers JSON file that ends each document (default: the first of </s>, "
+                   "<|endoftext|>, <eos>, <｜end▁of▁sentence｜> that it has)")
     g.add_argument("--synthetic-vocab", type=int, default=None, metavar="N",
                    help=f"token ids the synthetic data uses, 0 .. N-1; at most the model's vocab_size (default: "
                    f"{SYNTHETIC_VOCAB}, or the model's vocab_size if smaller)")
@@ -385,6 +392,10 @@ def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
         print(f"{entry.prog}: {', '.join(hints)}: not a field of {source.config_cls.__name__} (the config of "
               f"{source.name}); its fields are {', '.join(names)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    problem = _family_flag_problem(unknown, source, entry) or _process_problem(args)
+    if problem:
+        print(f"{entry.prog}: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
@@ -397,6 +408,47 @@ def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         print(f"\n{entry.prog}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _family_flag_problem(unknown: list[str], source: ModelSource, entry: Entry) -> str | None:
+    """A shortcut flag that another family takes but this one's config has no field for (``--indexer-stage`` on a
+    Llama): what the flag is for and which presets take it, not argparse's bare 'unrecognized arguments'."""
+    for i, word in enumerate(unknown):
+        flag, _, value = word.partition("=")
+        if flag not in FAMILY_FLAGS:
+            continue
+        field = FAMILY_FLAGS[flag]
+        value = value or (unknown[i + 1] if i + 1 < len(unknown) else "")
+        takers = [name for cls, presets in families(entry).values()
+                  if field in {f.name for f in dataclasses.fields(cls)}
+                  for name in sorted(presets, key=lambda n: "tiny" not in n) if _takes(cls, name, field, value)]
+        return (f"{flag} sets {field}, which {source.config_cls.__name__} (the config of {source.name}) does not "
+                f"have; leave {flag} out, or train a model that has it (e.g. --model {takers[0]})" if takers else
+                f"{flag} is not an option of {entry.prog}")
+    return None
+
+
+def _takes(config_cls: type, preset: str, field: str, value: str) -> bool:
+    """Whether ``preset`` builds with ``field`` set to ``value`` (a model the flag would work on)."""
+    try:
+        config_cls.preset(preset, **{field: value})
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _process_problem(args: argparse.Namespace) -> str | None:
+    """A multi-process run's flags that cannot start one, said before JAX tries."""
+    if args.num_processes < 1:
+        return f"--num-processes must be at least 1, got {args.num_processes}"
+    if args.num_processes > 1 and not args.coordinator:
+        return (f"--num-processes {args.num_processes} needs --coordinator HOST:PORT, the address of process 0 that "
+                "every process reaches (e.g. --coordinator 10.0.0.1:12355, or env NNX_ZOO_COORDINATOR), and each "
+                f"process its --process-id 0 .. {args.num_processes - 1}")
+    if not 0 <= args.process_id < args.num_processes:
+        return f"--process-id {args.process_id} must be in 0 .. {args.num_processes - 1} (--num-processes " \
+               f"{args.num_processes})"
+    return None
 
 
 def _model_defaults(source: ModelSource, argv: list[str] | None) -> Any:
@@ -580,8 +632,8 @@ def train_config(args: argparse.Namespace, source: ModelSource, config: Any, ext
             name=args.optimizer, lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_steps=args.warmup_steps,
             schedule=args.schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
         ),
-        data=DataConfig(source=args.data, tokenizer=args.tokenizer, seq_len=args.seq_len, global_batch=args.batch,
-                        seed=args.seed, synthetic_vocab=synthetic_vocab(args, config)),
+        data=DataConfig(source=args.data, tokenizer=args.tokenizer, eos_token=args.eos_token, seq_len=args.seq_len,
+                        global_batch=args.batch, seed=args.seed, synthetic_vocab=synthetic_vocab(args, config)),
     )
 
 
@@ -666,9 +718,9 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     if summary.get("already_finished"):
         print(f"this run already finished: its checkpoint is at step {summary['start_step']} of --steps "
               f"{args.steps} in {Path(settings.run_dir) / 'checkpoints'}. To train further on the same "
-              f"learning-rate schedule, rerun with a larger --steps and --extend (e.g. --steps {2 * args.steps} "
-              "--extend); to re-plan the schedule, add --override-settings instead; for a new run, use another "
-              "--run-dir.")
+              f"learning-rate schedule, rerun with a larger --steps and --extend (e.g. --steps "
+              f"{2 * summary['start_step']} --extend); to re-plan the schedule, add --override-settings instead; for "
+              "a new run, use another --run-dir.")
         return EXIT_DONE
     print_summary({**summary, "kernels": kernels}, settings.run_dir)
     return EXIT_STOPPED if summary.get("stopped_by_signal") else EXIT_DONE

@@ -20,11 +20,29 @@ def config_json_path(dir_or_file: str | Path) -> Path:
     """``config.json`` of a checkpoint directory, or the file itself when given one."""
     path = Path(dir_or_file)
     if path.is_dir():
+        if not (path / "config.json").exists():
+            _refuse_training_run(path)
         return path / "config.json"
     if not path.exists():
         raise CheckpointFormatError(f"{path}: no such file or directory; pass a checkpoint directory (the one "
                                     "holding config.json and *.safetensors) or its config.json")
     return path
+
+
+def _refuse_training_run(path: Path) -> None:
+    """A training run directory (``checkpoints/<step>/`` inside) or one of its checkpoint steps is not a Hugging
+    Face checkpoint: say so, with the export command that makes one of it."""
+    if (path / "checkpoints").is_dir():
+        run, step = path, None
+    elif path.parent.name == "checkpoints" and path.name.isdigit():
+        run, step = path.parent.parent, path.name
+    else:
+        return
+    out = Path("exports") / (run.name + (f"-step{step}" if step else ""))
+    command = f"python recipes/export_hf.py {run} {out}" + (f" --step {step}" if step else "")
+    raise CheckpointFormatError(
+        f"{path} is a training run's {'checkpoint step' if step else 'directory'}, not a Hugging Face checkpoint "
+        f"(no config.json); export it first with `{command}`, then load {out}")
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:

@@ -344,6 +344,9 @@ def save_module(module: nnx.Module, directory: str | Path, table: KeyTable, conf
     safetensors shards of at most ``max_shard_bytes`` (a single larger tensor gets a shard of its own), and
     ``model.safetensors.index.json``."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{directory} is a file, and save_pretrained writes a directory (config.json, "
+                              f"safetensors shards); pass a new directory path, e.g. {directory}-hf")
     directory.mkdir(parents=True, exist_ok=True)
     variables = dict(iter_variables(nnx.state(module)))
     adapters = [p for p, v in variables.items() if isinstance(v, LoRAParam)]

@@ -1,5 +1,6 @@
 """Which kernels a model config will run on this backend: what the recipe prints at start and in its summary, and
-what the sharding plan counts.
+what the sharding plan counts; and the one check of every kernel setting's name (``kernel_setting_problems``),
+which every family's config runs when it is built.
 
 The choices themselves are made where the kernels are dispatched (``choose_attention_impl`` in
 ``nnx_zoo.layers.attention``, ``default_moe_impl`` in ``nnx_zoo.layers.moe``, ``choose_grouped_matmul_impl`` in
@@ -8,11 +9,36 @@ The choices themselves are made where the kernels are dispatched (``choose_atten
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-from nnx_zoo.layers.attention import LOCAL_FEATURES, choose_attention_impl
-from nnx_zoo.layers.grouped_matmul import choose_grouped_matmul_impl
-from nnx_zoo.layers.moe import default_moe_impl
+from nnx_zoo.layers.attention import ATTENTION_IMPLS, LOCAL_FEATURES, choose_attention_impl
+from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS, choose_grouped_matmul_impl
+from nnx_zoo.layers.moe import MOE_IMPLS, default_moe_impl
+from nnx_zoo.layers.scan import REMAT_POLICIES
+
+# Config field -> the names its kernel takes. A config has the fields it has; each one present is checked when the
+# config is built, so a misspelt kernel fails at once, not on the first step that would run that path.
+KERNEL_SETTINGS: dict[str, tuple[str, ...]] = {
+    "attention_impl": ATTENTION_IMPLS,
+    "moe_impl": MOE_IMPLS,
+    "grouped_matmul_impl": GROUPED_MATMUL_IMPLS,
+    "remat_policy": tuple(REMAT_POLICIES),
+}
+
+
+def kernel_setting_problems(config: Any, narrower: Mapping[str, tuple[str, ...]] | None = None) -> list[str]:
+    """One line per kernel setting (``KERNEL_SETTINGS``) of the dataclass ``config`` whose value its kernel does
+    not take; ``narrower`` (field -> names) replaces the choices where a family runs fewer kernels.
+
+    >>> kernel_setting_problems(Qwen3MoEConfig.preset("qwen3-moe-tiny"))
+    []
+    """
+    allowed = {**KERNEL_SETTINGS, **(narrower or {})}
+    fields = {f.name for f in dataclasses.fields(config)}
+    return [f"{name} must be one of {choices}, got {getattr(config, name)!r}"
+            for name, choices in allowed.items() if name in fields and getattr(config, name) not in choices]
 
 
 def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platform: str | None = None

@@ -58,6 +58,8 @@ from nnx_zoo.layers.spec import (
 )
 from nnx_zoo.sharding import axes_tuple, current_rules, logical_to_mesh_axes, shard
 
+MOE_IMPLS = ("auto", "dense", "gmm", "ep")  # RoutedExperts' paths ('auto': default_moe_impl)
+
 MoeImpl = Literal["auto", "dense", "gmm", "ep"]
 _TOKENS = ("activation_tokens", "activation_embed")
 _TOKENS_TOPK = ("activation_tokens", "activation_topk")
@@ -151,7 +153,7 @@ class RoutedExperts(nnx.Module):
         elif impl == "ep":
             out, dropped = self._ep(x, expert_idx, weights, capacity_factor)
         else:
-            raise ValueError(f"unknown MoE implementation {impl!r}; choose 'auto', 'dense', 'gmm' or 'ep'")
+            raise ValueError(f"unknown MoE implementation {impl!r}; choose one of {MOE_IMPLS}")
         if capacity_factor is not None and impl != "ep":
             raise ValueError(f"capacity_factor is only used by impl='ep', got impl={impl!r}")
         return (out, dropped) if return_dropped else out

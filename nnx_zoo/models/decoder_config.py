@@ -22,9 +22,8 @@ import jax.numpy as jnp
 
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
-from nnx_zoo.layers.attention import ATTENTION_IMPLS
+from nnx_zoo.layers.kernel_choices import kernel_setting_problems
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling, rope_from_hf, rope_to_hf
-from nnx_zoo.layers.scan import REMAT_POLICIES
 
 # The dtype names a model computes and stores parameters in (``jnp.dtype`` aliases such as jnp.bfloat16 map here).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -72,6 +71,9 @@ class FamilyConfig:
     # config.json keys with no sensible default: the architecture's shape. A file without one is refused, naming
     # it (a silent default such as hidden_size=4096 would only show up later as a list of wrong tensor shapes).
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Kernel settings whose choices a family narrows (field -> names), e.g. an attention with no cuDNN kernel; the
+    # rest take every name of nnx_zoo.layers.kernel_choices.KERNEL_SETTINGS.
+    KERNEL_OPTIONS: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     @classmethod
     def hf_model_types(cls) -> tuple[str, ...]:
@@ -148,6 +150,17 @@ class FamilyConfig:
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Self:
         """The config for an HF ``config.json`` dict plus overrides; ``ValueError`` for unusable values."""
         raise NotImplementedError(f"{cls.__name__} does not read HF configs")
+
+    def _problems(self) -> list[str]:
+        """What is wrong with this config's values (every family names its own), one line each."""
+        return []
+
+    def _raise_problems(self) -> None:
+        """Raise one ``ValueError`` listing every problem: each kernel setting its kernel does not take (checked
+        here, for every family and every way a config is built), then the family's ``_problems()``."""
+        problems = kernel_setting_problems(self, self.KERNEL_OPTIONS) + self._problems()
+        if problems:
+            raise ValueError(f"invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
 
     def _canonical_dtypes(self) -> None:
         """Store ``dtype`` / ``param_dtype`` as numpy dtype names (``jnp.float32`` -> ``'float32'``)."""
@@ -267,9 +280,7 @@ class DecoderConfig(FamilyConfig):
         if self.head_dim is None and _positive_int(self.hidden_size) and _positive_int(self.num_attention_heads):
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         self._canonical_dtypes()
-        problems = self._problems()
-        if problems:
-            raise ValueError(f"invalid {type(self).__name__}:\n  - " + "\n  - ".join(problems))
+        self._raise_problems()
 
     def _problems(self) -> list[str]:
         p: list[str] = []
@@ -300,10 +311,6 @@ class DecoderConfig(FamilyConfig):
         if not isinstance(self.rope_scaling, (LinearScaling, Llama3Scaling, YarnScaling, type(None))):
             p.append(f"rope_scaling must be None, LinearScaling, Llama3Scaling, YarnScaling or an HF rope dict, got "
                      f"{self.rope_scaling!r}")
-        if self.remat_policy not in REMAT_POLICIES:
-            p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         return p
 
     @property

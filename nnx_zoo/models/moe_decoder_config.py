@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
+from nnx_zoo.layers.moe import MOE_IMPLS  # noqa: F401  (re-exported: the MoE configs' moe_impl choices)
 from nnx_zoo.layers.routers import ROUTERS
 from nnx_zoo.models.decoder_config import DecoderConfig, LayerKind, ParameterCount
-
-MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 
 
 class ExpertFields(NamedTuple):
@@ -135,8 +134,6 @@ class MoEDecoderConfig(DecoderConfig):
             p.append(f"the number of routed experts must be a non-negative integer, got {experts!r}")
         elif not (isinstance(k, int) and 0 < k <= max(experts, 1)):
             p.append(f"num_experts_per_tok must be in 1..{experts} (the routed experts), got {k!r}")
-        if self.moe_impl not in MOE_IMPLS:
-            p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             p.append(f"moe_capacity_factor must be None or positive, got {self.moe_capacity_factor!r}")
         if not (isinstance(self.batch_split_factor, int) and not isinstance(self.batch_split_factor, bool)

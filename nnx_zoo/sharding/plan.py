@@ -109,7 +109,9 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   Per-layer inputs (``hidden_size_per_layer_input`` ``p``, Gemma 4): ``T*a*6*L*p`` held before the layers (the
   second table's rows, the projection, its norm's 3, the mix: ``PER_LAYER_INPUTS_KEPT``) and ``T*a*4*p`` per layer
   (the gate, its GELU, the product: ``PER_LAYER_INPUT_KEPT``).
-  The plan reports no generation KV cache (its ring caches for windowed layers are ``nnx_zoo.layers.kv_cache``'s).
+  A decoding cache for the same rows at ``seq_len`` slots is reported beside the training total, not in it
+  (``kv_cache_bytes``: rings of ``span - 1`` for windowed and chunked layers, none for shared K/V; exactly
+  ``init_cache``'s keys and values per device, tested). MLA's, DeepSeek-V4's and linear attention's are not modelled.
 Compared with XLA's buffer assignment in ``tests/sharding/test_sharding_plan.py`` (and README's sharding section).
 """
 
@@ -956,6 +958,27 @@ def stack_norms(report: ShardingReport, stacks: set[str], hidden: int) -> dict[s
     return out
 
 
+def kv_cache_bytes(s: DecoderShapes, batch: int, max_len: int, rules: Rules, mesh: Mesh | AbstractMesh
+                   ) -> int | None:
+    """Per-device bytes of the keys and values in a decoding cache (``model.init_cache(batch, max_len)``) laid
+    out by the cache's logical names: ``max_len`` slots per full-attention layer, a ring of ``span - 1`` for a
+    window or chunk layer (``nnx_zoo.layers.kv_cache.ring_slots``), none for a layer that reads another's keys
+    and values (Gemma 4's shared K/V). None where the plan does not model the family's cache (MLA's latents,
+    DeepSeek-V4's compressed entries, linear attention's state); the per-slot bookkeeping (a few bytes a token)
+    is left out."""
+    if s.kv_lora or s.v4 is not None:
+        return None
+    layers = ([(k.span, k.kv_heads, k.head_dim) for stack in s.schedule for k in s.kinds if k.stack == stack and k.kv]
+              if s.kinds else [(None, s.kv_heads, s.head_dim)] * (s.dense_layers + s.moe_layers))
+    names = ("activation_stack", "cache_batch", "cache_length", "cache_kv_heads", "cache_kv")
+    rows, length, heads = (_joint_shards(names, dim, rules, mesh) for dim in (1, 2, 3))
+    total = 0
+    for span, kv_heads, head_dim in layers:
+        slots = max(1, min(max_len, span - 1)) if span else max_len
+        total += 2 * _split(batch, rows) * _split(slots, length) * _split(kv_heads, heads) * head_dim
+    return total * s.dtype_bytes
+
+
 def kind_description(s: DecoderShapes) -> str:
     """The plan's one-line summary of the layer kinds: each stack's layers, attention, span and kernel."""
     parts = []
@@ -1286,6 +1309,8 @@ class MemoryPlan:
     global_batch: int
     seq_len: int
     activations: dict[str, dict[str, int]]  # remat -> part -> bytes
+    # A decoding cache for the global batch at seq_len slots (``kv_cache_bytes``); None where not modelled.
+    cache_bytes: int | None = None
 
     @property
     def param_bytes(self) -> int:
@@ -1318,7 +1343,8 @@ class MemoryPlan:
                 "activation_peak_bytes_per_device": {r: self.activation_bytes(r) for r in REMATS},
                 "buffer_bytes_per_device": self.buffer_bytes,
                 "total_bytes_per_device": {r: self.total(r) for r in REMATS},
-                "fallback_bytes_per_device": self.report.fallback_bytes_per_device}
+                "fallback_bytes_per_device": self.report.fallback_bytes_per_device,
+                "decoding_cache_bytes_per_device": self.cache_bytes}
 
     def table(self) -> str:
         s, n = self.shapes, self.local
@@ -1331,7 +1357,9 @@ class MemoryPlan:
             attention = v4_description(s.v4, n.keys)
         lines = [
             f"memory plan per device: {n.batch} row(s) x {n.seq} positions (global batch {self.global_batch} x "
-            f"sequence {self.seq_len}); activations in {dtype}, MoE path {s.moe_impl}, {attention}, logits of "
+            f"sequence {self.seq_len}); activations in {dtype}, "
+            + (f"MoE path {s.moe_impl}, " if s.experts else "")  # a dense model has no MoE path to name
+            + f"{attention}, logits of "
             + (f"{min(n.tokens, s.loss_chunk_tokens)} tokens at a time" if s.loss_chunk_tokens else "every token"),
             *([f"  {kind_description(s)}"] if s.kinds else []),
             f"  parameters                  {_human(self.param_bytes)}",
@@ -1350,6 +1378,12 @@ class MemoryPlan:
                           if PART_PHASES[k] == phase and v]
         lines.append("  total                       " + ", ".join(
             f"remat {r}: {_human(self.total(r))}" for r in REMATS))
+        if self.cache_bytes is not None:
+            rings = sorted({k.span for k in s.kinds if k.span and k.kv})
+            lines.append(f"  decoding cache              {_human(self.cache_bytes)}  (not in the total: keys and "
+                         f"values of {self.global_batch} row(s) x {self.seq_len} slots"
+                         + (f", rings of span - 1 for the {'/'.join(map(str, rings))}-token layers" if rings else "")
+                         + ")")
         if self.report.fallbacks:
             lines.append(f"  (parameters include {_human(self.report.fallback_bytes_per_device)} per device "
                          "replicated by divisibility fallbacks; see above)")
@@ -1417,5 +1451,10 @@ def memory_plan(
     # (the largest of the layer, like its gate's and up's): they take those two buffers first.
     full = activations["full"]
     full["cotangents, one layer"] = max(0, full["cotangents, one layer"] - 2 * weights["gathered gradient, one weight"])
-    return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=batch_per_device * batch_shards,
-                      seq_len=seq_len, activations=activations)
+    global_batch = batch_per_device * batch_shards
+    kinds = getattr(config, "layer_kinds", ())
+    kinds = kinds() if callable(kinds) else kinds
+    softmax_only = all(getattr(k, "attention", "full") in LOCAL_ATTENTION for k in kinds)  # no recurrent state
+    cache = kv_cache_bytes(shapes, global_batch, seq_len, rules, mesh) if softmax_only else None
+    return MemoryPlan(report=report, shapes=shapes, local=local, global_batch=global_batch, seq_len=seq_len,
+                      activations=activations, cache_bytes=cache)

@@ -32,6 +32,7 @@ class DataConfig:
 
     source: str = "synthetic"  # or a file / directory of .txt, .jsonl, .parquet files
     tokenizer: str = "bytes"  # 'bytes' or a tokenizer.json path (local files only)
+    eos_token: str | None = None  # the token a tokenizer.json ends each document with; None: a usual name it has
     seq_len: int = 128
     global_batch: int = 8
     seed: int = 0
@@ -112,7 +113,12 @@ def read_documents(path: Path) -> list[str]:
             docs = []
             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if line.strip():
-                    record = json.loads(line)
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:  # its own numbers count within the line: say which line
+                        raise ValueError(f"line {n} is not valid JSON ({err.msg} at column {err.colno}); each line "
+                                         'must be one JSON object such as {"text": "..."}: fix or remove line '
+                                         f"{n}") from None
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                         raise ValueError(f"line {n} has no string field 'text'")
                     docs.append(record["text"])
@@ -131,7 +137,7 @@ class PackedTokens:
     """Every document of ``source``, tokenized, each followed by EOS, cut into rows of ``seq_len + 1`` tokens."""
 
     def __init__(self, config: DataConfig, vocab_size: int):
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer, eos_token=config.eos_token)
         if tokenizer.vocab_size > vocab_size:
             raise ValueError(f"tokenizer {config.tokenizer!r} has {tokenizer.vocab_size} tokens but the model's "
                              f"vocab_size is {vocab_size}; use a model vocab at least that large")

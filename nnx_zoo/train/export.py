@@ -325,7 +325,7 @@ def _copy_tokenizer(definition: Mapping[str, Any], out: Path) -> str:
     # transformers' AutoTokenizer needs a class to build from tokenizer.json; the generic fast one fits any file.
     tokenizer_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     try:
-        json_tokenizer = JsonTokenizer(path)
+        json_tokenizer = JsonTokenizer(path, eos_token=data.get("eos_token"))
         tokenizer_config["eos_token"] = json_tokenizer._tok.id_to_token(json_tokenizer.eos_id)
     except ValueError:  # no end-of-sequence token the trainer knows: the file itself is still the tokenizer
         pass

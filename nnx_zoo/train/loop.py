@@ -28,7 +28,14 @@ from nnx_zoo.sharding.create import ShardingFallbackWarning
 from nnx_zoo.train.checkpoint import Checkpointer
 from nnx_zoo.train.data import DataConfig, make_iterator
 from nnx_zoo.train.metrics import MetricsWriter, ProgressLine, device_peak_memory_gib, resolve_peak
-from nnx_zoo.train.optim import OptimizerConfig, learning_rate_schedule, make_optimizer, trainable_filter, trains_part
+from nnx_zoo.train.optim import (
+    OptimizerConfig,
+    learning_rate_schedule,
+    make_optimizer,
+    trainable_filter,
+    trains_part,
+    warmup_note,
+)
 from nnx_zoo.train.run_spec import RunMismatchError, reconcile, run_definition
 from nnx_zoo.train.step import train_step
 
@@ -106,6 +113,11 @@ class TrainConfig:
             problems.append(f"loss_chunk_tokens must be >= 0 (0: no chunking) or None, got {self.loss_chunk_tokens}")
         if self.profile_steps is not None and not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             problems.append(f"profile_steps must be (first, last) with 1 <= first <= last, got {self.profile_steps}")
+        elif self.profile_steps is not None and self.profile_steps[1] > self.steps:
+            first, last = self.profile_steps
+            problems.append(f"profile_steps {first}:{last} ends past the run's last step {self.steps}, so the trace "
+                            f"would never be written whole; profile steps within 1:{self.steps} (recipes: "
+                            f"--profile-steps {min(first, self.steps)}:{self.steps})")
         if self.peak_flops_per_device is not None and not 0 < self.peak_flops_per_device < math.inf:
             problems.append(f"peak_flops_per_device must be a positive number (FLOP/s per device), got "
                             f"{self.peak_flops_per_device}")
@@ -186,14 +198,27 @@ class _StopSignal:
         name = signal.Signals(signum).name
         if self.received is not None:
             sys.stdout.flush()
-            sys.stderr.write(f"\nsecond {name}: exiting now, without waiting for a checkpoint in progress; the last "
-                             f"complete checkpoint in {self.checkpoint_dir} is kept and a rerun resumes from it\n")
+            sys.stderr.write(f"\n{self.second_signal_message(name)}\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         self.received = signum
         sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint (send it again to exit at "
                          "once)\n")
         sys.stderr.flush()
+
+    def second_signal_message(self, name: str) -> str:
+        """What a second signal's exit keeps: the newest complete checkpoint (orbax renames one to its bare step
+        number only when it is whole), or nothing, when none was written yet."""
+        try:
+            steps = [int(p.name) for p in self.checkpoint_dir.iterdir() if p.name.isdigit() and p.is_dir()]
+        except OSError:
+            steps = []
+        if not steps:
+            return (f"second {name}: exiting now, before any checkpoint of this run was complete, so no step of it "
+                    f"is kept; rerun the same command to start it again from the beginning")
+        return (f"second {name}: exiting now, without waiting for a checkpoint in progress; the last complete "
+                f"checkpoint (step {max(steps)} in {self.checkpoint_dir}) is kept and rerunning the same command "
+                "resumes from it")
 
     def agree(self, save_due: bool = False) -> bool:
         """After a step: sets ``agreed_signal`` to the signal any process received (or None) and returns whether
@@ -306,6 +331,21 @@ def train(
     checkpoints = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints,
                                async_save=config.async_checkpoints)
     resume_step = checkpoints.latest_step()
+    # What the model trains, checked before the run's settings: a stage change (say the indexer's warm-up resumed
+    # as its sparse stage) cannot be resumed with any flag, so the first message must say what to do instead.
+    trained = _trained_part(make_model)
+    if resume_step is not None:
+        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
+        if stored_trained != trained:
+            checkpoints.close()
+            run = Path(config.run_dir)
+            out = Path("exports") / run.name
+            raise RunMismatchError(
+                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
+                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
+                "state does not carry over. Start a new run from this one's weights instead: export them with "
+                f"`python recipes/export_hf.py {run} {out}`, then rerun this command with --from-pretrained {out} "
+                f"in place of its --model (or --from-pretrained) and a new run directory, e.g. --run-dir {run}-next.")
     definition, notes = _run_definition(config, checkpoints, resume_step, model_structure, model_settings)
     schedule_steps = definition["schedule_steps"]
 
@@ -314,25 +354,24 @@ def train(
         return TrainState(model, make_optimizer(config.optimizer, model, schedule_steps, wrt=trainable_filter(model)))
 
     state = _create_state(make_state, mesh, rules, config.allow_partial, primary)
-    partial = trains_part(state.model, state.optimizer.wrt)
-    trained = _trained(state.optimizer.wrt) if partial else "all parameters"
     if init_model is not None and resume_step is None:
         init_model(state.model, mesh)
     data = make_iterator(config.data, vocab_size)
     start_step, reference_loss = 0, None
     if resume_step is not None:
-        stored_trained = checkpoints.read_meta(resume_step).get("trained", trained)  # older runs: not recorded
-        if stored_trained != trained:
-            checkpoints.close()
-            raise RunMismatchError(
-                f"cannot resume this run: its checkpoint step {resume_step} trained {stored_trained}, this model "
-                f"trains {trained} (model.trainable(); e.g. another indexer_training stage), and the optimizer "
-                "state does not carry over. Start a new run from this one's weights instead: export it "
-                f"(recipes/export_hf.py {config.run_dir} OUT) and train from there (--from-pretrained OUT) in a new "
-                "--run-dir.")
         start_step, data_state, meta = checkpoints.restore_into(state, resume_step)
         data.set_state(data_state)
         reference_loss = meta.get("first_loss")
+    if config.profile_steps is not None and config.profile_steps[0] <= start_step < config.steps:
+        checkpoints.close()
+        first, last = config.profile_steps
+        raise ValueError(f"profile_steps {first}:{last}: this run resumes after step {start_step}, so step {first} "
+                         f"has run already and no trace would be written; profile steps within "
+                         f"{start_step + 1}:{config.steps} (recipes: --profile-steps {start_step + 1}:"
+                         f"{min(max(last, start_step + 1), config.steps)})")
+    warmup = warmup_note(config.optimizer, schedule_steps)
+    if warmup is not None:
+        notes.append(warmup)
     for note in notes if primary else ():
         print(f"nnx_zoo: {note}", file=sys.stderr)
 
@@ -536,6 +575,14 @@ def _run_definition(
 
     return reconcile(stored, current, resume_step=resume_step, steps=config.steps, extend=config.extend,
                      override_settings=config.override_settings, lr_at=lr_at)
+
+
+def _trained_part(make_model: Callable[[], nnx.Module]) -> str:
+    """What ``make_model``'s model trains (``trainable_filter``), as a checkpoint records it; from an abstract model
+    (nothing allocated)."""
+    model = nnx.eval_shape(make_model)
+    wrt = trainable_filter(model)
+    return _trained(wrt) if trains_part(model, wrt) else "all parameters"
 
 
 def _trained(wrt: Any) -> str:

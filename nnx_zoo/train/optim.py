@@ -89,6 +89,22 @@ def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.S
     )
 
 
+def warmup_note(config: OptimizerConfig, total_steps: int) -> str | None:
+    """A warning line when the warm-up is not shorter than the run (``learning_rate_schedule`` then cuts it to
+    ``total_steps - 1`` steps, so the peak comes only at the last step); None otherwise.
+
+    >>> warmup_note(OptimizerConfig(warmup_steps=10), 3)
+    'warning: --warmup-steps 10 is not shorter than the 3 steps ...'
+    """
+    if config.warmup_steps < total_steps or total_steps < 2:
+        return None
+    return (f"warning: --warmup-steps {config.warmup_steps} (warmup_steps) is not shorter than the {total_steps} "
+            f"steps the learning-rate schedule is planned for: the warm-up is cut to {total_steps - 1} steps, so "
+            f"the peak learning rate {config.lr:g} is reached only at the last step and its {config.schedule} "
+            f"schedule after the peak never runs; use --warmup-steps below {total_steps} (e.g. "
+            f"--warmup-steps {max(1, total_steps // 10)})")
+
+
 def decay_mask(model: nnx.Module, wrt: nnx.filterlib.Filter = nnx.Param) -> nnx.State:
     """True for parameters (those ``wrt`` selects) that get weight decay: all but norm scales and biases (by their
     logical names).

@@ -91,6 +91,8 @@ def run_definition(
 
 def _differences(stored: Any, current: Any) -> list[str]:
     old, new = _flatten("", stored, {}), _flatten("", current, {})
+    # A key one side lacks reads as None: a setting added since a checkpoint was written, left at its default None
+    # (say DataConfig.eos_token), is no difference.
     return [f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
@@ -132,12 +134,25 @@ def reconcile(
     schedule_steps = planned
     if steps == int(stored.get("steps", planned)):  # the length this run already had (extended or not)
         pass
+    elif steps <= resume_step:  # nothing left to train, whatever the flags: say how to train further
+        problems.append(
+            f"--steps {steps} is not more than the {resume_step} steps this run has done already, so there is "
+            f"nothing left to train. To train further on the same schedule, rerun with more steps and --extend "
+            f"(e.g. --steps {resume_step + planned} --extend; extend=True); for a new run, use another --run-dir."
+        )
     elif not override_settings:
         if extend and steps > planned:
             notes.append(f"extending the run from {planned} to {steps} steps (--extend): the learning-rate schedule "
                          f"planned for {planned} steps is kept; steps after {planned} use its final value")
         elif extend:
-            problems.append(f"--extend needs more steps than the run was planned for ({planned}); got --steps {steps}")
+            problems.append(f"--extend needs more steps than the run was planned for ({planned}); got --steps {steps}"
+                            f". To finish the run as planned, rerun with --steps {planned} and without --extend.")
+        elif steps < planned:
+            problems.append(
+                f"this run's learning-rate schedule was planned for {planned} steps; --steps {steps} would end it "
+                f"early and re-plan its schedule mid-run. To finish it as planned, rerun with --steps {planned}; to "
+                f"end it at step {steps} on a re-planned schedule, add --override-settings; or use a new --run-dir."
+            )
         else:
             jump = ""
             if lr_at is not None:

@@ -51,7 +51,12 @@ class JsonTokenizer:
         ids = [self._tok.token_to_id(t) for t in candidates if t]
         found = [i for i in ids if i is not None]
         if not found:
-            raise ValueError(f"{path}: no end-of-sequence token among {candidates}; name it with eos_token=")
+            special = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special][:5]
+            example = special[0] if special else "TOKEN"
+            raise ValueError(
+                f"{path}: no end-of-sequence token among {candidates}; name the token that ends each document "
+                f"with --eos-token (recipes; DataConfig(eos_token=...) in code), e.g. --eos-token '{example}'"
+                + (f" (its special tokens include {special})" if special else ""))
         self.eos_id = found[0]
 
     def encode(self, text: str) -> list[int]:
@@ -61,10 +66,14 @@ class JsonTokenizer:
         return self._tok.decode(ids)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """``"bytes"`` for the built-in byte tokenizer, else a path to a ``tokenizer.json``."""
+def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
+    """``"bytes"`` for the built-in byte tokenizer, else a path to a ``tokenizer.json`` (``eos_token``: the token
+    that ends each document; default: a usual name the file has)."""
     if spec == "bytes":
+        if eos_token is not None:
+            raise ValueError(f"eos_token {eos_token!r} is for a tokenizer.json file; the built-in byte tokenizer "
+                             "has its own <eos> (256): leave --eos-token out")
         return ByteTokenizer()
     if not Path(spec).is_file():
         raise ValueError(f"tokenizer {spec!r} is neither 'bytes' nor an existing tokenizer.json file")
-    return JsonTokenizer(spec)
+    return JsonTokenizer(spec, eos_token=eos_token)

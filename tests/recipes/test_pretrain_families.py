@@ -125,6 +125,15 @@ def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     if preset.startswith("glm5"):
         assert all(r["indexer_loss"] > 0 and r["expert_max_over_mean"] >= 1.0 for r in rows), rows
         assert "indexer sparse stage: each query attends to its top 4 keys" in err
+        # Another indexer stage in this run directory: the first message says to export and start a new run (no
+        # flag resumes it: the optimizer state covers other parameters), before any settings difference.
+        stage = args.index("--indexer-stage") + 1
+        other = [*args[:stage], "dense_warmup", *args[stage + 1:]]
+        assert recipe.main(["--model", preset, *TINY, *other, *SHORT, "--steps", "2", "--moe-impl", "dense",
+                            "--run-dir", str(run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert f"`python recipes/export_hf.py {run_dir} exports/run`, then rerun this command with " \
+               f"--from-pretrained exports/run in place of its --model" in err and "--override-settings" not in err
 
 
 def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):

@@ -132,7 +132,9 @@ def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_
     assert len(err) < 1500 and "Traceback" not in err
 
     code, out, _ = main(capsys, "--steps", "2", *run_dir)  # a finished run says how to train further
-    assert code == 0 and "already finished" in out and "--extend" in out
+    assert code == 0 and "already finished" in out and "--steps 4 --extend" in out
+    code, _, err = main(capsys, "--steps", "1", *run_dir)  # fewer steps than done: the same advice, which the
+    assert code == 2 and "nothing left to train" in err and "--steps 4 --extend" in err  # next call follows
 
     # --extend keeps the schedule: the added steps run at its final learning rate (the floor, lr * min_lr_ratio).
     # How the model computes (here the MoE path) may change on resume.

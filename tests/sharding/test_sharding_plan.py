@@ -587,3 +587,33 @@ def test_deepseek4_plan_follows_the_models_rules():
                 entries = seq // config.compress_rate(layer_type) if config.compress_rate(layer_type) else 0
                 fits = seq * (seq + entries) <= kernel.XLA_MAX_SCORES
                 assert v4.impl(layer_type, seq) == ("xla" if fits else "blockwise"), (name, seq, layer_type)
+
+
+@pytest.mark.parametrize(("preset", "mesh_shape"), [
+    ("gemma3-tiny", {"fsdp": 2, "tensor": 2}),  # window rings beside full layers, kv heads split
+    ("gemma4-tiny", {"fsdp": 4}),  # shared K/V stored once (num_kv_shared_layers below), global layers' own width
+    ("llama4-tiny", {"fsdp": 1}),  # chunk rings, NoPE layers in full
+    ("gpt-oss-tiny", {"fsdp": 1}),
+    ("qwen3-tiny", {"fsdp": 2}),  # one kind: every layer full
+])
+def test_the_plans_decoding_cache_is_the_models(preset, mesh_shape):
+    """The plan's decoding-cache line counts exactly the per-device bytes of the keys and values that
+    ``init_cache`` lays out (rings for windowed and chunked layers, nothing for shared K/V), at a context past
+    every ring; a family whose cache it does not model (MLA, linear attention) gets no line."""
+    config = AutoConfig.preset(preset, **({"num_kv_shared_layers": 2} if preset == "gemma4-tiny" else {}))
+    spans = [v for k in config.layer_kinds() for v in (config.attention_options(k).get("window"),
+                                                        config.attention_options(k).get("chunk")) if v] \
+        if hasattr(config, "attention_options") else []
+    seq = 2 * max(spans, default=16)
+    mesh = make_mesh(mesh_shape, shard_mode="explicit", devices=jax.devices()[:math.prod(mesh_shape.values())])
+    make = lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0))  # noqa: E731
+    plan = memory_plan(make, config, mesh, "default", seq_len=seq, batch_per_device=2)
+    with jax.set_mesh(mesh), use_rules("default"):
+        cache = jax.eval_shape(lambda: make().init_cache(plan.global_batch, seq))
+    kv = jax.tree.leaves((cache.k, cache.v))
+    actual = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in kv)
+    assert plan.cache_bytes == actual, (plan.cache_bytes, actual)
+    assert (min(a.shape[2] for a in kv) < seq) == bool(spans)  # the rings are smaller than the context
+    assert "decoding cache" in plan.table()
+    mla = AutoConfig.preset("deepseek3-tiny")
+    assert memory_plan(lambda: DeepSeekV3(mla, rngs=nnx.Rngs(0)), mla, mesh, "default", seq_len=seq).cache_bytes is None

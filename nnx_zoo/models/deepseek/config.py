@@ -22,13 +22,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 
-from nnx_zoo.layers.attention import ATTENTION_IMPLS
-from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
 from nnx_zoo.layers.rope import YarnScaling
-from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
-MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 # DeepSeek-V3.2's indexer training (the V3.2 report, section 2.1): 'off' (no indexer loss), 'dense_warmup' (dense
 # attention; the indexer learns the attention distribution, the rest of the model frozen), 'sparse' (top-k
 # attention; the indexer learns on its selected keys from detached inputs, the model from the LM loss alone).
@@ -179,9 +175,7 @@ class DeepSeekV3Config(FamilyConfig):
                 scaling = YarnScaling.from_dict(rope, max_position_embeddings=self.max_position_embeddings)
                 object.__setattr__(self, "rope_scaling", scaling)
         self._canonical_dtypes()
-        problems = self._problems()
-        if problems:
-            raise ValueError("invalid DeepSeekV3Config:\n  - " + "\n  - ".join(problems))
+        self._raise_problems()
 
     def _problems(self) -> list[str]:
         p: list[str] = []
@@ -210,10 +204,6 @@ class DeepSeekV3Config(FamilyConfig):
                 p.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             p.append(f"rope_scaling must be None, a YarnScaling or an HF rope dict, got {self.rope_scaling!r}")
-        if self.moe_impl not in MOE_IMPLS:
-            p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-        if self.grouped_matmul_impl not in GROUPED_MATMUL_IMPLS:
-            p.append(f"grouped_matmul_impl must be one of {GROUPED_MATMUL_IMPLS}, got {self.grouped_matmul_impl!r}")
         if self.moe_capacity_factor is not None:
             if not isinstance(self.moe_capacity_factor, (int, float)) or not self.moe_capacity_factor > 0:
                 p.append(f"moe_capacity_factor must be a positive number or None (dropless), got "
@@ -225,10 +215,6 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"batch_split_factor must be a positive integer (1 = off), got {self.batch_split_factor!r}")
         if not isinstance(self.seq_aux_loss_alpha, (int, float)) or self.seq_aux_loss_alpha < 0:
             p.append(f"seq_aux_loss_alpha must be a number >= 0 (0 = off), got {self.seq_aux_loss_alpha!r}")
-        if self.remat_policy not in REMAT_POLICIES:
-            p.append(f"remat_policy must be one of {tuple(REMAT_POLICIES)}, got {self.remat_policy!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            p.append(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         return p + self._indexer_problems()
 
     def _indexer_problems(self) -> list[str]:

@@ -22,16 +22,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS
 from nnx_zoo.layers.rope import YarnScaling
-from nnx_zoo.layers.scan import REMAT_POLICIES
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, TOPK_MOE = "hash_moe", "moe"
 MLP_LAYER_TYPES = (HASH_MOE, TOPK_MOE)
-MOE_IMPLS = ("auto", "dense", "gmm", "ep")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise")  # V4's attention kernel (nnx_zoo.models.deepseek4.kernel)
 INDEXER_TRAINING = ("off", "dense_warmup", "sparse")
 
@@ -68,6 +65,7 @@ class DeepSeekV4Config(FamilyConfig):
     """
 
     INDEXER_STAGES: ClassVar[tuple[str, ...]] = INDEXER_TRAINING
+    KERNEL_OPTIONS: ClassVar[Mapping[str, tuple[str, ...]]] = {"attention_impl": ATTENTION_IMPLS}
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
         "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
         "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "o_groups", "o_lora_rank")
@@ -134,9 +132,7 @@ class DeepSeekV4Config(FamilyConfig):
                 # the start of its schedule.
                 object.__setattr__(self, name, tuple(types)[: self.num_hidden_layers])
         self._canonical_dtypes()
-        problems = self._problems()
-        if problems:
-            raise ValueError("invalid DeepSeekV4Config:\n  - " + "\n  - ".join(problems))
+        self._raise_problems()
 
     def _problems(self) -> list[str]:
         p: list[str] = []
@@ -184,11 +180,8 @@ class DeepSeekV4Config(FamilyConfig):
                 p.append(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             p.append(f"rope_scaling must be None, a YarnScaling or an HF yarn dict, got {self.rope_scaling!r}")
-        for name, allowed in (("moe_impl", MOE_IMPLS), ("grouped_matmul_impl", GROUPED_MATMUL_IMPLS),
-                              ("remat_policy", tuple(REMAT_POLICIES)), ("attention_impl", ATTENTION_IMPLS),
-                              ("indexer_training", INDEXER_TRAINING)):
-            if getattr(self, name) not in allowed:
-                p.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.indexer_training not in INDEXER_TRAINING:
+            p.append(f"indexer_training must be one of {INDEXER_TRAINING}, got {self.indexer_training!r}")
         if self.moe_capacity_factor is not None and self.moe_impl != "ep":
             p.append(f"moe_capacity_factor is only used by moe_impl='ep' (got moe_impl={self.moe_impl!r})")
         if not _is_number(self.seq_aux_loss_alpha) or self.seq_aux_loss_alpha < 0:

@@ -34,7 +34,6 @@ from nnx_zoo.models.gemma3.config import (
     pattern_layer_types,
     text_config_of,
 )
-from nnx_zoo.models.moe_decoder_config import MOE_IMPLS
 
 KV_MODES = ("own", "store", "shared")
 GLOBAL_ROPE_TYPES = ("proportional", "default")
@@ -204,8 +203,6 @@ class Gemma4Config(DecoderConfig, model_type="gemma4_text", architecture="Gemma4
             p.append(f"final_logit_softcapping must be a positive number or None, got {self.final_logit_softcapping!r}")
         if self.hidden_activation not in ACTIVATIONS:
             p.append(f"hidden_activation {self.hidden_activation!r} is not supported; use one of {sorted(ACTIVATIONS)}")
-        if self.moe_impl not in MOE_IMPLS:
-            p.append(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         return p
 
     def _sharing_problems(self, kinds: tuple[str, ...]) -> list[str]:
