@@ -16,7 +16,11 @@ convolution and delta rule), Qwen3-Next and Qwen3.5-MoE on every mesh and MoE ru
 EP 2, Explicit, ``ep-as-cp`` (the sequence split: each shard's convolution reads the previous shard's last inputs
 and its delta rule starts from the state the shards before hand over), Qwen3.5 on FSDP 4 x TP 2, Auto, and
 Qwen3.5-MoE on FSDP 4 x TP 2, Explicit. Their cases also compare the Adam moments after the two steps (``mu``, ``nu``:
-every element of both steps' gradients) with one device's (``MOMENTS_CHECKED``).
+every element of both steps' gradients) with one device's (``MOMENTS_CHECKED``). Kimi Linear (a KDA layer with a
+decay per key channel and the dense MLP, then an MLA layer without rope and the sigmoid + selection-bias MoE, with
+bias balancing on) does the same on every mesh and MoE rule set, in CI on FSDP 4 x EP 2, Explicit, ``ep-as-cp``
+(KDA's state handed across the sequence split, MLA over the split sequence) and FSDP 4 x TP 2, Auto (both layers'
+heads split).
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs the subset in ``CASES`` below (each family's

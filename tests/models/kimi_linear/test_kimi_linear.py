@@ -5,11 +5,14 @@ a batch whose row 0 is left-padded by 3:
 - logits and every hidden state within 1e-5 relative, the experts chosen equal, an unpadded batch too;
 - HF I/O both ways through AutoModelForCausalLM: transformers' save_pretrained loads, transformers reloads our save
   with the same logits and layer schedule;
-- cached greedy decoding (MLA's latent cache for full layers, conv tail and delta-rule state for KDA ones) equals
-  the uncached continuation and transformers' generate;
+- cached greedy decoding (MLA's latent cache for full layers, conv tail and delta-rule state for KDA ones, the
+  prompt's delta rule in chunks of 4) equals the uncached continuation and transformers' generate;
 - turning each distinctive part off moves the logits;
 - the presets' parameter counts equal transformers' on the meta device; a hub-form config.json (its
-  ``linear_attn_config`` and attribute-map names) reads as transformers reads it.
+  ``linear_attn_config`` and attribute-map names) reads as transformers reads it;
+- KDA keeps its input sharding under Explicit meshes (heads split, or the sequence).
+
+Sharded training, the recipe and LoRA: tests/models/test_dense_sharding.py, tests/recipes/.
 """
 
 from __future__ import annotations
