@@ -102,8 +102,10 @@ FAMILIES = {
     # the whole 1B model: 26 layers, 5 sliding (512 tokens) : 1 global, 262k vocabulary (~18 GiB planned)
     "gemma3": Family(FamilyRun("gemma3-1b", {}, 4, 2048), FamilyRun("gemma3-tiny", {}, 2, 64), moe=False),
     # Qwen3.5-35B-A3B's first 4 layers (3 gated-DeltaNet, 1 gated full attention) with 128 of its 256 experts
-    # (all 256 plan at ~71 GiB before transformers' own activations), top-8 and a shared expert
-    "qwen3_5": Family(FamilyRun("qwen3.5-35b-a3b", {"num_hidden_layers": 4, "num_experts": 128}, 4, 2048),
+    # (all 256 plan at ~71 GiB before transformers' own activations), top-8 and a shared expert; its MTP layer off
+    # (transformers has none: the same work on both sides)
+    "qwen3_5": Family(FamilyRun("qwen3.5-35b-a3b", {"num_hidden_layers": 4, "num_experts": 128,
+                                                    "mtp_num_hidden_layers": 0}, 4, 2048),
                       FamilyRun("qwen3.5-moe-tiny", {}, 2, 64), moe=True),
     # Kimi-Linear-48B-A3B's first 4 layers (3 KDA, the first dense; 1 MLA without rope) with 64 of its 256 experts
     # (2.3B parameters, ~41 GiB planned), top-8 by sigmoid + selection bias and a shared expert

@@ -12,7 +12,7 @@ Examples (the mesh ones need 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_pla
 
 Every field of the chosen family's config class can be set with ``--model.<field> VALUE`` (``none`` for None);
 ``--model NAME --help`` lists that family's fields. Training extras a model has are used because it has them:
-multi-token-prediction heads (``num_nextn_predict_layers > 0``), aux-loss-free expert balancing (MoE layers and
+multi-token-prediction heads (the config's ``mtp_depth > 0``), aux-loss-free expert balancing (MoE layers and
 ``--routing-bias-rate > 0``), a sequence-wise balance loss (``seq_aux_loss_alpha > 0``), a sparse-attention
 indexer's own loss (DeepSeek-V3.2: ``--indexer-stage dense_warmup`` trains the indexer alone on dense attention,
 the rest frozen; ``--indexer-stage sparse`` trains it beside the model, on its own loss only). A warm-up goes on to
@@ -176,7 +176,18 @@ def _model_arguments(g: argparse._ArgumentGroup, config_cls: type, presets: Iter
         g.add_argument("--moe-impl", choices=("auto", "dense", "gmm", "ep"),
                        help="MoE compute path (shortcut for --model.moe_impl)")
     if "remat_policy" in fields:
-        g.add_argument("--remat", help="remat policy (shortcut for --model.remat_policy)")
+        from nnx_zoo.layers.scan import REMAT_POLICIES
+        from nnx_zoo.train.remat_choice import MARGIN
+
+        g.add_argument("--remat", choices=("auto", *REMAT_POLICIES),
+                       help="what the backward pass recomputes (shortcut for --model.remat_policy). auto (the "
+                       "default unless --model.remat_policy is given): the memory plan's least recomputation that "
+                       "fits the device's memory (--device-memory) less --memory-margin, printed at start")
+        g.add_argument("--device-memory", type=float, metavar="GIB",
+                       help="--remat auto (and --plan): memory per device in GiB (default: what the runtime reports, "
+                       "on the CPU the host's memory over its devices)")
+        g.add_argument("--memory-margin", type=float, default=MARGIN,
+                       help="--remat auto: the fraction of --device-memory left free (default: %(default)s)")
     if "indexer_training" in fields:
         g.add_argument("--indexer-stage", choices=getattr(config_cls, "INDEXER_STAGES", None),
                        help="how the sparse-attention indexer trains (shortcut for --model.indexer_training): "
@@ -482,7 +493,7 @@ def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["attention_impl"] = args.attention_impl
     if getattr(args, "moe_impl", None):
         overrides["moe_impl"] = args.moe_impl
-    if getattr(args, "remat", None):
+    if getattr(args, "remat", None) and args.remat != "auto":
         overrides["remat_policy"] = args.remat
     if getattr(args, "indexer_stage", None):
         overrides["indexer_training"] = args.indexer_stage
@@ -519,14 +530,15 @@ def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> E
     default (a flag not given) where the model has it; a weight or rate above 0 given for a model without it is an
     error, not a setting silently dropped. The sequence-wise balance loss needs nothing here: a model whose config
     asks for it returns it."""
-    has_mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
+    has_mtp = getattr(config, "mtp_depth", 0) > 0  # FamilyConfig.mtp_depth: any family's MTP depths
     moe = getattr(config, "num_moe_layers", 0) > 0
     can_balance = (moe and hasattr(model_cls, "update_routing_bias")
                    and getattr(config, "has_routing_bias", True))  # a softmax top-k router has no bias to move
     name = type(config).__name__
     if not has_mtp and (args.mtp_weight or 0) > 0:
         raise ValueError(f"--mtp-weight {args.mtp_weight:g}: this {name} has no multi-token-prediction heads "
-                         "(num_nextn_predict_layers 0); leave the flag out")
+                         "(mtp_depth 0); leave the flag out, or build it with them (--model.num_nextn_predict_layers, "
+                         "--model.mtp_num_hidden_layers: whichever its config has)")
     if not can_balance and (args.routing_bias_rate or 0) > 0:
         why = ("has no MoE layers" if not moe else "routes without a selection bias (aux-loss-free balancing "
                "moves one); balance it with its own loss if its config has one (--model.output_router_logits, "
@@ -569,34 +581,66 @@ def what_trains(config: Any, model_cls: type, extras: Extras, pretrained: bool) 
 
 def plan(args: argparse.Namespace, config: Any) -> int:
     """``--plan``: the sharding report of ``config``'s model on the given mesh, from abstract arrays."""
-    from flax import nnx
-
-    from nnx_zoo import AutoModelForCausalLM
     from nnx_zoo.layers.kernel_choices import describe as describe_kernels
     from nnx_zoo.layers.kernel_choices import kernel_choices
     from nnx_zoo.sharding import make_abstract_mesh
-    from nnx_zoo.sharding.plan import memory_plan
-    from nnx_zoo.train.loss import default_chunk_tokens
+    from nnx_zoo.train.remat_choice import choose_remat
 
     if any(v == -1 for v in args.mesh.values()):
         raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
-    model_cls = AutoModelForCausalLM.model_class(config)
     seq_len = args.plan_seq_len or args.seq_len
     kernels = kernel_choices(config, seq_len=seq_len, segments=args.data != "synthetic", platform=args.plan_platform)
-    # The trainer's chunked loss: the default chunk, except on an Auto mesh that splits the tokens (one chunk).
-    chunk = args.loss_chunk_tokens
-    if chunk is None:
-        chunk = None if args.shard_mode == "auto" and math.prod(args.mesh.values()) > 1 else default_chunk_tokens(
-            config.vocab_size)
-    result = memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, make_abstract_mesh(dict(args.mesh)),
-                         args.rules, seq_len=seq_len, batch_per_device=args.plan_batch, global_batch=args.batch,
-                         kernels=kernels, loss_chunk_tokens=chunk or None)
+    result = memory_plan_of(args, config, make_abstract_mesh(dict(args.mesh)), seq_len, kernels, args.plan_batch)
     print(f"kernels on {args.plan_platform}: {describe_kernels(config, kernels)}")
     print(result.report.table() + "\n\n" + result.table())
+    if args.device_memory:
+        print("\n" + choose_remat(result, int(args.device_memory * 2**30), "--device-memory",
+                                  args.memory_margin).describe())
     if result.report.fallbacks:
         print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(result.report.fallbacks)} "
               "dimension(s) above do not divide over their rule's mesh axes (strict placement refuses them).")
     return 0
+
+
+def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: int, kernels: dict[str, str],
+                   batch_per_device: int | None = None) -> Any:
+    """The memory plan of training ``config`` as the command line describes it on ``mesh`` (abstract or real)."""
+    from flax import nnx
+
+    from nnx_zoo import AutoModelForCausalLM
+    from nnx_zoo.sharding.plan import memory_plan
+    from nnx_zoo.train.loss import default_chunk_tokens
+
+    model_cls = AutoModelForCausalLM.model_class(config)
+    # The trainer's chunked loss: the default chunk, except on an Auto mesh that splits the tokens (one chunk).
+    chunk = args.loss_chunk_tokens
+    if chunk is None:
+        chunk = None if args.shard_mode == "auto" and math.prod(mesh.axis_sizes) > 1 else default_chunk_tokens(
+            config.vocab_size)
+    return memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
+                       batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
+                       loss_chunk_tokens=chunk or None, allow_partial=args.allow_partial)
+
+
+def remat_is_auto(args: argparse.Namespace) -> bool:
+    """``--remat auto``, given or by default (a family with a remat policy, none forced by --model.remat_policy)."""
+    if not hasattr(args, "model__remat_policy"):
+        return False
+    return args.remat == "auto" or (args.remat is None and args.model__remat_policy is None)
+
+
+def auto_remat(args: argparse.Namespace, source: ModelSource, config: Any) -> tuple[Any, str]:
+    """``(config with the policy auto chose, the line saying why)`` for this run's mesh, batch and devices."""
+    from nnx_zoo.layers.kernel_choices import kernel_choices
+    from nnx_zoo.sharding import make_mesh
+    from nnx_zoo.train.remat_choice import choose_remat, device_memory
+
+    mesh = make_mesh(dict(args.mesh), shard_mode=args.shard_mode)
+    kernels = kernel_choices(config, seq_len=args.seq_len, segments=args.data != "synthetic")
+    budget, where = (int(args.device_memory * 2**30), "--device-memory") if args.device_memory else device_memory()
+    choice = choose_remat(memory_plan_of(args, config, mesh, args.seq_len, kernels), budget, where,
+                          args.memory_margin)
+    return source.config({**model_overrides(args), "remat_policy": choice.policy}), choice.describe()
 
 
 def train_config(args: argparse.Namespace, source: ModelSource, config: Any, extras: Extras) -> Any:
@@ -690,6 +734,9 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     config = model_config(args, source)
     if args.plan:
         return plan(args, config)
+    remat_line = None
+    if remat_is_auto(args):
+        config, remat_line = auto_remat(args, source, config)
     model_cls = AutoModelForCausalLM.model_class(config)
     extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),
                                       pretrained=source.pretrained is not None)
@@ -697,7 +744,7 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     params = config.num_parameters()
     print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "
           f"({params.active / 1e6:.1f}M active), run dir {settings.run_dir}", file=sys.stderr)
-    for line in stage_lines:
+    for line in [*stage_lines, *([remat_line] if remat_line else [])]:
         print(f"nnx_zoo: {line}", file=sys.stderr)
     kernels = describe_kernels(config, kernel_choices(config, seq_len=args.seq_len, segments=args.data != "synthetic"))
     print(f"nnx_zoo: kernels: {kernels}", file=sys.stderr)

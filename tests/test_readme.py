@@ -6,6 +6,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -20,11 +22,21 @@ def test_ci_runs_the_readme_test_command():
     assert out[0].endswith("python -m pytest -q -n 2")
 
 
-def test_readme_python_examples_run():
-    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    assert blocks, "the README should show code"
+# The README and every page of docs/: each Python block runs as written, in a fresh namespace (a reader pastes one
+# block at a time), with a preset in place of a checkpoint path and a temporary directory for what it writes.
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def _python_blocks(doc: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_python_examples_run(doc):
+    blocks = _python_blocks(doc)
+    assert blocks or doc != "README.md", "the README should show code"
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, doc, "exec"), {})
 
 
 def _recipe():
@@ -94,9 +106,10 @@ def test_readme_recipe_commands_get_their_own_run_dirs_and_devices():
     assert "runs/deepseek3-tiny" not in run_dirs and len(set(run_dirs)) == len(run_dirs), run_dirs
 
 
-def test_readme_python_blocks_with_meshes_make_their_devices():
+@pytest.mark.parametrize("doc", DOCS)
+def test_python_blocks_with_meshes_make_their_devices(doc):
     # Pasted into a fresh interpreter, a block with a mesh makes its fake CPU devices itself, before jax is imported.
-    for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
+    for block in _python_blocks(doc):
         if "make_mesh(" in block:
             setup = re.search(r'^os\.environ\["XLA_FLAGS"\] = .*--xla_force_host_platform_device_count=\d+', block,
                               flags=re.M)

@@ -71,6 +71,11 @@ class FamilyConfig:
     # config.json keys with no sensible default: the architecture's shape. A file without one is refused, naming
     # it (a silent default such as hidden_size=4096 would only show up later as a list of wrong tensor shapes).
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # What transformers' config class takes for a key that config.json leaves out, where it differs from this
+    # class's field default (a flagship's value): HF model_type -> {key: value}. A file's silence means what
+    # transformers makes of it, not our flagship's setting (tests/models/test_config_defaults.py checks every
+    # model_type against transformers' classes). A multimodal file's text_config takes its text model type's.
+    HF_CLASS_DEFAULTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     # Kernel settings whose choices a family narrows (field -> names), e.g. an attention with no cuDNN kernel; the
     # rest take every name of nnx_zoo.layers.kernel_choices.KERNEL_SETTINGS.
     KERNEL_OPTIONS: ClassVar[Mapping[str, tuple[str, ...]]] = {}
@@ -94,6 +99,12 @@ class FamilyConfig:
             hints.append(f"{name!r}" + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""))
         raise TypeError(f"unknown {cls.__name__} fields: {', '.join(hints)}; fix the name (its fields are "
                         f"{', '.join(fields)})")
+
+    @property
+    def mtp_depth(self) -> int:
+        """How many multi-token-prediction depths ``forward(..., with_mtp=True)`` returns (``mtp_logits``' leading
+        dim); 0: the model has no MTP. Trainers and recipes ask this, not a family's own field."""
+        return 0
 
     def with_overrides(self, **overrides: Any) -> Self:
         """A copy with some fields changed (validated again)."""
@@ -124,16 +135,32 @@ class FamilyConfig:
         """
         cls.check_field_names(overrides)  # the caller's mistake, not the file's
         if isinstance(dir_or_dict, Mapping):
-            return cls._from_hf_dict(cls._with_required(dict(dir_or_dict), overrides), overrides)
+            d = cls._with_hf_defaults(dict(dir_or_dict))
+            return cls._from_hf_dict(cls._with_required(d, overrides), overrides)
         path = config_json_path(dir_or_dict)
         source = str(path) + (f" (with overrides {overrides})" if overrides else "")
         try:
-            return cls._from_hf_dict(cls._with_required(read_json_object(path, "model config"), overrides),
-                                     overrides)
+            d = cls._with_hf_defaults(read_json_object(path, "model config"))
+            return cls._from_hf_dict(cls._with_required(d, overrides), overrides)
         except CheckpointFormatError:
             raise
         except ValueError as err:
             raise CheckpointFormatError(f"{source}: {err}") from err
+
+    @classmethod
+    def _with_hf_defaults(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """``d`` with transformers' value for each ``HF_CLASS_DEFAULTS`` key it leaves out (in its ``text_config``
+        too, by that dict's ``model_type``, or the one text type named in ``HF_CLASS_DEFAULTS``). A ``rope_theta``
+        inside the rope dict still wins over the top-level one filled in here, as in transformers."""
+        defaults = cls.HF_CLASS_DEFAULTS.get(d.get("model_type"), {})
+        filled = {**{k: v for k, v in defaults.items() if k not in d}, **d}
+        text = d.get("text_config")
+        if isinstance(text, Mapping):
+            others = [t for t in cls.HF_CLASS_DEFAULTS if t != d.get("model_type")]
+            text_type = text.get("model_type", others[0] if len(others) == 1 else None)
+            text_defaults = cls.HF_CLASS_DEFAULTS.get(text_type, {})
+            filled["text_config"] = {**{k: v for k, v in text_defaults.items() if k not in text}, **text}
+        return filled
 
     @classmethod
     def _with_required(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

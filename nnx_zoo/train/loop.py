@@ -597,17 +597,8 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
-                 **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
-    """``train_step`` on ``state`` (updated in place), compiled once, with the updated state pinned to the
-    shardings it came in with. It is traced under ``use_rules(rules, allow_partial=allow_partial)``: a model
-    entering its own rules keeps that setting, so with ``allow_partial`` its activations fall back (Explicit
-    meshes) the way ``_create_state`` placed its weights.
-
-    Under Auto meshes XLA otherwise picks new layouts for part of the updated state (e.g. norm scales came back
-    split like the activations they scale): the next step then sees different input shardings and compiles again,
-    and the state drifts away from the rule set's layout. Under Explicit meshes the pin changes nothing.
-    """
+def _jitted_step(state: TrainState, rules: Any, allow_partial: bool, **step_kwargs: Any) -> Any:
+    """The jitted ``(state values, batch) -> (updated values, metrics)`` that ``_pinned_step`` runs."""
     graphdef, _ = nnx.split(state)
     shardings = jax.tree.map(lambda x: x.sharding, nnx.state(state))
 
@@ -619,7 +610,49 @@ def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
         # A finite loss can come with an overflowing update, so the whole updated state is checked.
         return updated, {**metrics, "finite": _all_finite((metrics["loss"], metrics["grad_norm"], updated))}
 
-    compiled = jax.jit(step, out_shardings=(shardings, None))
+    return jax.jit(step, out_shardings=(shardings, None))
+
+
+def step_peak_bytes(make_model: Callable[[], nnx.Module], config: TrainConfig, vocab_size: int) -> int:
+    """Per-device peak bytes of the trainer's compiled step for ``config``, from XLA's buffer assignment:
+    arguments (the state and a batch) + outputs (the updated state; the input state is not donated, so a non-finite
+    step can be dropped) - aliased + temporaries. It creates the state (allocating it) and compiles the step
+    without running it: tests check ``--remat auto``'s choice against it.
+
+    >>> step_peak_bytes(lambda: Llama(config, rngs=nnx.Rngs(0)), TrainConfig(mesh={"fsdp": 8}), config.vocab_size)
+    """
+    mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
+    rules = get_rules(config.rules)
+
+    def make_state() -> TrainState:
+        model = make_model()
+        return TrainState(model, make_optimizer(config.optimizer, model, config.steps, wrt=trainable_filter(model)))
+
+    state = _create_state(make_state, mesh, rules, config.allow_partial, primary=False)
+    sharding = NamedSharding(mesh, _batch_spec(config, rules, mesh))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+             for k, v in next(make_iterator(config.data, vocab_size)).items()}
+    step = _jitted_step(state, rules, config.allow_partial, accum_steps=config.accum_steps,
+                        mtp_weight=config.mtp_weight, model_kwargs=config.model_kwargs,
+                        routing_bias_rate=config.routing_bias_rate, loss_chunk_tokens=config.loss_chunk_tokens)
+    with jax.set_mesh(mesh):
+        memory = step.lower(nnx.state(state), batch).compile().memory_analysis()
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+               + memory.temp_size_in_bytes)
+
+
+def _pinned_step(state: TrainState, rules: Any, allow_partial: bool,
+                 **step_kwargs: Any) -> Callable[[TrainState, dict[str, jax.Array]], Any]:
+    """``train_step`` on ``state`` (updated in place), compiled once, with the updated state pinned to the
+    shardings it came in with. It is traced under ``use_rules(rules, allow_partial=allow_partial)``: a model
+    entering its own rules keeps that setting, so with ``allow_partial`` its activations fall back (Explicit
+    meshes) the way ``_create_state`` placed its weights.
+
+    Under Auto meshes XLA otherwise picks new layouts for part of the updated state (e.g. norm scales came back
+    split like the activations they scale): the next step then sees different input shardings and compiles again,
+    and the state drifts away from the rule set's layout. Under Explicit meshes the pin changes nothing.
+    """
+    compiled = _jitted_step(state, rules, allow_partial, **step_kwargs)
 
     def run(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         values, metrics = compiled(nnx.state(state), batch)

@@ -100,6 +100,11 @@ class DeepSeekV3Config(FamilyConfig):
     >>> cfg.with_overrides(num_hidden_layers=2).num_parameters().total
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "deepseek_v3": {"max_position_embeddings": 4096}, "kimi_k2": {"max_position_embeddings": 4096},
+    }
+
     # The transformers architectures this config reads and writes (see _HF_ARCHITECTURES); a family built on it
     # names its own.
     HF_ARCHITECTURES: ClassVar[dict[str, dict[str, Any]]] = _HF_ARCHITECTURES
@@ -176,6 +181,11 @@ class DeepSeekV3Config(FamilyConfig):
                 object.__setattr__(self, "rope_scaling", scaling)
         self._canonical_dtypes()
         self._raise_problems()
+
+    @property
+    def mtp_depth(self) -> int:
+        """``FamilyConfig.mtp_depth``: one depth per MTP head (``num_nextn_predict_layers``)."""
+        return self.num_nextn_predict_layers
 
     def _problems(self) -> list[str]:
         p: list[str] = []

@@ -64,6 +64,9 @@ class DeepSeekV4Config(FamilyConfig):
     ('sliding_attention', 'compressed_sparse_attention', 'heavily_compressed_attention', ...)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"deepseek_v4": {"head_dim": 512}}
+
     INDEXER_STAGES: ClassVar[tuple[str, ...]] = INDEXER_TRAINING
     KERNEL_OPTIONS: ClassVar[Mapping[str, tuple[str, ...]]] = {"attention_impl": ATTENTION_IMPLS}
     REQUIRED_HF_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -133,6 +136,11 @@ class DeepSeekV4Config(FamilyConfig):
                 object.__setattr__(self, name, tuple(types)[: self.num_hidden_layers])
         self._canonical_dtypes()
         self._raise_problems()
+
+    @property
+    def mtp_depth(self) -> int:
+        """``FamilyConfig.mtp_depth``: one depth per MTP head (``num_nextn_predict_layers``)."""
+        return self.num_nextn_predict_layers
 
     def _problems(self) -> list[str]:
         p: list[str] = []
@@ -326,10 +334,10 @@ class DeepSeekV4Config(FamilyConfig):
         kind = compress.get("rope_type", compress.get("type", "default"))
         kwargs["rope_scaling"] = None if kind == "default" else {**compress, "rope_type": kind}
         head_dim = d.get("head_dim") or cls.head_dim
-        if "qk_rope_head_dim" in d:
-            kwargs["qk_rope_head_dim"] = int(d["qk_rope_head_dim"])
-        elif factor is not None:
+        if factor is not None:  # transformers: the factor decides; a legacy qk_rope_head_dim only without one
             kwargs["qk_rope_head_dim"] = int(head_dim * factor)
+        elif "qk_rope_head_dim" in d:
+            kwargs["qk_rope_head_dim"] = int(d["qk_rope_head_dim"])
         else:
             kwargs["qk_rope_head_dim"] = int(head_dim * 64 / 512)  # transformers' default_partial_rotary_factor
         names = {f.name for f in dataclasses.fields(cls)}

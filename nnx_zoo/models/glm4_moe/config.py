@@ -52,6 +52,9 @@ class Glm4MoEConfig(MoEDecoderConfig, model_type="glm4_moe", architecture="Glm4M
     (64, 106.9, 13.4)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"glm4_moe": dict(eos_token_id=None, rope_theta=10000.0)}
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' Glm4MoeConfig default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its attention fails on "head_dim": null (absent: hidden / heads)
     PARTIAL_ROTARY: ClassVar[bool] = True

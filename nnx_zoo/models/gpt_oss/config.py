@@ -70,6 +70,11 @@ class GptOssConfig(MoEDecoderConfig, model_type="gpt_oss", architecture="GptOssF
     ['sliding', 'full', 'sliding']
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "gpt_oss": dict(eos_token_id=None, router_aux_loss_coef=0.001),
+    }
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' GptOssConfig default
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 64  # its default head_dim
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its strict config refuses "head_dim": null

@@ -75,6 +75,9 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
     (49.12, 3.48)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {"kimi_linear": dict(num_key_value_heads=32)}
+
     # head_dim is MLA's rope width in transformers' config (it sets it so); ours follows qk_rope_head_dim.
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = True
     # Fields transformers' config class does not have (left out of config.json).

@@ -7,7 +7,7 @@ in ``nnx_zoo.models.decoder_config``; this file holds what is Llama's own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from nnx_zoo.layers.rope import Llama3Scaling
 from nnx_zoo.models.decoder_config import DecoderConfig, cpu_presets
@@ -49,6 +49,12 @@ class Llama3Config(DecoderConfig, model_type="llama", architecture="LlamaForCaus
     >>> cfg.num_parameters().total
     8030261248
     """
+
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "llama": dict(bos_token_id=1, eos_token_id=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+            rope_theta=10000.0),
+    }
 
     @classmethod
     def _hf_problems(cls, d: dict[str, Any]) -> list[str]:

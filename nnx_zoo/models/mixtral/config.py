@@ -44,6 +44,11 @@ class MixtralConfig(MoEDecoderConfig, model_type="mixtral", architecture="Mixtra
     (46.7, 12.9)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "mixtral": dict(max_position_embeddings=131072, router_aux_loss_coef=0.001),
+    }
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 8  # transformers' MixtralConfig default
 
     num_local_experts: int = 8

@@ -46,6 +46,11 @@ class Qwen3Config(DecoderConfig, model_type="qwen3", architecture="Qwen3ForCausa
     (128, 8)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen3": dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=32768, rope_theta=10000.0),
+    }
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 32  # transformers' Qwen3Config default
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 128  # its default too; it refuses "head_dim": null
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False

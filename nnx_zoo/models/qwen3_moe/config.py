@@ -47,6 +47,11 @@ class Qwen3MoEConfig(MoEDecoderConfig, model_type="qwen3_moe", architecture="Qwe
     (128, 8, 3.3)
     """
 
+    # transformers' config class defaults where a config.json leaves the key out (FamilyConfig.HF_CLASS_DEFAULTS)
+    HF_CLASS_DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "qwen3_moe": dict(bos_token_id=None, eos_token_id=None, max_position_embeddings=32768, rope_theta=10000.0),
+    }
+
     HF_KV_HEADS_IF_ABSENT: ClassVar[int | None] = 4  # transformers' Qwen3MoeConfig default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False  # its attention fails on "head_dim": null (absent: hidden / heads)
 

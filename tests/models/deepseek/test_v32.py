@@ -10,6 +10,7 @@ padding and packed documents, gives the reference's context, indexer KL and grad
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import DeepseekV32ForCausalLM
 
 import nnx_zoo
@@ -377,3 +379,89 @@ def test_the_recipe_says_what_each_indexer_stage_trains():
     plain = DeepSeekV3Config.preset("deepseek3-tiny")
     assert recipe.what_trains(plain, DeepSeekV3, recipe.Extras(0.0, 0.01), pretrained=False) == (
         recipe.Extras(0.0, 0.01), [])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The indexer itself against transformers' DeepseekV32Indexer, and its KL against a hand-written one.
+
+def _hf_indexer_calls(hf, ids, mask, monkeypatch) -> tuple[list[dict], object]:
+    """Run transformers' model once (attention probabilities out); each layer's indexer call: its inputs and its
+    raw scores, the tensor whose top-k it takes (transformers returns only the indices)."""
+    calls, recording = [], []
+    topk = torch.Tensor.topk
+
+    def recording_topk(self, *args, **kwargs):
+        if recording:
+            calls[-1]["scores"] = self.detach().clone()
+        return topk(self, *args, **kwargs)
+
+    def before(module, args, kwargs):
+        calls.append(dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments))
+        recording.append(True)
+
+    def after(module, args, output):
+        recording.clear()
+
+    monkeypatch.setattr(torch.Tensor, "topk", recording_topk)
+    hooks = [h for layer in hf.model.layers for h in (
+        layer.self_attn.indexer.register_forward_pre_hook(before, with_kwargs=True),
+        layer.self_attn.indexer.register_forward_hook(after))]
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor(ids), attention_mask=None if mask is None else torch.tensor(mask),
+                     output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(calls) == len(hf.model.layers) and all("scores" in c for c in calls)
+    return calls, out
+
+
+def test_indexer_raw_scores_equal_transformers(built, monkeypatch):
+    """Every layer's indexer, given transformers' inputs (hidden states, query latent, YaRN cos/sin) and its
+    weights, scores every visible key as transformers does before its top-k (a left-padded row included)."""
+    path, hf, _, ids, mask = built("sparse-padded-yarn")
+    calls, _ = _hf_indexer_calls(hf, ids, mask, monkeypatch)
+    config = DeepSeekV3Config.from_hf(path)
+    assert not config.index_rope_interleave  # transformers' indexer ropes halves, whatever MLA does
+    for layer, call in zip(hf.model.layers, calls, strict=True):
+        theirs = layer.self_attn.indexer
+        ours = dsa.LightningIndexer(config, rngs=nnx.Rngs(0))
+        t = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+        ours.wq_b.kernel[...] = jnp.asarray(t["wq_b.weight"].T.reshape(config.q_lora_rank, config.index_n_heads,
+                                                                      config.index_head_dim))
+        ours.wk.kernel[...] = jnp.asarray(t["wk.weight"].T)
+        ours.k_norm.scale[...], ours.k_norm.bias[...] = jnp.asarray(t["k_norm.weight"]), jnp.asarray(t["k_norm.bias"])
+        ours.weights_proj.kernel[...] = jnp.asarray(t["weights_proj.weight"].T)
+        x, q_latent = (jnp.asarray(call[k].numpy()) for k in ("hidden_states", "q_resid"))
+        cos, sin = (jnp.asarray(a.numpy()[..., : config.qk_rope_head_dim // 2]) for a in call["position_embeddings"])
+        q, w = ours.queries(x, q_latent, cos, sin)
+        scores = np.asarray(dsa.index_scores(q, w, ours.keys(x, cos, sin)))
+        want = call["scores"].numpy()
+        visible = np.isfinite(want) & (want > -1e30)
+        assert visible.sum() > BATCH * SEQ and np.ptp(want[visible]) > 0.1  # scores that say something
+        np.testing.assert_allclose(scores[visible], want[visible], rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_kl_equals_a_hand_written_reference(built, monkeypatch):
+    """The dense warm-up's indexer loss on transformers' weights equals a numpy KL built from transformers' own
+    attention probabilities and indexer scores: per layer and query, KL(p || softmax(scores)) over the visible keys,
+    ``p`` the attention summed over heads and normalized; each sequence's mean over its queries, summed over the
+    layers, averaged over the sequences."""
+    path, hf, _, ids, mask = built("topk-covers-sequence")  # every key chosen: transformers' attention is dense
+    calls, out = _hf_indexer_calls(hf, ids, mask, monkeypatch)
+    visible = np.tril(np.ones((SEQ, SEQ), bool))
+    total = np.zeros(BATCH)
+    for call, attention in zip(calls, out.attentions, strict=True):
+        p = attention.numpy().astype(np.float64).sum(axis=1)  # [batch, query, key]
+        p = np.where(visible, p, 0.0)
+        p /= p.sum(-1, keepdims=True)
+        scores = np.where(visible, call["scores"].numpy().astype(np.float64), -np.inf)
+        log_q = scores - scores.max(-1, keepdims=True)
+        log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+        terms = np.where(visible & (p > 0), p * (np.log(np.where(p > 0, p, 1.0)) - log_q), 0.0)
+        total += terms.sum(-1).mean(-1)
+    want = total.mean()
+    model = AutoModelForCausalLM.from_pretrained(path, moe_impl="dense", indexer_training="dense_warmup")
+    got = float(model.forward(jnp.asarray(ids), with_logits=False).indexer_loss)
+    assert want > 1e-2 and abs(got - want) <= 1e-5 * want, (got, want)
