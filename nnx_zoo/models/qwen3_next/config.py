@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK, delta_rule_problems
 from nnx_zoo.models.decoder_config import LayerKind, ParameterCount, cpu_presets
 from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
@@ -75,11 +76,13 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 256  # its default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False
     PARTIAL_ROTARY: ClassVar[bool] = True
+    ATTENTION_OUTPUT_GATE: ClassVar[bool] = True  # full layers gate their output by a sigmoid (read by the plan)
     # Whether the linear layers' input projections are packed per query/key head (Qwen3-Next's in_proj_qkvz and
     # in_proj_ba) or separate (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
     PACKED_PROJECTIONS: ClassVar[bool] = True
     # Fields transformers' config class for this model_type does not have (left out of config.json).
     HF_OMITTED: ClassVar[frozenset[str]] = frozenset({"full_attention_interval"})
+    NNX_ONLY: ClassVar[frozenset[str]] = MoEDecoderConfig.NNX_ONLY | {"delta_rule_impl", "delta_rule_chunk_size"}
 
     num_experts: int = 512
     moe_intermediate_size: int = 512
@@ -95,6 +98,9 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction depth (HF mtp.layers.*); 0: no MTP
+    # ---- nnx_zoo only ----
+    delta_rule_impl: str = "auto"  # the linear layers' kernel: 'auto' | 'chunked' | 'recurrent' (gated_delta_rule)
+    delta_rule_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the chunked scan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
@@ -131,6 +137,13 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
+    def linear_attention_shapes(self) -> dict[str, Any]:
+        """A linear layer's sizes for the memory plan (``nnx_zoo.sharding.plan_linear.LinearShapes``)."""
+        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+        return dict(key_heads=self.linear_num_key_heads, value_heads=hv, key_dim=self.linear_key_head_dim,
+                    value_dim=dv, conv_channels=self.linear_conv_dim, chunk=self.delta_rule_chunk_size,
+                    projections=self.linear_conv_dim + hv * dv + 2 * hv)  # q, k, v; the output gate z; b, a
+
     def _problems(self) -> list[str]:
         p = super()._problems()
         if p:
@@ -161,7 +174,7 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
             p.append("attention_bias=True is not supported (the released checkpoints have no attention biases)")
         if self.num_experts and not self.shared_expert_intermediate_size:
             p.append("shared_expert_intermediate_size must be positive (every MoE layer has a gated shared expert)")
-        return p
+        return p + delta_rule_problems(self.delta_rule_chunk_size)
 
     # ---- Hugging Face config.json ----
     @classmethod

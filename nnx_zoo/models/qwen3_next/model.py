@@ -59,7 +59,8 @@ class _HybridLayer:
                 c.hidden_size, key_heads=c.linear_num_key_heads, value_heads=c.linear_num_value_heads,
                 key_dim=c.linear_key_head_dim, value_dim=c.linear_value_head_dim,
                 conv_kernel=c.linear_conv_kernel_dim, packed=c.PACKED_PROJECTIONS, norm_eps=c.rms_norm_eps,
-                kernel_init=init, rngs=rngs, **_dtypes(c))
+                chunk_size=c.delta_rule_chunk_size, delta_rule_impl=c.delta_rule_impl, kernel_init=init,
+                rngs=rngs, **_dtypes(c))
         else:
             self.attn = GatedAttention(
                 c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
