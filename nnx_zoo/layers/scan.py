@@ -63,7 +63,7 @@ def run_stack(
     """
     if remat_policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat_policy {remat_policy!r}; choose one of {sorted(REMAT_POLICIES)}")
-    graphdef, stored, cast, state = cast_once(stack)
+    graphdef, stored, cast, state = cast_once(stack, recomputed=remat_policy != "none")
 
     def step(carry: Any, layer_state_and_x: Any) -> tuple[Any, Any]:
         (layer_stored, layer_cast, layer_state), x = layer_state_and_x
@@ -81,7 +81,7 @@ def run_stack(
     return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
-def cast_once(stack: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
+def cast_once(stack: nnx.Module, *, recomputed: bool = True) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
     """``(graphdef, stored, cast, rest)``: the Params of ``stack`` that its modules cast whole to their compute
     dtype in every layer (``stored``), their cast (``cast``: made here, once for all the stacked layers), and the
     rest of its state. A layer is ``nnx.merge(graphdef, use_cast(stored, cast), rest)`` (sliced to one layer).
@@ -89,14 +89,15 @@ def cast_once(stack: nnx.Module) -> tuple[Any, nnx.State, nnx.State, nnx.State]:
     A module names those Params with a ``params_cast_once()`` method, ``{path relative to it: dtype}``
     (``SparseMoE``'s expert weights when they are computed in bfloat16). Cast here, outside the (rematerialized)
     layer body, the cast runs once a step, not again in the backward's recomputation (inside, the module's own
-    cast is then a no-op). The cast is fenced (``optimization_barrier``), or XLA would sink it back into the loop
-    as a cast of each layer's slice. Its bfloat16 copy of the stack lives through the step.
+    cast is then a no-op). The cast is fenced (``optimization_barrier``) so that XLA keeps it out of the loop. Its
+    bfloat16 copy of the stack lives through the step, so only a ``recomputed`` stack (remat) casts here: without
+    remat each layer casts once anyway, and a decoding step holds one layer's cast at a time.
 
     >>> graphdef, stored, cast, rest = cast_once(stack)
     >>> layer = nnx.merge(graphdef, use_cast(stored, cast), rest)
     """
     dtypes: dict[tuple[Any, ...], Any] = {}
-    for path, node in nnx.iter_graph(stack):
+    for path, node in nnx.iter_graph(stack) if recomputed else ():
         if isinstance(node, nnx.Module) and hasattr(node, "params_cast_once"):
             dtypes.update({(*path, *name): dtype for name, dtype in node.params_cast_once().items()})
     graphdef, stored, rest = nnx.split(stack, lambda path, _: tuple(path) in dtypes, ...)
