@@ -10,6 +10,7 @@ bf16) with no mesh (how the GPU profile ran) and on a one-device mesh (how the r
 mesh (the CPU's grouped matmul, which reads the stored float32 weights a chunk at a time).
 
     python benchmarks/moe_program.py --base 373249b          # writes results/moe_program.{json,md}
+    python benchmarks/moe_program.py --base 373249b --quick  # the first case only (~1.5 min)
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", help="git revision to compare this checkout against")
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    p.add_argument("--quick", action="store_true", help="the first case only, written as results/moe_program_quick")
     p.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -113,17 +115,19 @@ def main() -> None:
                               check=True).stdout.strip()
 
     base, head = rev(args.base), rev("HEAD")
+    cases = list(CASES)[:1] if args.quick else args.cases
     with tempfile.TemporaryDirectory() as tmp:
         checkout = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(checkout), base], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            results = {case: {"base": measure(checkout, case), "head": measure(ROOT, case)} for case in args.cases}
+            results = {case: {"base": measure(checkout, case), "head": measure(ROOT, case)} for case in cases}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT, capture_output=True)
     md = render(results, base, head)
-    write_results("moe_program", {"environment": environment(), "base": base, "head": head, "shape": SHAPE,
-                                  "batch": BATCH, "seq": SEQ, "results": results}, md)
+    payload = {"environment": environment(), "base": base, "head": head, "shape": SHAPE, "batch": BATCH, "seq": SEQ,
+               "results": results}
+    write_results("moe_program_quick" if args.quick else "moe_program", payload, md)
     print(md)
 
 
