@@ -42,6 +42,7 @@ from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import pipeline_stack, stage_count
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
@@ -439,11 +440,17 @@ class CausalLM(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe") -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits`` (None with
         ``with_logits=False``), ``final_hidden``, and ``hidden_states`` with ``with_hidden_states``. A dense model
         has no experts (``expert_load``, ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss;
         ``with_mtp`` is an error (no MTP heads).
+
+        On a mesh with a ``stage`` axis the layers run pipelined (``nnx_zoo.layers.pipeline.pipeline_stack``):
+        ``pipeline_microbatches`` micro-batches through the stages in ``pipeline_schedule`` order; the embedding,
+        the final norm and the head run outside the pipeline, replicated over ``stage``. Without one both are
+        ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
@@ -467,7 +474,12 @@ class CausalLM(CausalLMBase):
 
             embeddings = h = self.embed(input_ids)
             layer_outputs = []
-            for segment in self.layer_segments():
+            if stage_count() > 1:  # pipelined over the mesh's stage axis
+                if with_hidden_states:
+                    raise ValueError("with_hidden_states=True is not supported on a mesh with a 'stage' axis (the "
+                                     "pipeline hands on only the last layer's output); run it without 'stage'")
+                h = self._pipelined_layers(h, ropes, mask, pipeline_microbatches, pipeline_schedule)
+            for segment in self.layer_segments() if stage_count() == 1 else ():
                 h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
                                        remat_policy=c.remat_policy)
                 layer_outputs.append(model_order(outputs))
@@ -476,6 +488,28 @@ class CausalLM(CausalLMBase):
                              if with_hidden_states else None)
             return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
                                   hidden_states=hidden_states, final_hidden=final_hidden)
+
+    def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
+                          schedule: str) -> jax.Array:
+        """Every layer on ``h``, pipelined over the ``stage`` axis: one scan segment of whole stacks (Llama's one
+        ``layers``; a repeating pattern such as GPT-OSS's sliding/full pair, each stage holding a block of its
+        repeats), else a clear error."""
+        parts = self.layer_segments()
+        stacks = self.layer_stacks()
+        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
+            raise ValueError(
+                f"{type(self).__name__}'s layers run as {len(parts)} scan segments of parts of its stacks "
+                f"{[seg.pattern for seg in parts]}; the pipeline ('stage' mesh axis) needs one segment that repeats "
+                "one pattern over whole stacks. Train this model on a mesh without 'stage'")
+        segment = parts[0]
+
+        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
+            for name, layer in zip(segment.pattern, group):
+                h = layer(h, *ropes[name], mask)
+            return h
+
+        return pipeline_stack(segment.group, layer_fn, h, ropes, mask, microbatches=microbatches,
+                              schedule=schedule, scan=self.config.scan_layers, remat_policy=self.config.remat_policy)
 
     # ---- generation: a fixed-size cache, rings for local layers ----
     def init_cache(self, batch: int, max_len: int) -> StackedKVCache:
