@@ -767,13 +767,14 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     config = model_config(args, source)
     if args.plan:
         return plan(args, config)
+    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args)  # before the memory plan
     remat_line = None
     if remat_is_auto(args):
         config, remat_line = auto_remat(args, source, config)
     model_cls = AutoModelForCausalLM.model_class(config)
     extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),
                                       pretrained=source.pretrained is not None)
-    extras = extras._replace(pipeline=pipeline_settings(model_cls, args))
+    extras = extras._replace(pipeline=pipeline)
     settings = train_config(args, source, config, extras)
     params = config.num_parameters()
     print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "

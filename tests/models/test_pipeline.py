@@ -147,7 +147,8 @@ def test_stage_axis_places_every_layer_stack_in_every_rule_set():
             spec = logical_to_mesh_axes((stack, "norm"), get_rules(name), mesh, shape=(4, 32))
             assert spec == PartitionSpec("stage", None), (name, stack)
     # Without a stage axis the stack stays replicated, as before.
-    assert logical_to_mesh_axes(("layers", "norm"), get_rules("default"), make_mesh({"fsdp": 8})) == PartitionSpec(None, None)
+    plain = logical_to_mesh_axes(("layers", "norm"), get_rules("default"), make_mesh({"fsdp": 8}))
+    assert plain == PartitionSpec(None, None)
 
 
 def test_layers_that_do_not_divide_the_stages_say_how_to_fix_it():
