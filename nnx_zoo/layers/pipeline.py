@@ -137,3 +137,111 @@ def pipeline_stack(
     done = jax.shard_map(stage_program, in_specs=in_specs, out_specs=PartitionSpec(),
                          axis_names={STAGE_AXIS})(state, split(x), operands)
     return jnp.reshape(done, x.shape, out_sharding=spec)
+
+
+def pipeline_1f1b_value_and_grad(
+    stack: nnx.Module,
+    layer_fn: Callable[..., jax.Array],
+    head_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    head_params: Any,
+    x: jax.Array,
+    targets: Any,
+    *args: Any,
+    microbatches: int,
+) -> tuple[jax.Array, nnx.State, Any, jax.Array]:
+    """The summed loss of ``head_fn(head_params, layers(x), targets)`` over ``microbatches`` micro-batches and its
+    gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis.
+
+    One SPMD program (``shard_map`` over ``stage``) whose ``M + 2S - 2`` ticks each run, on every stage, one
+    micro-batch's forward (``f = t - s``) and one's backward (``b = t - 2S + 2 + s``): the last stage runs the head
+    and the loss and starts a micro-batch's backward in the tick its forward arrives, and each stage keeps only the
+    inputs of the micro-batches between its forward and its backward (at most ``2S - 1``, whatever ``M``; the
+    backward recomputes the stage's layers from them), where GPipe keeps all ``M``. ``head_fn`` returns a scalar
+    summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split like ``x`` (rows ``j, j + M, ...``)
+    when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``. Needs a ``stage`` axis.
+
+    Not yet used by the trainer: its loss runs outside the model's forward (see the README's pipeline section).
+    """
+    stages = stage_count()
+    if stages == 1:
+        raise ValueError("pipeline_1f1b_value_and_grad needs a mesh with a 'stage' axis of size > 1")
+    batch = x.shape[0]
+    if not isinstance(microbatches, int) or microbatches < 1 or batch % microbatches:
+        raise ValueError(f"{microbatches} pipeline micro-batches do not divide the batch of {batch} rows")
+    micro, slots = microbatches, 2 * stages - 1
+    graphdef, state = nnx.split(stack)
+    check_stages(jax.tree.leaves(state)[0].shape[0], stages)
+
+    def split(a: jax.Array) -> jax.Array:
+        spec = _explicit_spec_of(a)
+        if spec is not None:
+            spec = PartitionSpec(spec[0], None, *spec[1:])
+        return jnp.reshape(a, (batch // micro, micro) + a.shape[1:], out_sharding=spec)
+
+    leaves, treedef = jax.tree.flatten((targets, args))
+    dynamic = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
+    batched = tuple(leaves[i].ndim > 0 and leaves[i].shape[0] == batch for i in dynamic)
+    operands = [split(leaves[i]) if b else leaves[i] for i, b in zip(dynamic, batched)]
+
+    def stage_program(state: Any, head_params: Any, xs: jax.Array, operands: list[jax.Array]) -> Any:
+        stage = jax.lax.axis_index(STAGE_AXIS)
+        last = stage == stages - 1
+        varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")  # noqa: E731
+        head_params = jax.tree.map(varying, head_params)  # differentiated per stage, summed once at the end
+
+        def micro_inputs(index: jax.Array) -> Any:
+            picked = list(leaves)
+            for i, b, a in zip(dynamic, batched, operands):
+                picked[i] = jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False) if b else a
+            return jax.tree.unflatten(treedef, picked)
+
+        def stage_fn(state: Any, h: jax.Array, index: jax.Array) -> jax.Array:
+            _, margs = micro_inputs(index)
+            return run_stack(nnx.merge(graphdef, state), lambda group, h, _: (layer_fn(group, h, *margs), None),
+                             h)[0]
+
+        def keep(valid: jax.Array, new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
+
+        def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
+            fwd_in, bwd_in, saved, d_state, d_head, loss, d_x = carry
+            f = t - stage
+            f_ok = (f >= 0) & (f < micro)
+            fi = jnp.clip(f, 0, micro - 1)
+            first_input = jax.lax.dynamic_index_in_dim(xs, fi, axis=1, keepdims=False)
+            h_in = jnp.where(stage == 0, first_input, fwd_in)
+            saved = keep(f_ok, jax.lax.dynamic_update_index_in_dim(saved, h_in, fi % slots, 0), saved)
+            h_out = stage_fn(state, h_in, fi)
+            tgt, _ = micro_inputs(fi)
+            mb_loss, (g_head, g_out) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h_out, tgt)
+            at_head = last & f_ok
+            loss = loss + jnp.where(at_head, mb_loss, 0.0)
+            d_head = keep(at_head, jax.tree.map(jnp.add, d_head, g_head), d_head)
+
+            b = t - (2 * stages - 2) + stage  # on the last stage b == f: its backward follows its forward
+            b_ok = (b >= 0) & (b < micro)
+            bi = jnp.clip(b, 0, micro - 1)
+            h_saved = jax.lax.dynamic_index_in_dim(saved, bi % slots, 0, keepdims=False)
+            _, pullback = jax.vjp(lambda s, h: stage_fn(s, h, bi), state, h_saved)
+            g_state, g_in = pullback(jnp.where(last, g_out, bwd_in))
+            d_state = keep(b_ok, jax.tree.map(jnp.add, d_state, g_state), d_state)
+            d_x = keep((stage == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(d_x, g_in, bi, axis=1), d_x)
+            fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
+            bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, [(s + 1, s) for s in range(stages - 1)])
+            return (fwd_in, bwd_in, saved, d_state, d_head, loss, d_x), None
+
+        one = jax.lax.index_in_dim(xs, 0, axis=1, keepdims=False)
+        zeros = lambda a: varying(jnp.zeros_like(a))  # noqa: E731
+        carry = (zeros(one), zeros(one), zeros(jnp.broadcast_to(one, (slots, *one.shape))),
+                 jax.tree.map(jnp.zeros_like, state), jax.tree.map(jnp.zeros_like, head_params),
+                 varying(jnp.zeros((), jnp.float32)), zeros(xs))
+        (_, _, _, d_state, d_head, loss, d_x), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * stages - 2))
+        total = lambda a: jax.lax.psum(a, STAGE_AXIS)  # noqa: E731  (each is nonzero on one stage, or summed)
+        return total(loss), d_state, jax.tree.map(total, d_head), total(d_x)
+
+    specs = (PartitionSpec(STAGE_AXIS), PartitionSpec(), PartitionSpec(), [PartitionSpec()] * len(operands))
+    loss, d_state, d_head, d_x = jax.shard_map(
+        stage_program, in_specs=specs, out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS), PartitionSpec(),
+                                                  PartitionSpec()),
+        axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
+    return loss, d_state, d_head, jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
