@@ -21,9 +21,11 @@ Cases (each in its own subprocess, so one case's memory or an out-of-memory erro
   GQA 32/4, q/k norm) cut to 2 layers; ``gpt_oss``: ``gpt-oss-20b`` (32 biased experts, top-4, sinks, sliding /
   full) cut to 2 layers; ``gemma3``: the whole ``gemma3-1b`` (5:1 sliding / global); ``qwen3_5``:
   ``qwen3.5-35b-a3b``'s first 4 layers (3 gated DeltaNet, 1 gated attention) with 128 of its 256 experts; all at
-  batch 4 x 2048. The profile (``llama`` and the family cases): the recipe's ``train_step`` traced under
-  ``jax.profiler``, device time per step by part of the model, by the source line each kernel's HLO op came from,
-  and by kernel.
+  batch 4 x 2048; ``kimi_linear``: ``kimi-linear-48b-a3b``'s first 4 layers (3 KDA, the first dense; 1 MLA
+  without rope) with 64 of its 256 experts, batch 4 x 2048. The profile (``llama`` and the family cases): the
+  recipe's ``train_step`` traced under ``jax.profiler``, device time per step by part of the model, by the source
+  line each kernel's HLO op came from, and by kernel. ``--smoke`` runs ``torch.compile`` with the ``eager``
+  backend (dynamo's capture without inductor's CPU code generation, which took minutes).
 - ``attention``: forward + backward of one attention call (GQA 32/8 heads, head dim 64, causal; and MLA 16 heads,
   192/128) for each ``attention_impl`` against ``cudnn`` at b4 s2048 and b1 s8192; the packed-document case
   (``segment_ids``, which cuDNN's public API cannot take) with the path ``auto`` falls back to.
@@ -100,9 +102,15 @@ FAMILIES = {
     # the whole 1B model: 26 layers, 5 sliding (512 tokens) : 1 global, 262k vocabulary (~18 GiB planned)
     "gemma3": Family(FamilyRun("gemma3-1b", {}, 4, 2048), FamilyRun("gemma3-tiny", {}, 2, 64), moe=False),
     # Qwen3.5-35B-A3B's first 4 layers (3 gated-DeltaNet, 1 gated full attention) with 128 of its 256 experts
-    # (all 256 plan at ~71 GiB before transformers' own activations), top-8 and a shared expert
-    "qwen3_5": Family(FamilyRun("qwen3.5-35b-a3b", {"num_hidden_layers": 4, "num_experts": 128}, 4, 2048),
+    # (all 256 plan at ~71 GiB before transformers' own activations), top-8 and a shared expert; its MTP layer off
+    # (transformers has none: the same work on both sides)
+    "qwen3_5": Family(FamilyRun("qwen3.5-35b-a3b", {"num_hidden_layers": 4, "num_experts": 128,
+                                                    "mtp_num_hidden_layers": 0}, 4, 2048),
                       FamilyRun("qwen3.5-moe-tiny", {}, 2, 64), moe=True),
+    # Kimi-Linear-48B-A3B's first 4 layers (3 KDA, the first dense; 1 MLA without rope) with 64 of its 256 experts
+    # (2.3B parameters, ~41 GiB planned), top-8 by sigmoid + selection bias and a shared expert
+    "kimi_linear": Family(FamilyRun("kimi-linear-48b-a3b", {"num_hidden_layers": 4, "num_experts": 64}, 4, 2048),
+                          FamilyRun("kimi-linear-tiny", {}, 2, 64), moe=True),
     # DeepSeek-V4 (no transformers model): its first 4 layers (two sliding-window, one CSA, one HCA; three
     # hash-routed) and 8 of its 256 experts, 1 x 4096 (~60 GiB planned); deepseek4-tiny is already 4 layers of
     # every type, a hash layer and MTP, of 8 experts
@@ -127,6 +135,10 @@ class Shapes:
         self.gmm = (512, 8, 64, 32) if smoke else (4 * 2048 * 6, 64, 2048, 1408)  # rows, groups, k, n
         self.families = {name: f.smoke if smoke else f.full for name, f in FAMILIES.items()}
         self.steps, self.skip = (4, 1) if smoke else (12, 4)
+        # torch.compile's backend. The smoke traces the model with dynamo (what breaks when transformers or torch
+        # change) but skips inductor's C++ code generation, which on the CPU took over 5 minutes for the tiny
+        # Qwen3.5-MoE (the first step, fwd + bwd) and checks nothing about this script.
+        self.compile_backend = "eager" if smoke else "inductor"
         self.profile_steps = 2 if smoke else 3
 
 
@@ -171,10 +183,10 @@ def recipe_args(preset: str, batch: int, seq: int, *more: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- transformers
 def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compile_model: bool,
-                 overrides: str = "{}") -> dict:
+                 overrides: str = "{}", compile_backend: str = "inductor") -> dict:
     """transformers' model from the nnx_zoo preset's own HF config (with ``overrides``, a JSON object of config
     fields), one training step per iteration; sdpa attention, or eager attention where transformers has no sdpa
-    path for the model."""
+    path for the model; ``compile_model``: under ``torch.compile(backend=compile_backend)``."""
     import torch
     import transformers
 
@@ -192,7 +204,7 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
         model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=torch.float32)
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
-    forward = torch.compile(model) if compile_model else model
+    forward = torch.compile(model, backend=compile_backend) if compile_model else model
     ids = torch.randint(0, 256, (batch, seq), device=device)
 
     def step() -> float:
@@ -214,7 +226,8 @@ def torch_worker(preset: str, batch: int, seq: int, steps: int, skip: int, compi
     flops = config.train_flops_per_token(seq)
     return {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "kernels": f"{attn} attention" + (", torch.compile" if compile_model else ", eager")}
+            "kernels": f"{attn} attention" + (", eager" if not compile_model else ", torch.compile" + (
+                "" if compile_backend == "inductor" else f" (backend {compile_backend})"))}
 
 
 # --------------------------------------------------------------------------------------------- kernels alone
@@ -461,7 +474,7 @@ def run_worker(argv: list[str], smoke: bool) -> None:
     kind, rest = argv[0], argv[1:]
     if kind == "torch":
         result = torch_worker(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), bool(int(rest[5])),
-                              *rest[6:])
+                              *rest[6:], compile_backend=s.compile_backend)
     elif kind == "profile":
         result = profile_worker(rest[0], int(rest[1]), int(rest[2]), rest[3], int(rest[4]))
     elif kind == "attention":

@@ -8,6 +8,10 @@ Sections live in their own modules and are listed in ``SECTIONS``:
   1 x 8192 per ``attention_impl``; and where ``auto`` switches from ``xla`` to ``blockwise`` on this CPU.
 - ``moe`` (``kernel_memory_moe.py``): the 4-layer DeepSeek-V2-Lite-shaped grad step at 1 x 2048, bf16, remat
   full: ``dense`` vs ``gmm`` with the tiled grouped matmul vs ``gmm`` with ``jax.lax.ragged_dot``.
+- ``local`` (``kernel_memory_local.py``): a Gemma-3-1B-shaped grad step, 5:1 sliding / global against all global.
+- ``hybrid``, ``hybrid_cp`` (``kernel_memory_hybrid.py``): a Qwen3.5-9B-shaped grad step at 8k / 32k / 128k, the
+  3:1 linear / full schedule against all linear and all full attention; the sequence split's state hand-off in
+  collective bytes of the compiled sharded step.
 
     python benchmarks/kernel_memory.py                 # every section, writes results/kernel_memory.{json,md}
     python benchmarks/kernel_memory.py --sections moe  # one section
@@ -28,6 +32,7 @@ from kernel_memory_attention import (
     attention_markdown,
     attention_section,
 )
+from kernel_memory_hybrid import hybrid_cp_markdown, hybrid_cp_section, hybrid_markdown, hybrid_section
 from kernel_memory_local import local_markdown, local_section
 from kernel_memory_moe import moe_markdown, moe_section
 
@@ -36,6 +41,8 @@ SECTIONS = {  # name -> (run(quick, log) -> dict, markdown(dict) -> str)
     "attention_cpu": (attention_cpu_section, attention_cpu_markdown),
     "moe": (moe_section, moe_markdown),
     "local": (local_section, local_markdown),
+    "hybrid": (hybrid_section, hybrid_markdown),
+    "hybrid_cp": (hybrid_cp_section, hybrid_cp_markdown),
 }
 
 

@@ -12,7 +12,7 @@ Examples (the mesh ones need 8 devices: on a CPU, XLA_FLAGS=--xla_force_host_pla
 
 Every field of the chosen family's config class can be set with ``--model.<field> VALUE`` (``none`` for None);
 ``--model NAME --help`` lists that family's fields. Training extras a model has are used because it has them:
-multi-token-prediction heads (``num_nextn_predict_layers > 0``), aux-loss-free expert balancing (MoE layers and
+multi-token-prediction heads (the config's ``mtp_depth > 0``), aux-loss-free expert balancing (MoE layers and
 ``--routing-bias-rate > 0``), a sequence-wise balance loss (``seq_aux_loss_alpha > 0``), a sparse-attention
 indexer's own loss (DeepSeek-V3.2: ``--indexer-stage dense_warmup`` trains the indexer alone on dense attention,
 the rest frozen; ``--indexer-stage sparse`` trains it beside the model, on its own loss only). A warm-up goes on to
@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 EXIT_CODES = """exit codes:
   0    finished (or nothing left to do)
-  2    bad settings or files, or a checkpoint could not be written; the message says what and how to fix it
+  2    bad settings or files, the run directory is in use by another run, a damaged checkpoint, or a checkpoint
+       could not be written; the message says what and how to fix it
   3    diverged: a step was not finite (loss, gradient norm or update), or the loss rose above
        --exploding-loss-factor times its first value; the newest checkpoint is the last healthy state (a bad
        one is moved to <run dir>/checkpoints-set-aside): lower --lr and rerun with --override-settings
@@ -564,14 +565,15 @@ def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> E
     default (a flag not given) where the model has it; a weight or rate above 0 given for a model without it is an
     error, not a setting silently dropped. The sequence-wise balance loss needs nothing here: a model whose config
     asks for it returns it."""
-    has_mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
+    has_mtp = getattr(config, "mtp_depth", 0) > 0  # FamilyConfig.mtp_depth: any family's MTP depths
     moe = getattr(config, "num_moe_layers", 0) > 0
     can_balance = (moe and hasattr(model_cls, "update_routing_bias")
                    and getattr(config, "has_routing_bias", True))  # a softmax top-k router has no bias to move
     name = type(config).__name__
     if not has_mtp and (args.mtp_weight or 0) > 0:
         raise ValueError(f"--mtp-weight {args.mtp_weight:g}: this {name} has no multi-token-prediction heads "
-                         "(num_nextn_predict_layers 0); leave the flag out")
+                         "(mtp_depth 0); leave the flag out, or build it with them (--model.num_nextn_predict_layers, "
+                         "--model.mtp_num_hidden_layers: whichever its config has)")
     if not can_balance and (args.routing_bias_rate or 0) > 0:
         why = ("has no MoE layers" if not moe else "routes without a selection bias (aux-loss-free balancing "
                "moves one); balance it with its own loss if its config has one (--model.output_router_logits, "
@@ -756,6 +758,22 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
+    from nnx_zoo.train.run_lock import lock_run_dir
+
+    config = model_config(args, source)
+    if args.plan:
+        return plan(args, config)
+
+    # Before anything slow: a second run on a busy run directory is refused in seconds (train() holds it again).
+    hold = lock_run_dir(args.run_dir or f"runs/{source.name}")
+    try:
+        return _train(args, source, entry, config)
+    finally:
+        if hold is not None:
+            hold.release()
+
+
+def _train(args: argparse.Namespace, source: ModelSource, entry: Entry, config: Any) -> int:
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
@@ -764,12 +782,9 @@ def run(args: argparse.Namespace, source: ModelSource, entry: Entry = GENERIC) -
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
-    config = model_config(args, source)
-    if args.plan:
-        return plan(args, config)
     pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args)  # before the memory plan
     remat_line = None
-    if remat_is_auto(args):
+    if remat_is_auto(args):  # the memory plan: after the lock, as it takes a while
         config, remat_line = auto_remat(args, source, config)
     model_cls = AutoModelForCausalLM.model_class(config)
     extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),

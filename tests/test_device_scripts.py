@@ -97,7 +97,7 @@ def test_the_gpu_v4_case_plans_under_an_h100_and_its_smoke_shape_parses(capsys):
     assert "2 hyper-connection streams" in capsys.readouterr().out  # deepseek4-tiny's
 
 
-@pytest.mark.parametrize("case", ["qwen3moe", "gpt_oss", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("case", ["qwen3moe", "gpt_oss", "gemma3", "qwen3_5", "kimi_linear"])
 def test_the_gpu_family_cases_plan_under_an_h100_and_transformers_has_their_model(case, capsys):
     """Each family case's cut of its published preset plans under remat full below an H100's 78 GiB (abstract,
     ~1 s), its smoke command is one the recipe takes, and the torch side's config (the cut config through
@@ -117,3 +117,22 @@ def test_the_gpu_family_cases_plan_under_an_h100_and_transformers_has_their_mode
         hf = transformers.AutoConfig.for_model(**AutoConfig.preset(run.preset, **run.cut).to_hf_dict())
         assert transformers.AutoModelForCausalLM._model_mapping[type(hf)].__name__.endswith("ForCausalLM")
         assert all(getattr(hf, k) == v for k, v in run.cut.items()), (hf, run.cut)
+
+
+def test_the_qwen3_5_smoke_traces_transformers_under_torch_compile(capsys):
+    """The `qwen3_5` case's torch.compile row at its smoke shape, through the worker's own entry (as its subprocess
+    runs it, two steps): dynamo captures transformers' Qwen3.5-MoE (the gated delta rule's torch fallback, the expert
+    loop) and it trains. The smoke compiles with the ``eager`` backend: inductor's C++ code generation on the CPU
+    took over 5 minutes for this model and stalled the whole smoke run; the GPU run keeps inductor."""
+    import torch
+
+    gpu = _script("gpu_train_step")
+    assert gpu.Shapes(smoke=False).compile_backend == "inductor"
+    run = gpu.Shapes(smoke=True).families["qwen3_5"]
+    try:
+        gpu.run_worker(["torch", run.preset, str(run.batch), str(run.seq), "2", "1", "1", json.dumps(run.cut)],
+                       smoke=True)
+    finally:
+        torch._dynamo.reset()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens_per_s"] > 0 and result["kernels"] == "sdpa attention, torch.compile (backend eager)", result

@@ -45,6 +45,34 @@ DEFAULT_CHUNK = 64
 _BSHD = ("activation_batch", "activation_length", "activation_heads", None)
 
 
+def delta_rule_problems(chunk_size: object) -> list[str]:
+    """What is wrong with a config's ``delta_rule_chunk_size`` (one line; empty: fine), the check every hybrid
+    family's config runs (``delta_rule_impl``'s name is checked with the other kernel settings,
+    ``nnx_zoo.layers.kernel_choices.KERNEL_SETTINGS``).
+
+    >>> delta_rule_problems(0)
+    ['delta_rule_chunk_size must be a positive integer (tokens per chunk of the chunked scan, e.g. 64), got 0']
+    """
+    if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1:
+        return []
+    return ["delta_rule_chunk_size must be a positive integer (tokens per chunk of the chunked scan, e.g. "
+            f"{DEFAULT_CHUNK}), got {chunk_size!r}"]
+
+
+def choose_delta_rule_impl(impl: str, seq_len: int, chunk_size: int) -> str:
+    """The path ``impl`` takes for ``seq_len`` tokens: ``auto`` runs ``recurrent`` for at most ``chunk_size`` tokens
+    (decoding), ``chunked`` beyond; the others as named.
+
+    >>> choose_delta_rule_impl("auto", 4096, 64)
+    'chunked'
+    """
+    if impl not in DELTA_RULE_IMPLS:
+        raise ValueError(f"unknown delta-rule impl {impl!r}; choose one of {DELTA_RULE_IMPLS}")
+    if impl != "auto":
+        return impl
+    return "recurrent" if seq_len <= chunk_size else "chunked"
+
+
 def _grouped(x: jax.Array, heads: int) -> jax.Array:
     """``[b, s, hk, d]`` -> ``[b, s, heads, d]``: value head ``i`` reads key/query head ``i // (heads // hk)``."""
     hk = x.shape[2]
@@ -81,8 +109,6 @@ def gated_delta_rule(
 
     >>> out, state = gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=64)
     """
-    if impl not in DELTA_RULE_IMPLS:
-        raise ValueError(f"unknown delta-rule impl {impl!r}; choose one of {DELTA_RULE_IMPLS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     b, s, h, dv = v.shape
@@ -99,8 +125,7 @@ def gated_delta_rule(
         g = jnp.where(real[..., None] if g.ndim == 4 else real, g, 0.0)
     state = jnp.zeros((b, h, dk, dv), f32) if initial_state is None else initial_state.astype(f32)
     segments = jnp.zeros((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    if impl == "auto":
-        impl = "recurrent" if s <= chunk_size else "chunked"
+    impl = choose_delta_rule_impl(impl, s, chunk_size)
     run = _recurrent if impl == "recurrent" else functools.partial(_chunked, chunk_size=chunk_size)
     out, state = _per_device(run, q, k, v, g, beta, segments, state)
     if token_mask is not None:

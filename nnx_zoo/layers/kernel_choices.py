@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nnx_zoo.layers.attention import ATTENTION_IMPLS, LOCAL_FEATURES, choose_attention_impl
+from nnx_zoo.layers.delta_rule import DELTA_RULE_IMPLS, choose_delta_rule_impl
 from nnx_zoo.layers.grouped_matmul import GROUPED_MATMUL_IMPLS, choose_grouped_matmul_impl
 from nnx_zoo.layers.moe import MOE_IMPLS, default_moe_impl
 from nnx_zoo.layers.scan import REMAT_POLICIES
@@ -25,6 +26,7 @@ KERNEL_SETTINGS: dict[str, tuple[str, ...]] = {
     "moe_impl": MOE_IMPLS,
     "grouped_matmul_impl": GROUPED_MATMUL_IMPLS,
     "remat_policy": tuple(REMAT_POLICIES),
+    "delta_rule_impl": DELTA_RULE_IMPLS,
 }
 
 
@@ -43,9 +45,10 @@ def kernel_setting_problems(config: Any, narrower: Mapping[str, tuple[str, ...]]
 
 def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platform: str | None = None
                    ) -> dict[str, str]:
-    """``{"attention": ..., "moe": ..., "grouped_matmul": ...}``: the implementation each kernel setting of
-    ``config`` resolves to for training sequences of ``seq_len`` tokens (``segments``: packed documents) on
-    ``platform`` (default: JAX's default backend). MoE entries appear only for configs with MoE layers; layers of
+    """``{"attention": ..., "moe": ..., "grouped_matmul": ..., "delta_rule": ...}``: the implementation each kernel
+    setting of ``config`` resolves to for training sequences of ``seq_len`` tokens (``segments``: packed documents)
+    on ``platform`` (default: JAX's default backend). MoE entries appear only for configs with MoE layers, the
+    delta rule's for configs with linear-attention layers; layers of
     a local attention kind whose features need another kernel (sinks, a chunk: no cuDNN) get
     ``"attention_<kind>"`` (``"attention_sliding": "blockwise"``).
 
@@ -72,6 +75,9 @@ def kernel_choices(config: Any, *, seq_len: int, segments: bool = False, platfor
     topk = sparse_keys(seq_len) if sparse_keys is not None else 0
     if topk:  # a family's sparse attention: each query's top-k keys gathered, no score matrix
         choices["attention"] = f"sparse-top{topk}"
+    delta_rule = getattr(config, "delta_rule_impl", None)
+    if delta_rule is not None and any(k.attention == "linear" for k in config.layer_kinds()):
+        choices["delta_rule"] = choose_delta_rule_impl(delta_rule, seq_len, config.delta_rule_chunk_size)
     moe_impl = getattr(config, "moe_impl", None)
     if moe_impl is not None and getattr(config, "num_moe_layers", 0) > 0:
         moe = default_moe_impl(platform) if moe_impl == "auto" else moe_impl

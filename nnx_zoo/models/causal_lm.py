@@ -559,6 +559,30 @@ class CausalLM(CausalLMBase):
         return logits, cache._replace(k=k, v=v)
 
 
+def shifted_by_depth(input_ids: jax.Array, attention_mask: jax.Array | None,
+                      depth: int) -> tuple[jax.Array, jax.Array | None]:
+    """``input_ids`` and its copies shifted left by ``1 .. depth`` (the MTP depths' tokens, padded with 0 at the
+    end), stacked: ``[1 + depth, batch, seq]``; the attention mask likewise (None stays None). The inputs of the
+    multi-token-prediction depths of any family.
+
+    >>> ids, masks = shifted_by_depth(jnp.array([[5, 6, 7]]), None, 1)
+    >>> ids.tolist(), masks
+    ([[[5, 6, 7]], [[6, 7, 0]]], None)
+    """
+    if depth == 0:
+        return input_ids[None], None if attention_mask is None else attention_mask[None]
+    # Shifting slices the sequence dim, which cannot stay split over devices (context parallelism under an
+    # Explicit mesh): the shifts are taken from copies whole along it.
+    whole_sequence = ("activation_batch", None)
+    seq_len = input_ids.shape[1]
+
+    def shifted(a: jax.Array) -> jax.Array:
+        a = shard(a, whole_sequence)
+        return jnp.stack([a] + [jnp.pad(a[:, k:], ((0, 0), (0, min(k, seq_len)))) for k in range(1, depth + 1)])
+
+    return shifted(input_ids), None if attention_mask is None else shifted(attention_mask)
+
+
 def stack_hidden_states(embeddings: jax.Array, layer_outputs: jax.Array, final_hidden: jax.Array) -> jax.Array:
     """``[layers + 1, batch, seq, embed]`` as HF's ``output_hidden_states``: the embeddings, the outputs of all
     layers but the last (``layer_outputs [layers, batch, seq, embed]``), then the final normed hidden state."""

@@ -100,6 +100,12 @@ class FamilyConfig:
         raise TypeError(f"unknown {cls.__name__} fields: {', '.join(hints)}; fix the name (its fields are "
                         f"{', '.join(fields)})")
 
+    @property
+    def mtp_depth(self) -> int:
+        """How many multi-token-prediction depths ``forward(..., with_mtp=True)`` returns (``mtp_logits``' leading
+        dim); 0: the model has no MTP. Trainers and recipes ask this, not a family's own field."""
+        return 0
+
     def with_overrides(self, **overrides: Any) -> Self:
         """A copy with some fields changed (validated again)."""
         self.check_field_names(overrides)

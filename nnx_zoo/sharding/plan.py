@@ -109,6 +109,10 @@ the compute dtype; ``H`` heads, ``V`` vocab, ``e`` width, widths after their ten
   Per-layer inputs (``hidden_size_per_layer_input`` ``p``, Gemma 4): ``T*a*6*L*p`` held before the layers (the
   second table's rows, the projection, its norm's 3, the mix: ``PER_LAYER_INPUTS_KEPT``) and ``T*a*4*p`` per layer
   (the gate, its GELU, the product: ``PER_LAYER_INPUT_KEPT``).
+  Linear-attention kinds (the gated delta rule of Qwen3-Next, Qwen3.5, Kimi Linear, where the config answers
+  ``linear_attention_shapes()``): ``nnx_zoo.sharding.plan_linear`` (the state kept at chunk boundaries, the
+  projections, convolution and gated norm, one chunk's scratch in the one-layer phase); their full layers beside
+  them by the formulas above (MLA where ``kv_lora_rank`` is set, a sigmoid output gate ``+ T*a*2*H*d``).
   A decoding cache for the same rows at ``seq_len`` slots is reported beside the training total, not in it
   (``kv_cache_bytes``: rings of ``span - 1`` for windowed and chunked layers, none for shared K/V; exactly
   ``init_cache``'s keys and values per device, tested). MLA's, DeepSeek-V4's and linear attention's are not modelled.
@@ -127,6 +131,12 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from nnx_zoo.sharding.axes import STACK_AXES, placed_like
+from nnx_zoo.sharding.plan_linear import (
+    LinearShapes,
+    linear_chunk_scratch_bytes,
+    linear_description,
+    linear_layer_bytes,
+)
 from nnx_zoo.sharding.report import ShardingReport, _human, sharding_report
 from nnx_zoo.sharding.resolve import ShardingError, axes_tuple, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import Rules, get_rules
@@ -268,6 +278,8 @@ class KindShapes:
     l2_qk_norm: bool = False  # a weightless per-head norm of queries and keys (Llama 4's rope layers)
     temperature: bool = False  # queries scaled by their slot in float32 (Llama 4's NoPE layers)
     norms: int = 2  # RMSNorms of the hidden width in a layer (input and post-attention: 2; Gemma's sandwich: 4)
+    output_gate: bool = False  # the attention output scaled by a sigmoid gate from the input (Qwen3-Next)
+    linear: LinearShapes | None = None  # a linear-attention kind (the gated delta rule; ``plan_linear``)
 
     @property
     def span(self) -> int | None:
@@ -279,15 +291,24 @@ class KindShapes:
 def kind_schedule(config: Any, kernels: dict[str, str], attention: str) -> dict[str, Any]:
     """``DecoderShapes``' ``kinds`` and ``schedule`` of a config with several layer kinds on the shared decoder
     layers (``layer_kinds``, ``attention_options``, ``stack_name``); empty for one kind (the plain path counts
-    it), for DeepSeek's own configs and for kinds that are no softmax attention (linear attention)."""
+    it) and for DeepSeek's own configs. Linear-attention kinds (``attention == "linear"``) are counted where the
+    config answers ``linear_attention_shapes()`` (``plan_linear``)."""
     kinds_of = getattr(config, "layer_kinds", None)
     if kinds_of is None or not hasattr(config, "attention_options") or not hasattr(config, "stack_name"):
         return {}
     kinds = tuple(kinds_of())
-    if len(set(kinds)) < 2 or any(k.attention not in LOCAL_ATTENTION for k in kinds):
+    linear = LinearShapes.from_config(config)
+    known = LOCAL_ATTENTION + (("linear",) if linear is not None else ())
+    if len(set(kinds)) < 2 or any(k.attention not in known for k in kinds):
         return {}
     out = []
     for kind in dict.fromkeys(kinds):
+        if kind.attention == "linear":
+            out.append(KindShapes(stack=config.stack_name(kind), attention="linear", kernel="delta rule", heads=0,
+                                  kv_heads=0, head_dim=0, mlp=config.mlp_width(kind) if hasattr(config, "mlp_width")
+                                  else (0 if kind.moe else config.intermediate_size), moe=bool(kind.moe),
+                                  linear=linear))
+            continue
         options = config.attention_options(kind)
         head_dim, kv_heads = (config.head_dims(kind) if hasattr(config, "head_dims")
                               else (config.head_dim, config.num_key_value_heads))
@@ -300,7 +321,8 @@ def kind_schedule(config: Any, kernels: dict[str, str], attention: str) -> dict[
             moe=bool(kind.moe), window=options.get("window"), chunk=options.get("chunk"),
             sinks=bool(options.get("sinks")), rope=bool(getattr(kind, "rope", True)),
             kv=getattr(kind, "kv", "own") != "shared", l2_qk_norm=bool(options.get("l2_qk_norm")),
-            temperature=options.get("temperature") is not None))
+            temperature=options.get("temperature") is not None,
+            output_gate=bool(getattr(config, "ATTENTION_OUTPUT_GATE", False))))
     name = {kind: config.stack_name(kind) for kind in set(kinds)}
     return {"kinds": tuple(out), "schedule": tuple(name[k] for k in kinds)}
 
@@ -730,6 +752,7 @@ PART_PHASES = {
     "one layer recomputed": "one layer", "cotangents, one layer": "one layer",
     "gathered weights, one layer": "one layer", "gathered gradient, one weight": "one layer",
     "sparse attention, one block": "one layer", "attention scratch, one layer": "one layer",
+    "delta rule, one chunk": "one layer",
     "hyper-connection head": "output head", "streams from the embeddings": "held", "mtp layers": "output head",
     "per-layer inputs": "held",
 }
@@ -816,9 +839,11 @@ def kind_attention_bytes(s: DecoderShapes, n: Local, k: KindShapes) -> int:
     heads and kernel (``k.kernel``: ``xla`` keeps its scores over every key, a window or chunk only masks them;
     the flash-style kernels a log-sum-exp per row, the window only shortens their loops), a NoPE layer's queries
     and keys once (no roped copies), a shared-K/V layer's no keys or values (the storing layer keeps them)."""
+    if s.kv_lora:  # MLA full layers beside linear ones (Kimi Linear): MLA's own formula
+        return attention_bytes(s, n)
     a, t, e, h, kv, d = s.dtype_bytes, n.tokens, s.hidden, n.heads, n.kv_heads if k.kv else 0, k.head_dim
     copies = 2 if k.rope else 1  # before and after rope
-    per_token = 3 * e + copies * h * d + (copies + 2) * kv * d + h * d
+    per_token = 3 * e + copies * h * d + (copies + 2) * kv * d + h * d + (2 * h * d if k.output_gate else 0)
     if s.qk_norm or k.l2_qk_norm:  # each head's norm keeps 3 of its width, as the layer's norms do
         per_token += 3 * (h + kv) * d
     kept = t * a * per_token + (t * 4 * h * d if k.temperature else 0)  # the float32 scaled queries
@@ -833,7 +858,9 @@ def kind_layer_bytes(s: DecoderShapes, n: Local, k: KindShapes, looped: bool) ->
     """One layer of kind ``k``: its attention, its extra norms (beyond the input and post-attention ones, 3 widths
     each), its dense MLP and its MoE block (either or both)."""
     m = kind_local(n, k)
-    kept = kind_attention_bytes(s, m, k) + max(0, k.norms - 2) * 3 * n.tokens * s.dtype_bytes * s.hidden
+    mixer = (linear_layer_bytes(k.linear, s.hidden, s.dtype_bytes, n.batch, n.seq, n.head_shards) if k.linear
+             else kind_attention_bytes(s, m, k))
+    kept = mixer + max(0, k.norms - 2) * 3 * n.tokens * s.dtype_bytes * s.hidden
     # The per-layer input's gate: its projection, the activation's residuals and the gated product, [T, p] each
     # (its output's norm is one of the layer's norms).
     kept += n.tokens * s.dtype_bytes * PER_LAYER_INPUT_KEPT * s.per_layer_input
@@ -876,8 +903,11 @@ def kind_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[st
         moe = sum(repeats * sum(k.moe for k in kinds) for kinds, repeats in looped)
         if moe:
             layers["expert weights, every layer"] = moe * kept_expert_weight_bytes(s, n)
-        # A step's backward holds its pattern compiled whole (as one layer's cotangents for a plain stack).
-        layers["cotangents, one layer"] = max((pattern(kinds, False) for kinds, _ in looped), default=0)
+        # A step's backward runs its layers one after the other: one layer compiled whole holds its cotangents at a
+        # time (as for a plain stack). Counting the step's whole pattern instead: 1.19 / 1.07 on the hybrids'
+        # (linear, full) steps (tests/sharding/test_sharding_plan.py).
+        layers["cotangents, one layer"] = max((kind_layer_bytes(s, n, k, False) for kinds, _ in looped for k in kinds),
+                                              default=0)
     else:
         steps = [(pattern(kinds, False), max(kind_cotangent_bytes(s, n, k) for k in kinds)) for kinds, _ in looped]
         size, cot = max(steps, key=sum, default=(0, 0))
@@ -886,8 +916,11 @@ def kind_activation_breakdown(s: DecoderShapes, n: Local, remat: str) -> dict[st
     # The per-layer inputs of every layer, made once before the layers and read by each one's backward: the table's
     # rows, the projection of the embeddings, its norm's 3 and the mix, [T, layers * p] each.
     per_layer = n.tokens * s.dtype_bytes * PER_LAYER_INPUTS_KEPT * len(s.schedule) * s.per_layer_input
-    return {**layers, "embeddings and logits": output_bytes(s, n), **({"per-layer inputs": per_layer}
-                                                                       if per_layer else {})}
+    # One chunk's backward of a linear layer at a time (its body recomputed: jax.checkpoint), under either remat.
+    chunk = max((linear_chunk_scratch_bytes(k.linear, n.batch, n.seq, n.head_shards) for k in s.kinds if k.linear),
+                default=0)
+    return {**layers, **({"delta rule, one chunk": chunk} if chunk else {}),
+            "embeddings and logits": output_bytes(s, n), **({"per-layer inputs": per_layer} if per_layer else {})}
 
 
 # Widths of [T, p] that one layer's per-layer input gate keeps (the gate's projection, its GELU's tanh and output,
@@ -983,6 +1016,10 @@ def kind_description(s: DecoderShapes) -> str:
     """The plan's one-line summary of the layer kinds: each stack's layers, attention, span and kernel."""
     parts = []
     for k in s.kinds:
+        if k.linear:
+            moe = ", MoE" if k.moe else ""
+            parts.append(f"{s.schedule.count(k.stack)} {k.stack} (linear: {linear_description(k.linear, 1, 1)}{moe})")
+            continue
         span = f" window {k.window}" if k.window else f" chunk {k.chunk}" if k.chunk else ""
         extra = "".join([", sinks" if k.sinks else "", ", NoPE" if not k.rope else "",
                          ", shared K/V" if not k.kv else "", ", MoE" if k.moe else ""])

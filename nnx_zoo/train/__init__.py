@@ -1,7 +1,7 @@
 """nnx_zoo.train: optimizer, data, step, metrics, checkpoints and the loop, for any model with the
 ``model(input_ids, attention_mask=None) -> logits`` signature."""
 
-from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError
+from nnx_zoo.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpointError
 from nnx_zoo.train.data import DataConfig, make_dataset, make_iterator
 from nnx_zoo.train.export import ExportError, export_run
 from nnx_zoo.train.loop import (
@@ -21,11 +21,13 @@ from nnx_zoo.train.optim import (
     make_tx,
     trainable_filter,
 )
+from nnx_zoo.train.run_lock import RunDirLockedError, RunLock
 from nnx_zoo.train.step import token_cross_entropy, train_step
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "DamagedCheckpointError",
     "DataConfig",
     "DivergenceError",
     "ExplodingLossError",
@@ -34,6 +36,8 @@ __all__ = [
     "NonFiniteLossError",
     "OptimizerConfig",
     "Peak",
+    "RunDirLockedError",
+    "RunLock",
     "TrainConfig",
     "TrainState",
     "chunked_head_cross_entropy",

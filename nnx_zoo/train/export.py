@@ -243,6 +243,7 @@ def _restored_model(ckpt: Checkpointer, step: int, config: Any, lora: dict[str, 
         raise ExportError(f"{where}: the model rebuilt from the run's definition does not match the stored weights"
                           + (f"; not stored: {', '.join(missing[:5])}" if missing else "")
                           + (f"; stored but not in the model: {', '.join(unexpected[:5])}" if unexpected else ""))
+    ckpt.verify_files(step)  # a damaged checkpoint is named as such, never exported
     try:
         restored = ckpt.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
@@ -253,6 +254,7 @@ def _restored_model(ckpt: Checkpointer, step: int, config: Any, lora: dict[str, 
         raise ExportError(f"{where}: the model weights cannot be read for the stored config ({_short(err)}); the "
                           "checkpoint may be corrupt, or its model settings (e.g. 'lora') do not match its weights"
                           ) from err
+    ckpt.verify_arrays(step, {"model": restored.state["model"]})
     nnx.replace_by_pure_dict(state, restored.state["model"])
     model = nnx.merge(graphdef, state)
     merged = 0

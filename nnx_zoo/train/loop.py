@@ -36,6 +36,7 @@ from nnx_zoo.train.optim import (
     trains_part,
     warmup_note,
 )
+from nnx_zoo.train.run_lock import lock_run_dir
 from nnx_zoo.train.run_spec import RunMismatchError, reconcile, run_definition
 from nnx_zoo.train.step import train_step
 
@@ -322,7 +323,31 @@ def train(
     ``model_structure`` (e.g. the model config's architecture fields) and ``model_settings`` (fields that change
     the numbers but not the parameters, such as a loss weight) join the run's definition, which every checkpoint
     stores and a resume checks (``nnx_zoo.train.run_spec``).
+
+    The run directory is this run's alone while it trains (``nnx_zoo.train.run_lock``): a second run on it raises
+    ``RunDirLockedError`` at once, naming this one.
     """
+    lock = lock_run_dir(config.run_dir)
+    try:
+        return _train(make_model, config, vocab_size=vocab_size, flops_per_token=flops_per_token,
+                      after_step=after_step, model_structure=model_structure, model_settings=model_settings,
+                      init_model=init_model)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(
+    make_model: Callable[[], nnx.Module],
+    config: TrainConfig,
+    *,
+    vocab_size: int,
+    flops_per_token: float,
+    after_step: Callable[[TrainState, dict[str, Any]], None] | None,
+    model_structure: Mapping[str, Any] | None,
+    model_settings: Mapping[str, Any] | None,
+    init_model: Callable[[nnx.Module, Mesh], None] | None,
+) -> dict[str, Any]:
     run_dir = Path(config.run_dir)
     mesh = make_mesh(config.mesh, shard_mode=config.shard_mode)
     rules = get_rules(config.rules)

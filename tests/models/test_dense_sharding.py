@@ -16,7 +16,11 @@ convolution and delta rule), Qwen3-Next and Qwen3.5-MoE on every mesh and MoE ru
 EP 2, Explicit, ``ep-as-cp`` (the sequence split: each shard's convolution reads the previous shard's last inputs
 and its delta rule starts from the state the shards before hand over), Qwen3.5 on FSDP 4 x TP 2, Auto, and
 Qwen3.5-MoE on FSDP 4 x TP 2, Explicit. Their cases also compare the Adam moments after the two steps (``mu``, ``nu``:
-every element of both steps' gradients) with one device's (``MOMENTS_CHECKED``).
+every element of both steps' gradients) with one device's (``MOMENTS_CHECKED``). Kimi Linear (a KDA layer with a
+decay per key channel and the dense MLP, then an MLA layer without rope and the sigmoid + selection-bias MoE, with
+bias balancing on) does the same on every mesh and MoE rule set, in CI on FSDP 4 x EP 2, Explicit, ``ep-as-cp``
+(KDA's state handed across the sequence split, MLA over the split sequence) and FSDP 4 x TP 2, Auto (both layers'
+heads split).
 
 Cost: compiling the step dominates (~5 s each at XLA:CPU's lowest backend optimization level, which changes no
 float semantics), so weights are drawn with numpy and CI runs the subset in ``CASES`` below (each family's
@@ -45,6 +49,8 @@ from nnx_zoo import (
     Glm4MoEConfig,
     GptOss,
     GptOssConfig,
+    KimiLinear,
+    KimiLinearConfig,
     Llama3,
     Llama3Config,
     Llama4,
@@ -102,18 +108,27 @@ MOE_FAMILIES = {
                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                                            num_experts=4, moe_intermediate_size=32, moe_impl="ep")),
     # Packed (Qwen3-Next) and separate (Qwen3.5) linear-layer projections; every layer MoE with a gated shared expert.
-    "qwen3_next": (Qwen3Next, Qwen3NextConfig.preset("qwen3-next-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE)),
-    "qwen3_5_moe": (Qwen35MoE, Qwen35MoEConfig.preset("qwen3.5-moe-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE))}
+    # Qwen3-Next with its MTP depth (a full MoE layer after the main model, trained with the MTP loss).
+    "qwen3_next": (Qwen3Next, Qwen3NextConfig.preset("qwen3-next-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE,
+                                                     mtp_num_hidden_layers=1)),
+    "qwen3_5_moe": (Qwen35MoE, Qwen35MoEConfig.preset("qwen3.5-moe-tiny", **TINY, **LINEAR, **MOE, **QWEN_MOE)),
+    # A KDA layer (per-channel decay, 4 heads) with the dense MLP, then an MLA layer (no rope) with the sigmoid +
+    # selection-bias MoE and its shared expert; MLA needs as many key/value heads as query heads.
+    "kimi_linear": (KimiLinear, KimiLinearConfig.preset(
+        "kimi-linear-tiny", **{**TINY, "num_key_value_heads": 4}, moe_impl="ep", moe_intermediate_size=32,
+        linear_num_heads=4, linear_head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, layer_types=("linear_attention", "full_attention")))}
 FAMILIES.update(MOE_FAMILIES)
 # train_step settings per family: GLM-4.5 balances its experts by the routing bias (update_routing_bias).
 BIAS_RATE = 0.01
 BIAS_BALANCING = dict(model_kwargs=(("with_expert_load", True),), routing_bias_rate=BIAS_RATE)
-STEP_KWARGS = {"glm4_moe": BIAS_BALANCING, "minimax_m2": BIAS_BALANCING}
+STEP_KWARGS = {"glm4_moe": BIAS_BALANCING, "minimax_m2": BIAS_BALANCING, "kimi_linear": BIAS_BALANCING,
+               "qwen3_next": dict(model_kwargs=(("with_mtp", True),), mtp_weight=0.3)}
 # MoE families run on tensor-parallel meshes too where the heads' split meets a norm over all heads.
-TP_TOO = {"minimax_m2", "qwen3_next", "qwen3_5_moe"}
+TP_TOO = {"minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_linear"}
 # Families whose cases also compare every gradient (the Adam moments); the older families' cases have not been run
 # against that check yet.
-MOMENTS_CHECKED = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
+MOMENTS_CHECKED = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear"}
 MESHES = {"fsdp8": {"fsdp": 8}, "fsdp4-tp2": {"fsdp": 4, "tensor": 2}, "fsdp4-ep2": {"fsdp": 4, "expert": 2}}
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 CASES = [(f, m, mode, "default") for f in FAMILIES for m in MESHES for mode in ("auto", "explicit")
@@ -131,7 +146,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
              ("gemma3", "fsdp8", "explicit", "default"), ("gemma3", "fsdp4-tp2", "auto", "default"),
              ("gemma4", "fsdp4-ep2", "explicit", "ep-as-cp"),
              ("qwen3_next", "fsdp4-ep2", "explicit", "ep-as-cp"), ("qwen3_5", "fsdp4-tp2", "auto", "default"),
-             ("qwen3_5_moe", "fsdp4-tp2", "explicit", "default")]
+             ("qwen3_5_moe", "fsdp4-tp2", "explicit", "default"),
+             ("kimi_linear", "fsdp4-ep2", "explicit", "ep-as-cp"), ("kimi_linear", "fsdp4-tp2", "auto", "default")]
 
 
 @functools.cache
@@ -168,8 +184,8 @@ def _step(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array],
 
 def _train(family: str, mesh: jax.sharding.Mesh | None, rules: str = "default"
            ) -> tuple[list[tuple[float, ...]], nnx.Module, Any]:
-    """Two AdamW steps (one compiled step, called twice): [(loss, grad norm[, aux loss])], the model, the
-    optimizer."""
+    """Two AdamW steps (one compiled step, called twice): [(loss, grad norm[, aux loss][, MTP loss])], the model,
+    the optimizer."""
     graphdef, state = _model_parts(family, rules)
     if mesh is not None:
         leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules(rules)))
@@ -185,7 +201,7 @@ def _train(family: str, mesh: jax.sharding.Mesh | None, rules: str = "default"
         history = []
         for _ in range(2):
             both, metrics = compiled(both, batch)
-            aux = (float(metrics["aux_loss"]),) if "aux_loss" in metrics else ()
+            aux = tuple(float(metrics[k]) for k in ("aux_loss", "mtp1") if k in metrics)  # mtp1: the MTP loss
             history.append((float(metrics["loss"]), float(metrics["grad_norm"]), *aux))
     model, optimizer = nnx.merge(both_graph, both)
     return history, model, optimizer
@@ -213,7 +229,8 @@ def test_two_adamw_steps_match_one_device(family, mesh_name, mode, rules):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())  # float32 sums reordered
     rule_set = get_rules(rules)
     assert history[1][0] < history[0][0]  # it learns
-    if family in STEP_KWARGS:  # two balancing steps: each bias entry moved by -2, -1, 0, 1 or 2 rates, not all 0
+    # Two balancing steps: each bias entry moved by -2, -1, 0, 1 or 2 rates, not all 0.
+    if "routing_bias_rate" in STEP_KWARGS.get(family, {}):
         start = _model_parts(family, rules)[1]["layers"]["mlp"]["e_score_correction_bias"][...]
         steps = (np.asarray(model.layers.mlp.e_score_correction_bias[...]) - np.asarray(start)) / BIAS_RATE
         assert np.any(steps != 0) and np.allclose(steps, np.round(steps), atol=1e-4), steps

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -22,6 +23,7 @@ from flax import nnx
 
 from nnx_zoo import AutoConfig, AutoModelForCausalLM, apply_lora, merge_lora
 from nnx_zoo.train import export_run
+from nnx_zoo.train.checkpoint import FILES_MANIFEST
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -218,6 +220,8 @@ def test_a_lora_run_exports_merged_weights_in_its_dtype(tmp_path):
     meta = json.loads(meta_file.read_text())
     del meta["run"]["settings"]["model"]["lora"]
     meta_file.write_text(json.dumps(meta))
+    # Stands for a run written that way: without this the edit is (rightly) reported as a damaged checkpoint.
+    (run_dir / "checkpoints" / "2" / FILES_MANIFEST).unlink()
     with pytest.raises(ExportError, match="holds LoRA adapters, but the run's model settings do not say"):
         export_run(run_dir, tmp_path / "export-2")
     assert not (tmp_path / "export-2").exists()
@@ -245,6 +249,16 @@ def test_bad_inputs_get_one_line_and_exit_2(deepseek_run, tmp_path, capsys):
     (user_files / "notes.txt").write_text("keep me")
     assert "is not empty and holds no earlier export" in run(deepseek_run, user_files)
     assert (user_files / "notes.txt").read_text() == "keep me" and len(list(user_files.iterdir())) == 1
+
+    # A damaged checkpoint is named as such, never exported.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(deepseek_run, damaged)
+    victim = max((p for p in (damaged / "checkpoints" / "2" / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 1]))
+    err = run(damaged, out)
+    assert f"checkpoint step 2 in {damaged / 'checkpoints'} is damaged: the file {victim} changed" in err
+    assert "previous checkpoint (step 1)" in err and not out.exists()
 
 
 def test_an_earlier_export_is_replaced_and_a_step_directory_is_accepted(deepseek_run, tmp_path):

@@ -110,6 +110,12 @@ def _transformers_checkpoint(family: str, directory: Path):
 
         model = make_qwen35("qwen3_5_moe", vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
                             layer_types=["linear_attention", "full_attention"])
+    elif family == "kimi_linear":  # a KDA layer with the dense MLP, then an MLA one (no rope) with the MoE
+        from tests.models.kimi_linear.reference import make_hf as make_kimi
+
+        model = make_kimi(vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
+                          linear_attn_config={"full_attn_layers": [2], "kda_layers": [1], "num_heads": 2,
+                                              "head_dim": 8, "short_conv_kernel_size": 4})
     else:
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
@@ -129,7 +135,7 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
                                                      ("llama4_text", 1), ("minimax_m2", 1),
                                                      ("gpt_oss", 2),  # GPT-OSS: both stacks
                                                      ("gemma3_text", 0), ("gemma4_text", 3),
-                                                     ("qwen3_5_moe_text", 2)])
+                                                     ("qwen3_5_moe_text", 2), ("kimi_linear", 1)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 

@@ -109,8 +109,11 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
     # Llama 4: a chunked dense layer (chunks of 4 in the 16-token sequences), a NoPE MoE one (temperature tuning).
     ("llama4-tiny", ["--model.num_hidden_layers", "2", "--model.no_rope_layers", "[1, 0]",
                      "--model.attention_chunk_size", "4"]),
-    # Qwen3-Next: a linear (gated delta net) MoE layer, then a full (gated attention) one; shared experts gated.
-    ("qwen3-next-tiny", ["--model.num_hidden_layers", "2"]),
+    # Qwen3-Next: a linear (gated delta net) MoE layer, then a full (gated attention) one; shared experts gated; its
+    # MTP depth (one full MoE layer) on, so the loss adds the MTP term.
+    ("qwen3-next-tiny", ["--model.num_hidden_layers", "2", "--model.mtp_num_hidden_layers", "1"]),
+    # Kimi Linear: a KDA (per-channel decay) dense layer, then an MLA (no rope) one with the sigmoid + bias MoE.
+    ("kimi-linear-tiny", ["--model.num_hidden_layers", "2"]),
 ])
 def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
     run_dir = tmp_path / "run"
@@ -132,6 +135,8 @@ def test_the_families_on_deepseeks_parts_train(tmp_path, capsys, preset, args):
         err = capsys.readouterr().err
         assert f"`python recipes/export_hf.py {run_dir} exports/run`, then rerun this command with " \
                f"--from-pretrained exports/run in place of its --model" in err and "--override-settings" not in err
+    if preset.startswith("qwen3-next"):
+        assert all(r["mtp1"] > 0 for r in rows), rows  # the MTP depth's loss, in the trained loss
 
 
 def test_continued_pretraining_from_our_qwen3_checkpoint_starts_from_its_weights(tmp_path):
@@ -278,6 +283,10 @@ def test_training_extras_follow_what_the_config_has():
     assert extras("glm4.5-tiny", routing_bias_rate=0.01)[1] == 0.01
     assert extras("deepseek3-tiny", mtp_weight=0.1, num_nextn_predict_layers=1)[0] == 0.1
     assert extras("qwen3-moe-tiny", mtp_weight=0, routing_bias_rate=0)[:2] == (0.0, 0.0)  # off is always fine
+    # Qwen3-Next / Qwen3.5: MTP where the config builds it (the releases' presets do), by mtp_num_hidden_layers.
+    assert extras("qwen3-next-tiny")[:2] == (0.0, 0.0)
+    assert extras("qwen3-next-tiny", mtp_num_hidden_layers=1) == extras("qwen3.5-9b") == (
+        0.3, 0.0, (("with_mtp", True),))
     for preset, flag, why in [("qwen3-moe-tiny", "routing_bias_rate", "routes without a selection bias"),
                               ("llama3-tiny", "routing_bias_rate", "has no MoE layers"),
                               ("mixtral-tiny", "mtp_weight", "has no multi-token-prediction heads")]:

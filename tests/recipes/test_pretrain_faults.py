@@ -1,5 +1,6 @@
 """Faults and mistakes, end to end through the pretraining recipe: divergence, changed settings on resume,
-signals, a crash after logging, a full disk. Each checks that nothing good is lost and the message says what to do.
+signals, a second run on a busy run directory, a crash after logging (and its lock taken over), a full disk. Each
+checks that nothing good is lost and the message says what to do.
 
 In-process runs call ``recipe.main``; runs that need signals, kills or their own stderr are subprocesses.
 """
@@ -170,10 +171,13 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- signals
-def read_until(proc: subprocess.Popen, text: str) -> None:
+def read_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """The stderr lines up to the first that holds ``text``."""
+    lines = []
     for line in proc.stderr:
+        lines.append(line)
         if text in line:
-            return
+            return lines
     raise AssertionError(f"the run ended (exit {proc.wait()}) before printing {text!r}")
 
 
@@ -183,13 +187,24 @@ def test_sigterm_saves_and_exits_75_and_a_second_signal_exits_at_once(tmp_path):
     args = ("--steps", "500", "--model.vocab_size", "129280")
     proc = launch(run_dir, *args)
     wait_for_rows(proc, run_dir, 2)
+    # One run directory, one run: a second run on it is refused before it builds anything, naming the first and the
+    # ways out, and the first goes on unaffected (each step logged once, its checkpoint its own).
+    second = launch(run_dir, *args)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 2, err[-3000:]
+    assert f"is in use by another run: pid {proc.pid} on host {socket.gethostname()}, started " in err
+    assert f"run `kill {proc.pid}` (SIGTERM" in err and "another --run-dir" in err and "Traceback" not in err
+    assert "compiling" not in err and "parameters" not in err  # refused before the model was even described
+    wait_for_rows(proc, run_dir, len(rows(run_dir)) + 1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_STOPPED, err[-3000:]
     assert "SIGTERM: stopping after this step" in err and "Traceback" not in err
     assert "checkpoint saved; rerun to resume" in out
     last = rows(run_dir)[-1]["step"]
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 1))
     assert checkpoint_steps(run_dir) == [last]
+    assert (run_dir / "run.lock").read_text() == ""  # a clean end releases the lock
 
     # A second signal while it stops: exit now (128 + 15), no traceback; the last complete checkpoint is kept.
     proc = launch(run_dir, *args)
@@ -258,10 +273,16 @@ def test_a_hard_kill_under_the_default_cadence_loses_little_and_resumes_bit_exac
     # Checkpoints came by wall time alone (the step cadence is 1000): more than the first one, which the compile's
     # seconds made due.
     assert 2 <= resumed_from <= before[-1]["step"] < 40
+    killed = proc.pid
+    assert f'"pid": {killed}' in (run_dir / "run.lock").read_text()  # kill -9 left its lock file behind
     proc = launch(run_dir, *steps, "--checkpoint-minutes", "0.002")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert f"steps {resumed_from} -> 40 (resumed)" in out
+    # The dead run's lock is taken over, with one line saying so.
+    took_over = [line for line in err.splitlines() if "took over the run directory lock" in line]
+    assert len(took_over) == 1 and f"(pid {killed} on host" in took_over[0], err[-3000:]
+    assert f"pid {killed} is no longer running" in took_over[0]
     after = rows(run_dir)
     assert [r["step"] for r in after] == list(range(1, 41))
     assert after[:resumed_from] == before[:resumed_from]  # the rows up to the checkpoint are the first run's

@@ -6,6 +6,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,15 @@ def test_two_recipe_processes_match_one(tmp_path):
     procs = [launch(tmp_path / "multi", 4, NNX_ZOO_NUM_PROCESSES="2", NNX_ZOO_PROCESS_ID=str(i),
                     NNX_ZOO_COORDINATOR=coordinator) for i in range(2)]
     single = launch(tmp_path / "single", 8)
+    # Only the coordinating process holds the run directory's lock (were process 1 to try too, it would be refused
+    # and the run would fail): the lock names process 0 while they run, and is released when they end.
+    lock = tmp_path / "multi" / "run.lock"
+    while not (lock.exists() and lock.read_text()) and procs[0].poll() is None:
+        time.sleep(0.01)
+    holder = json.loads(lock.read_text())
     outs = [finish(p) for p in procs]
+    assert holder["pid"] == procs[0].pid
+    assert lock.read_text() == ""
     finish(single)
     expected = losses(tmp_path / "single")
     assert len(expected) == 3

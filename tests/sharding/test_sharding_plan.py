@@ -4,7 +4,9 @@ buffer assignment on configurations that compile here."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import warnings
 
 import jax
@@ -617,3 +619,44 @@ def test_the_plans_decoding_cache_is_the_models(preset, mesh_shape):
     assert "decoding cache" in plan.table()
     mla = AutoConfig.preset("deepseek3-tiny")
     assert memory_plan(lambda: DeepSeekV3(mla, rngs=nnx.Rngs(0)), mla, mesh, "default", seq_len=seq).cache_bytes is None
+
+
+# The linear-attention hybrids (nnx_zoo.sharding.plan_linear): a (linear, full) step scanned twice, 256 tokens in
+# four chunks of 64, vocab 512 (the layers' phases decide). Measured estimate / XLA: Qwen3.5 (gated delta rule, gated
+# full attention) 1.04 under none, 1.00 under full; Kimi Linear (KDA's per-channel decay, MLA full layers, MoE on the
+# dense path) 0.95 and 1.07. Before (the linear layers counted as softmax attention): 1.12, 0.62, 0.87, 0.53; the
+# step's whole pattern as the none case's cotangents: 1.19 and 1.07; KDA's chunk scratch without its [c, c, d_k]
+# decays 0.92 under full, with four of them 1.38.
+# CI compiles one remat per family (each case ~25 s of CPU); NNX_ZOO_FULL_MATRIX=1 runs both for both.
+HYBRIDS = [("qwen3.5-tiny", {}, "none"), ("kimi-linear-tiny", dict(first_k_dense_replace=0, moe_impl="dense"), "full"),
+           ("qwen3.5-tiny", {}, "full"), ("kimi-linear-tiny", dict(first_k_dense_replace=0, moe_impl="dense"), "none")]
+if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
+    HYBRIDS = HYBRIDS[:2]
+
+
+@pytest.mark.parametrize(("preset", "extra", "remat"), HYBRIDS)
+def test_linear_attention_hybrids_estimate_within_tolerance_of_xla(preset, extra, remat):
+    config = AutoConfig.preset(preset, remat_policy=remat, vocab_size=512, **extra)
+    mesh = make_mesh({"fsdp": 1}, shard_mode="explicit", devices=jax.devices()[:1])
+    seq = 256
+    with jax.set_mesh(mesh), use_rules("default"):
+        model = create_sharded(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)), mesh,
+                               "default")
+        xla = _xla_temp(model, mesh, 1, seq, None)
+    plan = memory_plan(model, config, mesh, "default", seq_len=seq, batch_per_device=1,
+                       kernels=kernel_choices(config, seq_len=seq, platform="cpu"))
+    estimate = plan.activation_bytes(remat)
+    # Held tighter than the issue's 0.85-1.15: the linear layers' terms are modelled to a few percent (without the
+    # convolution's residuals and half the outputs' widths, Qwen3.5 under full: 0.91).
+    assert 0.93 <= estimate / xla <= 1.10, (estimate / xla, estimate, xla, plan.activations[remat])
+    linear = [k for k in plan.shapes.kinds if k.attention == "linear"]
+    assert len(linear) == 1 and linear[0].linear.chunk == config.delta_rule_chunk_size
+    assert plan.activations[remat]["delta rule, one chunk"] > 0
+    state = linear[0].linear.state_bytes(1)
+    assert f"state [{linear[0].linear.value_heads} heads x 32 x 32] float32 per row ({state:,} bytes)" in plan.table()
+    assert f"kept at every chunk of {config.delta_rule_chunk_size}" in plan.table()
+    if remat == "none":  # every layer keeps its state at each chunk boundary: a smaller chunk keeps more
+        smaller = dataclasses.replace(config, delta_rule_chunk_size=32)
+        finer = memory_plan(model, smaller, mesh, "default", seq_len=seq, batch_per_device=1,
+                            kernels=kernel_choices(config, seq_len=seq, platform="cpu"))
+        assert finer.activations[remat]["moe layers"] - plan.activations[remat]["moe layers"] == 2 * 4 * state

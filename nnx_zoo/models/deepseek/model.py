@@ -28,7 +28,13 @@ from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
-from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, stack_hidden_states
+from nnx_zoo.models.causal_lm import (
+    CausalLMBase,
+    CausalLMOutput,
+    check_forward_inputs,
+    shifted_by_depth,
+    stack_hidden_states,
+)
 from nnx_zoo.models.deepseek.cache import MLACache
 from nnx_zoo.models.deepseek.config import LAYER_STACKS, DeepSeekV3Config
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
@@ -295,7 +301,7 @@ class DeepSeekV3(CausalLMBase):
             depth = c.num_nextn_predict_layers if with_mtp else 0
             # The main model's tokens and every MTP depth's shifted ones in one lookup: the table's gradient is
             # then one scatter-add, reduced over the devices once rather than once per depth.
-            ids, masks = _shifted_by_depth(input_ids, attention_mask, depth)
+            ids, masks = shifted_by_depth(input_ids, attention_mask, depth)
             token_embeddings = self.embed(ids)
             embeddings = token_embeddings[0]
             run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
@@ -446,24 +452,6 @@ class DeepSeekV3(CausalLMBase):
 
         _, (hidden, indexer_loss) = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
         return hidden, indexer_loss
-
-
-def _shifted_by_depth(input_ids: jax.Array, attention_mask: jax.Array | None,
-                      depth: int) -> tuple[jax.Array, jax.Array | None]:
-    """``input_ids`` and its copies shifted left by ``1 .. depth`` (the MTP depths' tokens, padded with 0 at the
-    end), stacked: ``[1 + depth, batch, seq]``; the attention mask likewise (None stays None)."""
-    if depth == 0:
-        return input_ids[None], None if attention_mask is None else attention_mask[None]
-    # Shifting slices the sequence dim, which cannot stay split over devices (context parallelism under an
-    # Explicit mesh): the shifts are taken from copies whole along it.
-    whole_sequence = ("activation_batch", None)
-    seq_len = input_ids.shape[1]
-
-    def shifted(a: jax.Array) -> jax.Array:
-        a = shard(a, whole_sequence)
-        return jnp.stack([a] + [jnp.pad(a[:, k:], ((0, 0), (0, min(k, seq_len)))) for k in range(1, depth + 1)])
-
-    return shifted(input_ids), None if attention_mask is None else shifted(attention_mask)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:

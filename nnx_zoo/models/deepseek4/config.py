@@ -137,6 +137,11 @@ class DeepSeekV4Config(FamilyConfig):
         self._canonical_dtypes()
         self._raise_problems()
 
+    @property
+    def mtp_depth(self) -> int:
+        """``FamilyConfig.mtp_depth``: one depth per MTP head (``num_nextn_predict_layers``)."""
+        return self.num_nextn_predict_layers
+
     def _problems(self) -> list[str]:
         p: list[str] = []
         positive = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",

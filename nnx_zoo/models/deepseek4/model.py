@@ -30,7 +30,7 @@ from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
 from nnx_zoo.layers.sparse_moe import SparseMoE
-from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs
+from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, shifted_by_depth
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.model import _mean_over_sequences
 from nnx_zoo.models.deepseek.moe import sequence_balance_loss
@@ -307,11 +307,9 @@ class DeepSeekV4(CausalLMBase):
              positions: jax.Array, streams: jax.Array) -> jax.Array:
         """Each MTP depth's normed hidden state ``[depth, b, s, embed]``: depth ``k`` reads the tokens shifted left
         by ``k`` (at their own positions) and the previous depth's streams (depth 1: the main model's last)."""
-        from nnx_zoo.models.deepseek.model import _shifted_by_depth
-
         c = self.config
         depth = c.num_nextn_predict_layers
-        ids, masks = _shifted_by_depth(input_ids, attention_mask, depth)
+        ids, masks = shifted_by_depth(input_ids, attention_mask, depth)
         seq = input_ids.shape[1]
         outputs = []
         for k in range(1, depth + 1):

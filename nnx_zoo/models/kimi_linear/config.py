@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK, delta_rule_problems
 from nnx_zoo.models.decoder_config import LayerKind, ParameterCount, cpu_presets
 from nnx_zoo.models.deepseek.config import DeepSeekV3Config
 from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
@@ -82,6 +83,7 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = True
     # Fields transformers' config class does not have (left out of config.json).
     HF_OMITTED: ClassVar[frozenset[str]] = frozenset({"first_k_dense_replace", "partial_rotary_factor"})
+    NNX_ONLY: ClassVar[frozenset[str]] = MoEDecoderConfig.NNX_ONLY | {"delta_rule_impl", "delta_rule_chunk_size"}
 
     num_experts: int = 256
     moe_intermediate_size: int = 1024
@@ -102,6 +104,9 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
     linear_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     pad_token_id: int | None = 163839  # transformers' default (an id of the published vocabulary)
+    # ---- nnx_zoo only ----
+    delta_rule_impl: str = "auto"  # the KDA layers' kernel: 'auto' | 'chunked' | 'recurrent' (gated_delta_rule)
+    delta_rule_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the chunked scan
 
     def __post_init__(self) -> None:
         for name in ("layer_types", "mlp_layer_types"):
@@ -164,6 +169,13 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
             rms_norm_eps=self.rms_norm_eps, initializer_range=self.initializer_range, dtype=self.dtype,
             param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
+    def linear_attention_shapes(self) -> dict[str, Any]:
+        """A KDA layer's sizes for the memory plan (``nnx_zoo.sharding.plan_linear.LinearShapes``)."""
+        h, d, width = self.linear_num_heads, self.linear_head_dim, self.linear_width
+        return dict(key_heads=h, value_heads=h, key_dim=d, value_dim=d, conv_channels=3 * width,
+                    chunk=self.delta_rule_chunk_size, per_channel_decay=True,
+                    projections=5 * width + 2 * d + h)  # q, k, v; f_a, f_b; g_a, g_b; b
+
     def _problems(self) -> list[str]:
         p = super()._problems()
         if p:
@@ -194,6 +206,7 @@ class KimiLinearConfig(MoEDecoderConfig, model_type="kimi_linear", architecture=
             p.append(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
                      f"{self.num_attention_heads}: MLA expands keys and values for every head (transformers' eager "
                      "attention fails otherwise)")
+        p += delta_rule_problems(self.delta_rule_chunk_size)
         if p or not self.num_moe_layers:
             return p
         experts, groups, kept = self.num_experts, self.num_expert_group, self.topk_group

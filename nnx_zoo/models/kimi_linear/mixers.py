@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_zoo.layers.delta_rule import gated_delta_rule
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import GatedRMSNorm, l2_normalize
 from nnx_zoo.layers.short_conv import ShortConv
@@ -39,10 +39,12 @@ class KimiDeltaAttention(DeltaRuleMixer):
     """
 
     def __init__(self, features: int, *, heads: int, head_dim: int, conv_kernel: int, norm_eps: float = 1e-5,
-                 chunk_size: int = 64, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 chunk_size: int = DEFAULT_CHUNK, delta_rule_impl: str = "auto", dtype: jnp.dtype = jnp.float32,
+                 param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         h, d = heads, head_dim
-        self.heads, self.head_dim, self.chunk_size, self.dtype = h, d, chunk_size, dtype
+        self.heads, self.head_dim, self.dtype = h, d, dtype
+        self.chunk_size, self.delta_rule_impl = chunk_size, delta_rule_impl
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         self.q_proj = Linear(features, (h, d), kernel_names=("embed", "heads", "kv"), **kw)
         self.k_proj = Linear(features, (h, d), kernel_names=("embed", "heads", "kv"), **kw)
@@ -90,8 +92,8 @@ class KimiDeltaAttention(DeltaRuleMixer):
         q, k, v = mixed
         tail = jnp.concatenate(new_tails, axis=-1)
         beta = jax.nn.sigmoid(self.b_proj(x, _BLH).astype(jnp.float32))
-        out, state = gated_delta_rule(l2_normalize(q, 1e-6), l2_normalize(k, 1e-6), v, self.decay(x), beta,
+        out, state = self._delta_rule(l2_normalize(q, 1e-6), l2_normalize(k, 1e-6), v, self.decay(x), beta,
                                       scale=d**-0.5, initial_state=state, segment_ids=segment_ids,
-                                      token_mask=token_mask, chunk_size=self.chunk_size)
+                                      token_mask=token_mask)
         out = self.o_norm(out, self.g_b_proj(self.g_a_proj(x, _BL_), _BLHD))  # [b, s, h, d]
         return restore_sharding(self.o_proj(shard(out.astype(self.dtype), _BLHD), _BLE), in_sharding), tail, state

@@ -47,6 +47,7 @@ class _KimiLayer:
         if kind.attention == "linear":
             self.attn = KimiDeltaAttention(c.hidden_size, heads=c.linear_num_heads, head_dim=c.linear_head_dim,
                                            conv_kernel=c.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps,
+                                           chunk_size=c.delta_rule_chunk_size, delta_rule_impl=c.delta_rule_impl,
                                            kernel_init=init, rngs=rngs, **_dtypes(c))
         else:
             self.attn = MLA(c.mla_config(), rngs=rngs)

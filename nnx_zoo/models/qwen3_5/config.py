@@ -32,8 +32,9 @@ QWEN35_9B: dict[str, Any] = dict(
     _COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
     num_key_value_heads=4, linear_num_value_heads=32, num_experts=0, num_experts_per_tok=1, tie_word_embeddings=False)
 DENSE_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3.5-9b": {},
-    "qwen3.5-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    "qwen3.5-9b": {"mtp_num_hidden_layers": 1},  # each release carries one MTP layer
+    "qwen3.5-27b": dict(mtp_num_hidden_layers=1, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24,
                         linear_num_value_heads=48),
     **cpu_presets("qwen3.5", head_dim=64, rope_theta=1e6, partial_rotary_factor=0.25, **_LINEAR),
 }
@@ -45,8 +46,9 @@ QWEN35_35B_A3B: dict[str, Any] = dict(
 _CPU_MOE = cpu_presets("qwen3.5-moe", head_dim=64, rope_theta=1e6, partial_rotary_factor=0.25, num_experts=8,
                        num_experts_per_tok=2, **_LINEAR)
 MOE_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3.5-35b-a3b": {},
-    "qwen3.5-397b-a17b": dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_experts=512,
+    "qwen3.5-35b-a3b": {"mtp_num_hidden_layers": 1},
+    "qwen3.5-397b-a17b": dict(mtp_num_hidden_layers=1, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                              num_experts=512,
                               num_experts_per_tok=10, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
                               linear_num_value_heads=64),
     "qwen3.5-moe-tiny": {**_CPU_MOE["qwen3.5-moe-tiny"], "moe_intermediate_size": 64,

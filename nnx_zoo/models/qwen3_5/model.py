@@ -1,7 +1,7 @@
 """Qwen3.5's text models: ``Qwen3Next`` (``nnx_zoo.models.qwen3_next``) with the linear layers' projections
 separate (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``): ``Qwen35`` (dense) and ``Qwen35MoE``.
-They load the text model of a multimodal checkpoint too (``model.language_model.*``; the vision tower and the
-MTP layers skipped) and save a text-only one."""
+They load the text model of a multimodal checkpoint too (``model.language_model.*``, the MTP depth's top-level
+``mtp.*`` with it; the vision tower skipped) and save a text-only one."""
 
 from __future__ import annotations
 

@@ -14,8 +14,11 @@ The class defaults are Qwen3-Next-80B-A3B. Shared fields, validation and HF mapp
 - MoE layers as Qwen3-MoE's (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``,
   ``decoder_sparse_step``, ``mlp_only_layers``) plus a shared expert of width ``shared_expert_intermediate_size``
   whose output a per-token sigmoid gate scales.
-- The published checkpoints carry multi-token-prediction weights (``mtp.*``); transformers skips them, and so does
-  this model (no MTP head).
+- Multi-token prediction (``mtp_num_hidden_layers``, 1 in the releases; 0, the default: none): one MTP depth whose
+  ``mtp_num_hidden_layers`` full-attention layers (MoE as ``is_moe_layer(j)`` of their index ``j``, as vLLM builds
+  them) read ``fc([norm(embedding of the next token) | norm(final hidden state)])`` and predict the token two
+  ahead through the shared head (``nnx_zoo.models.qwen3_next.model.MTPBlock``). transformers has no MTP (it skips
+  the ``mtp.*`` weights); the parameter counts leave it out unless ``include_mtp``, as the published counts do.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK, delta_rule_problems
 from nnx_zoo.models.decoder_config import LayerKind, ParameterCount, cpu_presets
 from nnx_zoo.models.moe_decoder_config import ExpertFields, MoEDecoderConfig
 
@@ -42,7 +46,7 @@ _CPU = cpu_presets("qwen3-next", head_dim=64, rope_theta=1e6, partial_rotary_fac
                    num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                    linear_value_head_dim=32)
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-next-80b-a3b": {},
+    "qwen3-next-80b-a3b": {"mtp_num_hidden_layers": 1},  # the release's one MTP layer
     "qwen3-next-tiny": {**_CPU["qwen3-next-tiny"], "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64},
     "qwen3-next-small": {**_CPU["qwen3-next-small"], "moe_intermediate_size": 128,
                          "shared_expert_intermediate_size": 128},
@@ -72,11 +76,13 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     HF_HEAD_DIM_IF_ABSENT: ClassVar[int | None] = 256  # its default
     HF_HEAD_DIM_NULL_OK: ClassVar[bool] = False
     PARTIAL_ROTARY: ClassVar[bool] = True
+    ATTENTION_OUTPUT_GATE: ClassVar[bool] = True  # full layers gate their output by a sigmoid (read by the plan)
     # Whether the linear layers' input projections are packed per query/key head (Qwen3-Next's in_proj_qkvz and
     # in_proj_ba) or separate (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
     PACKED_PROJECTIONS: ClassVar[bool] = True
     # Fields transformers' config class for this model_type does not have (left out of config.json).
     HF_OMITTED: ClassVar[frozenset[str]] = frozenset({"full_attention_interval"})
+    NNX_ONLY: ClassVar[frozenset[str]] = MoEDecoderConfig.NNX_ONLY | {"delta_rule_impl", "delta_rule_chunk_size"}
 
     num_experts: int = 512
     moe_intermediate_size: int = 512
@@ -91,6 +97,10 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    mtp_num_hidden_layers: int = 0  # decoder layers of the multi-token-prediction depth (HF mtp.layers.*); 0: no MTP
+    # ---- nnx_zoo only ----
+    delta_rule_impl: str = "auto"  # the linear layers' kernel: 'auto' | 'chunked' | 'recurrent' (gated_delta_rule)
+    delta_rule_chunk_size: int = DEFAULT_CHUNK  # tokens per chunk of the chunked scan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
@@ -127,6 +137,13 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
+    def linear_attention_shapes(self) -> dict[str, Any]:
+        """A linear layer's sizes for the memory plan (``nnx_zoo.sharding.plan_linear.LinearShapes``)."""
+        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+        return dict(key_heads=self.linear_num_key_heads, value_heads=hv, key_dim=self.linear_key_head_dim,
+                    value_dim=dv, conv_channels=self.linear_conv_dim, chunk=self.delta_rule_chunk_size,
+                    projections=self.linear_conv_dim + hv * dv + 2 * hv)  # q, k, v; the output gate z; b, a
+
     def _problems(self) -> list[str]:
         p = super()._problems()
         if p:
@@ -147,16 +164,26 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
                 p.append(f"layer_types {bad} are not this model's; use {sorted(LAYER_TYPES)}")
+        n = self.mtp_num_hidden_layers
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+            p.append(f"mtp_num_hidden_layers must be a non-negative integer, got {n!r}")
+        elif len({self.is_moe_layer(j) for j in range(n)}) > 1:
+            p.append(f"the {n} MTP layers would mix dense and MoE MLPs (is_moe_layer of their indices 0..{n - 1}: "
+                     "mlp_only_layers / decoder_sparse_step); only MTP layers of one kind are supported")
         if self.attention_bias:
             p.append("attention_bias=True is not supported (the released checkpoints have no attention biases)")
         if self.num_experts and not self.shared_expert_intermediate_size:
             p.append("shared_expert_intermediate_size must be positive (every MoE layer has a gated shared expert)")
-        return p
+        return p + delta_rule_problems(self.delta_rule_chunk_size)
 
     # ---- Hugging Face config.json ----
     @classmethod
     def _from_hf_dict(cls, d: dict[str, Any], overrides: Mapping[str, Any]) -> Qwen3NextConfig:
         d = {"norm_topk_prob": False, **d} if cls.EXPERT_FIELDS.renormalize_topk == "norm_topk_prob" else dict(d)
+        if d.get("mtp_use_dedicated_embeddings") and d.get("mtp_num_hidden_layers"):
+            raise ValueError("mtp_use_dedicated_embeddings=true (an MTP depth with its own embedding table) is not "
+                             "supported: the releases share the model's; load with mtp_num_hidden_layers=0 to skip "
+                             "the MTP weights")
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         if isinstance(rope, Mapping):  # the multimodal rope's sections: the same rope for text-only positions
             key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
@@ -170,6 +197,15 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
         d["partial_rotary_factor"] = self.partial_rotary_factor  # its default is not 1 here: always written
         return {k: v for k, v in d.items() if k not in self.HF_OMITTED}
 
+    @property
+    def mtp_depth(self) -> int:
+        """``FamilyConfig.mtp_depth``: one depth (its ``mtp_num_hidden_layers`` layers run in turn), or none."""
+        return 1 if self.mtp_num_hidden_layers else 0
+
+    def mtp_layer_kind(self) -> LayerKind:
+        """The kind of every MTP layer: full attention, MoE as ``is_moe_layer(0)`` (vLLM numbers them from 0)."""
+        return LayerKind("full", self.is_moe_layer(0))
+
     # ---- sizes and cost ----
     def _linear_params(self) -> int:
         h, hk, hv = self.hidden_size, self.linear_num_key_heads, self.linear_num_value_heads
@@ -182,13 +218,18 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
         return h * heads * 2 * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd  # q + gate, k, v, o, q/k norms
 
     def num_parameters(self, *, include_mtp: bool = False) -> ParameterCount:
-        """Parameter counts (no MTP head: ``include_mtp`` is accepted and ignored). ``active`` counts the router,
-        ``num_experts_per_tok`` routed experts and the gated shared expert of each MoE layer."""
-        del include_mtp
+        """Parameter counts, the MTP depth's only with ``include_mtp`` (its norms, ``fc`` and layers; the embedding
+        and head are shared). ``active`` counts the router, ``num_experts_per_tok`` routed experts and the gated
+        shared expert of each MoE layer."""
         h, v = self.hidden_size, self.vocab_size
         total = active = v * h + (0 if self.tie_word_embeddings else v * h) + h
         experts, k, width = self.num_routed_experts, self.num_experts_per_tok, self.expert_intermediate_size
-        for kind in self.layer_kinds():
+        kinds = list(self.layer_kinds())
+        if include_mtp and self.mtp_num_hidden_layers:
+            total += 3 * h + 2 * h * h  # its three norms and fc
+            active += 3 * h + 2 * h * h
+            kinds += [self.mtp_layer_kind()] * self.mtp_num_hidden_layers
+        for kind in kinds:
             mixer = (self._linear_params() if kind.attention == "linear" else self._full_params()) + 2 * h
             if kind.moe:
                 shared = 3 * h * self.shared_expert_intermediate_size + h + h * experts  # + its gate, the router
@@ -202,10 +243,12 @@ class Qwen3NextConfig(MoEDecoderConfig, model_type="qwen3_next", architecture="Q
     def train_flops_per_token(self, seq_len: int, *, include_mtp: bool = False) -> float:
         """``6 * (active matmul parameters)`` plus, per full layer, causal attention over ``seq_len`` (as
         ``DecoderConfig``'s), and per linear layer the delta rule's state reads and writes: about ``3 * 2 * 2 *
-        heads * d_k * d_v`` per token (forward and backward), independent of the sequence."""
+        heads * d_k * d_v`` per token (forward and backward), independent of the sequence. ``include_mtp``: the MTP
+        depth's parameters and full layers too (not its pass through the shared head, as DeepSeek-V3's count)."""
         counts = self.num_parameters(include_mtp=include_mtp)
         matmul = counts.active - (0 if self.tie_word_embeddings else counts.embedding)
         kinds = [k.attention for k in self.layer_kinds()]
+        kinds += ["full"] * (self.mtp_num_hidden_layers if include_mtp else 0)
         attention = 3 * seq_len * self.num_attention_heads * 2 * self.head_dim * kinds.count("full")
         state = 12 * self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         return float(6 * matmul + attention + state * kinds.count("linear"))

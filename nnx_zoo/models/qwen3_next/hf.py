@@ -7,8 +7,12 @@ layer's ``linear_attn.*``: ``in_proj_qkvz`` and ``in_proj_ba`` (packed per query
 (regrouped per query/key head on load: ``PerKeyHead``), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, then
 ``conv1d.weight [C, 1, K]`` (its channels regrouped the same way), ``dt_bias``, ``A_log``, ``norm.weight`` and
 ``out_proj``; the MLP as Qwen3-MoE's (router ``mlp.gate``, per-expert or fused experts) plus
-``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight [1, embed]``, or a dense layer's ``mlp.*_proj``. The
-multi-token-prediction weights (``mtp.*``) are skipped, as transformers skips them.
+``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight [1, embed]``, or a dense layer's ``mlp.*_proj``.
+
+The multi-token-prediction depth (``config.mtp_num_hidden_layers > 0``): ``mtp.pre_fc_norm_embedding.weight``,
+``mtp.pre_fc_norm_hidden.weight``, ``mtp.fc.weight [embed, 2 * embed]``, ``mtp.norm.weight`` and its full-attention
+layers under ``mtp.layers.{j}.`` with the keys of ``model.layers.{i}.``; with none, the files' ``mtp.*`` keys are
+skipped (as transformers skips them).
 """
 
 from __future__ import annotations
@@ -95,7 +99,13 @@ MOE_ROWS = expert_rows("mlp", "gate_proj", "up_proj", "down_proj") + (
     Row("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down.kernel", DENSE),
     Row("mlp.shared_expert_gate.weight", "mlp.shared_gate", DENSE),  # [1, embed] <-> [embed, 1]
 )
-IGNORED = (r"^mtp\.",)  # the multi-token-prediction layers: no MTP head here (transformers skips them too)
+IGNORED = (r"^mtp\.",)  # the multi-token-prediction weights of a model built without them
+MTP_ROWS = (
+    Row("mtp.pre_fc_norm_embedding.weight", "mtp.embed_norm.scale"),
+    Row("mtp.pre_fc_norm_hidden.weight", "mtp.hidden_norm.scale"),
+    Row("mtp.fc.weight", "mtp.fc.kernel", DENSE),  # [embed, 2 * embed]: the embedding's columns, then the hidden's
+    Row("mtp.norm.weight", "mtp.norm.scale"),
+)
 
 
 def key_table(config: MoEDecoderConfig, *, packed: bool = True, aliases: tuple[tuple[str, str], ...] = (),
@@ -105,13 +115,17 @@ def key_table(config: MoEDecoderConfig, *, packed: bool = True, aliases: tuple[t
     another layout of the same checkpoint (a multimodal one's text model)."""
     dk = config.linear_key_head_dim  # type: ignore[attr-defined]
     linear = (PACKED_LINEAR_ROWS if packed else separate_linear_rows(dk)) + _linear_common(dk)
+    layers = [(name, "model.layers.{i}.", kind, indices) for name, kind, indices in config.layer_stacks()]
+    mtp = config.mtp_num_hidden_layers  # type: ignore[attr-defined]
+    if mtp:
+        layers.append(("mtp.layers", "mtp.layers.{i}.", config.mtp_layer_kind(), range(mtp)))  # type: ignore[attr-defined]
     stacks = []
-    for name, kind, indices in config.layer_stacks():
+    for name, prefix, kind, indices in layers:
         rows = NORM_ROWS + (linear if kind.attention == "linear" else FULL_ROWS)
         if kind.moe:
-            stacks.append(Stack(name, "model.layers.{i}.", indices, rows + MOE_ROWS, FUSED_EXPERTS))
+            stacks.append(Stack(name, prefix, indices, rows + MOE_ROWS, FUSED_EXPERTS))
         else:
-            stacks.append(Stack(name, "model.layers.{i}.", indices, rows + DENSE_MLP_ROWS))
+            stacks.append(Stack(name, prefix, indices, rows + DENSE_MLP_ROWS))
     tied = (r"^lm_head\.weight$",) if config.tie_word_embeddings else ()
-    return KeyTable(top=dense_hf.TOP_TABLE, stacks=tuple(stacks), ignored=tied + IGNORED + ignored, aliases=aliases,
-                    source=source)
+    return KeyTable(top=dense_hf.TOP_TABLE + (MTP_ROWS if mtp else ()), stacks=tuple(stacks),
+                    ignored=tied + (() if mtp else IGNORED) + ignored, aliases=aliases, source=source)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnx_zoo.layers.attention import Attention, AttentionMask
-from nnx_zoo.layers.delta_rule import gated_delta_rule
+from nnx_zoo.layers.delta_rule import DEFAULT_CHUNK, gated_delta_rule
 from nnx_zoo.layers.linear import DEFAULT_INIT, Linear
 from nnx_zoo.layers.norm import GatedRMSNorm, RMSNorm, l2_normalize
 from nnx_zoo.layers.rope import apply_rope
@@ -92,7 +92,17 @@ class DeltaRuleMixer(nnx.Module):
     """A linear-attention token mixer run by the gated delta rule: the shape ``__call__`` and ``decode`` share
     around a subclass's ``_mix(x, token_mask, segment_ids, tail, state) -> (out, conv tail, delta-rule state)``
     (the projections, the short convolution continuing ``tail``, the delta rule continuing ``state``; None: empty).
-    Qwen3-Next's ``GatedDeltaNet`` and Kimi Linear's KDA are two of them."""
+    Qwen3-Next's ``GatedDeltaNet`` and Kimi Linear's KDA are two of them. Its ``delta_rule_impl`` and
+    ``chunk_size`` (the config's ``delta_rule_impl`` / ``delta_rule_chunk_size``) reach the kernel in one place,
+    ``_delta_rule``."""
+
+    delta_rule_impl: str = "auto"
+    chunk_size: int = DEFAULT_CHUNK
+
+    def _delta_rule(self, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                    **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+        """``gated_delta_rule`` with this mixer's kernel and chunk size."""
+        return gated_delta_rule(q, k, v, g, beta, impl=self.delta_rule_impl, chunk_size=self.chunk_size, **kwargs)
 
     def _mix(self, x: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None, tail: jax.Array | None,
              state: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -139,15 +149,15 @@ class GatedDeltaNet(DeltaRuleMixer):
     """
 
     def __init__(self, features: int, *, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
-                 conv_kernel: int, packed: bool, norm_eps: float = 1e-6, chunk_size: int = 64,
-                 dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
+                 conv_kernel: int, packed: bool, norm_eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK,
+                 delta_rule_impl: str = "auto", dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32,
                  kernel_init: nnx.initializers.Initializer = DEFAULT_INIT, rngs: nnx.Rngs):
         hk, hv, dk, dv = key_heads, value_heads, key_dim, value_dim
         if hv % hk:
             raise ValueError(f"key heads ({hk}) must divide value heads ({hv})")
         r = hv // hk
         self.key_heads, self.value_heads, self.key_dim, self.value_dim = hk, hv, dk, dv
-        self.packed, self.chunk_size, self.dtype = packed, chunk_size, dtype
+        self.packed, self.chunk_size, self.delta_rule_impl, self.dtype = packed, chunk_size, delta_rule_impl, dtype
         kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
         w = 2 * dk + r * dv  # a query/key head's conv channels: its query, its key, its r value heads' values
         if packed:
@@ -203,7 +213,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         beta = jax.nn.sigmoid(beta_in.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        out, state = gated_delta_rule(q, k, v, g, beta, scale=dk**-0.5, initial_state=state,
-                                      segment_ids=segment_ids, token_mask=token_mask, chunk_size=self.chunk_size)
+        out, state = self._delta_rule(q, k, v, g, beta, scale=dk**-0.5, initial_state=state,
+                                      segment_ids=segment_ids, token_mask=token_mask)
         out = self.norm(out, z)  # [b, s, hv, dv]
         return restore_sharding(self.out_proj(shard(out.astype(self.dtype), _BLHD), _BLE), in_sharding), tail, state

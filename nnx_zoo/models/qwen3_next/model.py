@@ -7,29 +7,42 @@ layers, gated attention with partial rope in full ones), ``(1 + w)`` RMSNorms, a
 gated per token (``SparseMoE(shared_gate=True)``). Decoding keeps ``HybridCache``: keys and values for full
 layers, the convolution's tail and the delta rule's state for linear ones. Qwen3.5 (``nnx_zoo.models.qwen3_5``) is
 this model with separate linear-layer projections.
+
+Multi-token prediction (``config.mtp_num_hidden_layers``, the releases' ``mtp.*``): ``MTPBlock`` after the main
+model, run by ``forward(..., with_mtp=True)`` only (training; decoding never runs it). It is DeepSeek-V3's scheme
+(``nnx_zoo.models.deepseek.model.MTPHead``: the next token's normed embedding, then the normed final hidden state,
+concatenated and projected) with this model's ``(1 + w)`` norms and its own full-attention decoder layers.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
+from nnx_zoo.hf import SafetensorsCheckpoint
+from nnx_zoo.layers.attention import causal_mask, token_mask_of
 from nnx_zoo.layers.attention_mask import AttentionMask
 from nnx_zoo.layers.kv_cache import KV_CACHE_NAMES, advance_cache, empty_slots
-from nnx_zoo.layers.scan import Segment, run_stack
-from nnx_zoo.models.causal_lm import DecoderLayer, _dtypes
+from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.scan import Segment, create_stack, run_stack
+from nnx_zoo.models.causal_lm import STACK_AXIS, CausalLMOutput, DecoderLayer, _dtypes, shifted_by_depth
 from nnx_zoo.models.decoder_config import FULL
-from nnx_zoo.models.moe_causal_lm import MoECausalLM, MoEDecoderLayer
+from nnx_zoo.models.deepseek.axes import MTP_EMBED
+from nnx_zoo.models.moe_causal_lm import MoECausalLM, MoEDecoderLayer, _batch_split_layer
 from nnx_zoo.models.qwen3_next import hf
 from nnx_zoo.models.qwen3_next.config import Qwen3NextConfig
 from nnx_zoo.models.qwen3_next.mixers import GatedAttention, GatedDeltaNet, centred_norm
 from nnx_zoo.sharding import shard, use_rules
+from nnx_zoo.sharding.rules import Rules
 
 # [layers, batch, K - 1, hk, 2 dk + r dv]: per query/key head, as the convolution runs
 _CONV_NAMES = ("activation_stack", "cache_batch", None, "cache_kv_heads", None)
+_BLE = ("activation_batch", "activation_length", "activation_embed")
 _STATE_NAMES = ("activation_stack", "cache_batch", "cache_kv_heads", None, None)  # [layers, batch, hv, dk, dv]
 
 
@@ -46,7 +59,8 @@ class _HybridLayer:
                 c.hidden_size, key_heads=c.linear_num_key_heads, value_heads=c.linear_num_value_heads,
                 key_dim=c.linear_key_head_dim, value_dim=c.linear_value_head_dim,
                 conv_kernel=c.linear_conv_kernel_dim, packed=c.PACKED_PROJECTIONS, norm_eps=c.rms_norm_eps,
-                kernel_init=init, rngs=rngs, **_dtypes(c))
+                chunk_size=c.delta_rule_chunk_size, delta_rule_impl=c.delta_rule_impl, kernel_init=init,
+                rngs=rngs, **_dtypes(c))
         else:
             self.attn = GatedAttention(
                 c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
@@ -62,6 +76,51 @@ class HybridDenseLayer(_HybridLayer, DecoderLayer):
 
 class HybridMoELayer(_HybridLayer, MoEDecoderLayer):
     """A layer with the sparse MoE block (softmax top-k, a sigmoid-gated shared expert)."""
+
+
+class MTPBlock(nnx.Module):
+    """The multi-token-prediction depth (HF ``mtp.*``): ``norm(layers(fc([embed_norm(e) | hidden_norm(h)])))``,
+    ``e`` the next token's embedding, ``h`` the main model's final (normed) hidden state; ``layers`` are
+    ``mtp_num_hidden_layers`` full-attention decoder layers of the model's own kind, stacked on the main stacks'
+    axis (``layers``). Its output goes through the model's head: at position ``i`` it predicts token ``i + 2``.
+
+    >>> config = Qwen3NextConfig.preset("qwen3-next-tiny", mtp_num_hidden_layers=1)
+    >>> block = MTPBlock(config, rngs=nnx.Rngs(0))
+    >>> block.fc.kernel.shape, block.layers.attn.q_proj.kernel.shape[0]
+    ((256, 128), 1)
+    """
+
+    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
+        c = config
+        h, dtypes = c.hidden_size, _dtypes(c)
+        self.embed_norm = centred_norm(h, c.rms_norm_eps, **dtypes)
+        self.hidden_norm = centred_norm(h, c.rms_norm_eps, **dtypes)
+        self.fc = Linear(2 * h, h, kernel_names=(MTP_EMBED, "embed"),
+                         kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs, **dtypes)
+        kind = c.mtp_layer_kind()
+        layer_class = HybridMoELayer if kind.moe else HybridDenseLayer
+        self.layers = create_stack(lambda r: layer_class(c, kind=kind, rngs=r), c.mtp_num_hidden_layers, rngs,
+                                   STACK_AXIS)
+        self.norm = centred_norm(h, c.rms_norm_eps, **dtypes)
+
+    def __call__(self, token_embeddings: jax.Array, final_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
+                 mask: AttentionMask | None, *, config: Qwen3NextConfig) -> jax.Array:
+        """The normed hidden state ``[batch, seq, embed]`` (the head's input); ``token_embeddings`` of the ids
+        shifted left by one, ``mask`` the causal mask of their padding."""
+        joined = jnp.concatenate([self.embed_norm(token_embeddings), self.hidden_norm(final_hidden)], axis=-1)
+        token_mask = token_mask_of(mask, joined.shape[1])
+
+        def body(layer: nnx.Module, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            if not isinstance(layer, MoEDecoderLayer):
+                return layer(h, cos, sin, mask), None
+            if config.batch_split_factor > 1:  # as the main MoE layers split the batch
+                factor = config.batch_split_factor
+                return _batch_split_layer(layer, h, cos, sin, mask, token_mask, False, factor)[0], None
+            return layer(h, cos, sin, mask, token_mask=token_mask)[0], None
+
+        h, _ = run_stack(self.layers, body, shard(self.fc(joined, _BLE), _BLE), scan=config.scan_layers,
+                         remat_policy=config.remat_policy)
+        return self.norm(h)
 
 
 class HybridCache(NamedTuple):
@@ -93,7 +152,8 @@ class HybridCache(NamedTuple):
 
 
 class Qwen3Next(MoECausalLM):
-    """Qwen3-Next causal language model (exact against HF ``Qwen3NextForCausalLM``; no MTP head).
+    """Qwen3-Next causal language model (exact against HF ``Qwen3NextForCausalLM``), with the releases' MTP depth
+    when ``config.mtp_num_hidden_layers`` (``forward(..., with_mtp=True)``; transformers has none).
 
     >>> config = Qwen3NextConfig.preset("qwen3-next-tiny")
     >>> model = Qwen3Next.create(config, mesh=make_mesh({"fsdp": 4, "expert": 2}))   # or Qwen3Next(config, rngs=)
@@ -109,9 +169,60 @@ class Qwen3Next(MoECausalLM):
     lora_targets: ClassVar[str] = (r"(^|/)attn/(q|k|v|o)_proj$|(^|/)attn/(in_proj_\w+|out_proj)$"
                                    r"|(^|/)mlp/(gate|up|down)$")
 
-    def __init__(self, config: Qwen3NextConfig, **kwargs: Any):
-        super().__init__(config, **kwargs)
+    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs, **kwargs: Any):
+        super().__init__(config, rngs=rngs, **kwargs)
         self.norm = centred_norm(config.hidden_size, config.rms_norm_eps, **_dtypes(config))
+        # (A family built on this model whose config has no MTP field, Kimi Linear, has none.)
+        self.mtp = MTPBlock(config, rngs=rngs) if getattr(config, "mtp_num_hidden_layers", 0) else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, mesh: Mesh | None = None, rules: Rules | str | None = None,
+                        dtype: Any = None, allow_partial: bool = False, **config_overrides: Any) -> Any:
+        """``CausalLM.from_pretrained``; the MTP depth is built as ``config.json`` says (``mtp_num_hidden_layers``)
+        when the files hold ``mtp.*`` weights, and left out when they hold none (transformers' ``save_pretrained``
+        drops them), as DeepSeek-V3 builds only the MTP heads its files hold. ``mtp_num_hidden_layers=0`` skips
+        the files' MTP weights; ``mtp_num_hidden_layers=1`` for files without them is a ``CheckpointMismatchError``
+        naming the missing keys."""
+        has_field = "mtp_num_hidden_layers" in cls.config_class.__dataclass_fields__
+        if has_field and "mtp_num_hidden_layers" not in config_overrides:
+            with SafetensorsCheckpoint(Path(path)) as ckpt:
+                if not any(key.startswith("mtp.") for key in ckpt.entries):
+                    config_overrides = {**config_overrides, "mtp_num_hidden_layers": 0}
+        return super().from_pretrained(path, mesh=mesh, rules=rules, dtype=dtype, allow_partial=allow_partial,
+                                       **config_overrides)
+
+    def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
+                with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
+                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+        """``MoECausalLM.forward``, and with ``with_mtp`` the MTP depth's ``mtp_hidden`` / ``mtp_logits`` ``[1,
+        batch, seq, ...]`` (position ``i`` predicts token ``i + 2``). The MTP layers read the ids shifted left by
+        one (padded with 0; position ``i`` is padding when token ``i`` or ``i + 1`` is) at the main tokens' rope
+        positions (vLLM's; a shift
+        of every position leaves attention unchanged), attend within the documents of ``segment_ids``, and add
+        nothing to ``aux_loss``, ``expert_load`` or ``expert_indices`` (the main layers' only)."""
+        kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, with_hidden_states=with_hidden_states,
+                      with_expert_load=with_expert_load, with_routing=with_routing)
+        if not with_mtp:
+            return super().forward(input_ids, attention_mask, with_logits=with_logits, **kwargs)
+        if self.mtp is None:
+            raise ValueError(f"with_mtp=True but this {type(self).__name__} has no MTP heads (multi-token "
+                             "prediction; mtp_num_hidden_layers=0 where its config has the field); build it with "
+                             "mtp_num_hidden_layers=1, as the Qwen3-Next / Qwen3.5 releases have")
+        out = super().forward(input_ids, attention_mask, with_logits=False, **kwargs)
+        with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            c, seq_len = self.config, input_ids.shape[1]
+            ids, masks = shifted_by_depth(input_ids, attention_mask, 1)
+            positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
+            # A position is real for the MTP when both its inputs are: its own token (the hidden state) and the next.
+            mask = causal_mask(seq_len, None if masks is None else masks[0] * masks[1], segment_ids)
+            hidden = self.mtp(self.embed(ids[1]), out.final_hidden, *self._layer_rope(c.mtp_layer_kind(), positions),
+                              mask, config=c)[None]
+            logits = mtp_logits = None
+            if with_logits:  # the main and MTP hidden states share one head matmul (one weight gradient)
+                both = self._logits(jnp.concatenate([out.final_hidden[None], hidden]))
+                logits, mtp_logits = both[0], both[1:]
+        return out._replace(logits=logits, mtp_logits=mtp_logits, mtp_hidden=hidden)
 
     def layer_class(self, kind: Any) -> type[nnx.Module]:
         return HybridMoELayer if kind.moe else HybridDenseLayer

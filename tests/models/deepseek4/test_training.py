@@ -45,7 +45,8 @@ def test_the_recipe_trains_v4_with_every_extra(tmp_path, capsys):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     run_dir = tmp_path / "run"
-    args = ["--model", "deepseek4-tiny", "--model.vocab_size", str(VOCAB), "--model.num_hidden_layers", "3",
+    # 2 layers (sliding + hash, CSA: the indexer's sparse stage needs the CSA layer); HCA's are in the other tests.
+    args = ["--model", "deepseek4-tiny", "--model.vocab_size", str(VOCAB), "--model.num_hidden_layers", "2",
             "--model.index_topk", "4",
             "--model.seq_aux_loss_alpha", "0.01", "--indexer-stage", "sparse", "--batch", "8", "--seq-len", str(SEQ),
             "--steps", "2", "--warmup-steps", "1", "--no-progress", "--peak-flops", "1e11", "--routing-bias-rate",

@@ -5,11 +5,14 @@ a batch whose row 0 is left-padded by 3:
 - logits and every hidden state within 1e-5 relative, the experts chosen equal, an unpadded batch too;
 - HF I/O both ways through AutoModelForCausalLM: transformers' save_pretrained loads, transformers reloads our save
   with the same logits and layer schedule;
-- cached greedy decoding (MLA's latent cache for full layers, conv tail and delta-rule state for KDA ones) equals
-  the uncached continuation and transformers' generate;
+- cached greedy decoding (MLA's latent cache for full layers, conv tail and delta-rule state for KDA ones, the
+  prompt's delta rule in chunks of 4) equals the uncached continuation and transformers' generate;
 - turning each distinctive part off moves the logits;
 - the presets' parameter counts equal transformers' on the meta device; a hub-form config.json (its
-  ``linear_attn_config`` and attribute-map names) reads as transformers reads it.
+  ``linear_attn_config`` and attribute-map names) reads as transformers reads it;
+- KDA keeps its input sharding under Explicit meshes (heads split, or the sequence).
+
+Sharded training, the recipe and LoRA: tests/models/test_dense_sharding.py, tests/recipes/.
 """
 
 from __future__ import annotations
@@ -84,9 +87,14 @@ def test_transformers_reloads_our_save(case, tmp_path):
 
 def test_cached_greedy_decoding_equals_uncached_and_transformers(case):
     """An 11-token prompt (row 0 left-padded by 3) and 6 new tokens, through the cache, through full forwards, and
-    through transformers' generate."""
+    through transformers' generate. The KDA layers run chunks of 4, so the prompt's delta rule is the chunked form
+    across chunk boundaries (3 chunks, the last one padded) before the recurrent decoding steps continue its
+    state."""
     c = case
-    model, ids, mask, hf = c["model"], c["ids"], c["mask"], c["hf"]
+    ids, mask, hf = c["ids"], c["mask"], c["hf"]
+    model = AutoModelForCausalLM.from_pretrained(c["path"])
+    for stack in _stacks(model, "linear"):
+        stack.attn.chunk_size = 4
     new = 6
     tokens = np.asarray(generate(model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=new).tokens)
     cache = model.init_cache(3, 16)
@@ -212,3 +220,27 @@ def test_hub_config_json_reads_as_transformers_does():
     lists = {**hub, "linear_attn_config": {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}}
     assert [k.attention + "_attention" for k in AutoConfig.from_hf(lists).layer_kinds()] == HFConfig(
         **lists).layer_types
+
+
+@pytest.mark.parametrize(("sizes", "rules"), [({"fsdp": 2, "tensor": 2}, "default"),
+                                              ({"fsdp": 2, "expert": 2}, "ep-as-cp")])
+def test_kda_keeps_its_input_sharding_under_an_explicit_mesh(sizes, rules):
+    """Heads split over 'tensor', or the sequence over 'expert' (ep-as-cp): KDA's output comes back laid out as its
+    input arrived, the rule set's layout or replicated (traced abstractly: the layouts are types under Explicit
+    axes, nothing is compiled)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnx_zoo.models.kimi_linear.mixers import KimiDeltaAttention
+    from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, use_rules
+
+    mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:4])
+    kda = KimiDeltaAttention(32, heads=2, head_dim=8, conv_kernel=4, rngs=nnx.Rngs(0))
+    spec = logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"), get_rules(rules), mesh)
+    assert (spec[1] == "expert") == (rules == "ep-as-cp")
+    with jax.set_mesh(mesh), use_rules(rules):
+        for in_spec in (spec, P(None, None, None)):
+            x = jax.ShapeDtypeStruct((4, 8, 32), jnp.float32, sharding=NamedSharding(mesh, in_spec))
+            out = nnx.eval_shape(lambda m, x: m(x, None, None, None), kda, x)
+            assert out.sharding.spec == in_spec, (in_spec, out.sharding)

@@ -210,7 +210,10 @@ def test_turning_each_part_off_moves_the_logits(cases, part, monkeypatch):
 
 
 def test_presets_count_transformers_parameters():
-    """Each published preset counts what transformers builds for its text model (meta device, exact)."""
+    """Each published preset counts what transformers builds for its text model (meta device, exact): without the
+    release's MTP depth, which transformers does not build (the published sizes leave it out too); with
+    ``include_mtp`` the count adds exactly the Variables of our MTP block for that config (built abstractly)."""
+    import jax
     from transformers import (
         Qwen3_5ForCausalLM,
         Qwen3_5MoeForCausalLM,
@@ -219,6 +222,8 @@ def test_presets_count_transformers_parameters():
         Qwen3NextForCausalLM,
     )
     from transformers import Qwen3NextConfig as HFConfig
+
+    from nnx_zoo.models.qwen3_next.model import MTPBlock
 
     cases = [("qwen3-next-80b-a3b", HFConfig, Qwen3NextForCausalLM, 79.67),
              ("qwen3.5-9b", Qwen3_5TextConfig, Qwen3_5ForCausalLM, 8.95),
@@ -232,6 +237,10 @@ def test_presets_count_transformers_parameters():
         counts = config.num_parameters()
         assert counts.total == sum(p.numel() for p in theirs.parameters()), name
         assert round(counts.total / 1e9, 2) == billions, name
+        assert config.mtp_num_hidden_layers == 1, name  # each release carries one MTP layer
+        block = nnx.eval_shape(lambda c=config: MTPBlock(c, rngs=nnx.Rngs(0)))
+        assert config.num_parameters(include_mtp=True).total - counts.total == sum(
+            x.size for x in jax.tree.leaves(nnx.state(block, nnx.Param))), name
     for name, cls in (("qwen3-next-tiny", Qwen3NextConfig), ("qwen3.5-small", Qwen35Config),
                       ("qwen3.5-moe-tiny", Qwen35MoEConfig)):
         assert type(AutoConfig.preset(name)) is cls
@@ -260,3 +269,6 @@ def test_hub_config_json_reads_as_transformers_does():
     theirs = HFConfig(**{**nxt, "full_attention_interval": 3})
     assert [k.attention + "_attention" for k in ours.layer_kinds()] == theirs.layer_types
     assert ours.partial_rotary_factor == theirs.rope_parameters["partial_rotary_factor"] == 0.25
+    assert ours.mtp_num_hidden_layers == 1  # the release's MTP depth, read from the file
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings=true .* not supported"):
+        AutoConfig.from_hf({**nxt, "mtp_use_dedicated_embeddings": True})
