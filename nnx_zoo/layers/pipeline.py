@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec
 from nnx_zoo.layers.scan import _check_micro_batch, _explicit_spec_of, run_stack
 
 STAGE_AXIS = "stage"  # the mesh axis the layer stacks are split over
-SCHEDULES = ("gpipe",)  # the pipeline schedules ``pipeline_stack`` runs
+SCHEDULES = ("gpipe", "1f1b")  # gpipe: ``pipeline_stack`` differentiated; 1f1b: ``pipeline_1f1b_value_and_grad``
 
 
 def stage_count() -> int:
@@ -69,8 +69,9 @@ def pipeline_stack(
     >>> h = pipeline_stack(model.layers, lambda layer, h, cos, sin: layer(h, cos, sin, None), h, cos, sin,
     ...                    microbatches=4)
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    if schedule != "gpipe":
+        raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({SCHEDULES}: 1f1b needs the "
+                         "loss inside the pipeline, pipeline_1f1b_value_and_grad)")
     stages = stage_count()
     if stages == 1:
         return run_stack(stack, lambda group, h, _: (layer_fn(group, h, *args), None), x, scan=scan,

@@ -46,10 +46,12 @@ OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 MESHES = {"stage2": ({"stage": 2}, 2), "stage4": ({"stage": 4}, 4),
           "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8)}
 # (mesh, mode, accumulation steps, pipeline micro-batches): each micro-batch's rows still divide over fsdp.
-CASES = [(m, mode, accum, micro) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
-         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4}[m] // accum]]
+CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
+         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4}[m] // accum]
+         for schedule in ("gpipe", "1f1b")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
-    CASES = [("stage2-fsdp4", "explicit", 1, 2), ("stage4-fsdp2", "auto", 2, 2)]
+    CASES = [("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage4-fsdp2", "auto", 2, 2, "gpipe"),
+             ("stage2-fsdp4", "auto", 2, 1, "1f1b"), ("stage4-fsdp2", "explicit", 1, 4, "1f1b")]
 
 
 @functools.cache
@@ -81,13 +83,14 @@ def _step(graphdef, state, batch, **kwargs):
     return nnx.state((model, optimizer)), metrics
 
 
-def _train(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1):
+def _train(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1, schedule: str = "gpipe"):
     """Two AdamW steps (one compiled step, called twice): [(loss, grad norm)], the model, the optimizer."""
     graphdef, state = _model_parts()
     if mesh is not None:
         leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules("default")))
         state = jax.tree.unflatten(jax.tree.structure(state), list(leaves))
-    kwargs = dict(accum_steps=accum_steps, model_kwargs=(("pipeline_microbatches", microbatches),))
+    kwargs = dict(accum_steps=accum_steps, model_kwargs=(("pipeline_microbatches", microbatches),
+                                                         ("pipeline_schedule", schedule)))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
         optimizer = make_optimizer(OPTIMIZER, model, total_steps=2)
@@ -114,11 +117,11 @@ def _arrays(state: nnx.State) -> list[np.ndarray]:
     return [np.asarray(a) for a in jax.tree.leaves(state)]
 
 
-@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "microbatches"), CASES)
-def test_pipelined_adamw_steps_match_one_device(mesh_name, mode, accum_steps, microbatches):
+@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "microbatches", "schedule"), CASES)
+def test_pipelined_adamw_steps_match_one_device(mesh_name, mode, accum_steps, microbatches, schedule):
     sizes, devices = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    history, model, optimizer = _train(mesh, accum_steps, microbatches)
+    history, model, optimizer = _train(mesh, accum_steps, microbatches, schedule)
     want_history, want_params, want_moments = _one_device()
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0]  # it learns
