@@ -271,8 +271,10 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
                    help="pipeline micro-batches per accumulation step, with a 'stage' axis in --mesh (default: the "
                    "stage count); more shrink the bubble, (S-1)/(M+S-1) of each stage's time")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=PIPELINE_SCHEDULES[0],
-                   help="order of the pipeline's forward and backward passes (default: %(default)s; all "
-                   "forwards, then all backwards)")
+                   help="order of the pipeline's forward and backward passes (default: %(default)s): gpipe, all "
+                   "forwards then all backwards, every micro-batch's activations alive; 1f1b, each micro-batch's "
+                   "backward right after its forward on the last stage, at most 2S-1 micro-batches' stage inputs "
+                   "kept (the backward recomputes the stage)")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)),

@@ -8,9 +8,13 @@ tensor and the rest shard each stage's layers as they shard the un-pipelined mod
 stage runs its layers on what it holds, the last stage keeps what it finished (micro-batch ``t - S + 1``), and
 ``jax.lax.ppermute`` hands each stage's output to the next.
 
-The schedule is GPipe's: differentiating the scan runs the time steps backwards, so every micro-batch's forward
+Its schedule is GPipe's: differentiating the scan runs the time steps backwards, so every micro-batch's forward
 finishes before the first backward starts, and the activations of all ``M`` micro-batches stay alive (as many as
 the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's time, forward and backward.
+
+``pipeline_1f1b_value_and_grad`` is the 1F1B schedule: it takes the head and loss too and returns the loss with
+its gradients, running each micro-batch's backward on a stage as soon as the stage after it hands the gradient
+back, and keeping at most ``2S - 1`` micro-batches' stage inputs whatever ``M``.
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def pipeline_1f1b_value_and_grad(
     summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split like ``x`` (rows ``j, j + M, ...``)
     when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``. Needs a ``stage`` axis.
 
-    Not yet used by the trainer: its loss runs outside the model's forward (see the README's pipeline section).
+    The dense causal LM wraps it in a ``custom_vjp`` (``forward(..., pipeline_schedule="1f1b", loss_targets=...)``)
+    so that a trainer's ``value_and_grad`` gets these gradients.
     """
     stages = stage_count()
     if stages == 1:
