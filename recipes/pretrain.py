@@ -254,6 +254,7 @@ def _run_arguments(g: argparse._ArgumentGroup) -> None:
 
 
 def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
+    from nnx_zoo.layers.pipeline import SCHEDULES as PIPELINE_SCHEDULES
     from nnx_zoo.sharding import RULE_SETS
 
     g.add_argument("--mesh", type=parse_mesh, default={"fsdp": -1},
@@ -266,6 +267,14 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
                    help="a parameter dimension that does not divide over its rule's mesh axes goes on the longest "
                    "prefix of them that divides it (more replication, each one printed at start) instead of "
                    "failing; --plan lists them with the bytes they replicate")
+    g.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="pipeline micro-batches per accumulation step, with a 'stage' axis in --mesh (default: the "
+                   "stage count); more shrink the bubble, (S-1)/(M+S-1) of each stage's time")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=PIPELINE_SCHEDULES[0],
+                   help="order of the pipeline's forward and backward passes (default: %(default)s): gpipe, all "
+                   "forwards then all backwards, every micro-batch's activations alive; 1f1b, each micro-batch's "
+                   "backward right after its forward on the last stage, at most 2S-1 micro-batches' stage inputs "
+                   "kept (the backward recomputes the stage)")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)),
@@ -518,12 +527,39 @@ class Extras(NamedTuple):
 
     mtp_weight: float  # 0 when the model has no MTP heads (or --mtp-weight 0): the heads do not run
     routing_bias_rate: float  # 0 when the model has no MoE layers (or --routing-bias-rate 0)
+    pipeline: tuple[tuple[str, Any], ...] = ()  # the forward's pipeline keywords (a 'stage' axis in --mesh)
 
     @property
     def model_kwargs(self) -> tuple[tuple[str, Any], ...]:
         # The MTP heads only run (and cost) when their loss counts; expert loads only when balancing uses them.
         return tuple((name, True) for name, wanted in (("with_mtp", self.mtp_weight > 0),
-                                                       ("with_expert_load", self.routing_bias_rate > 0)) if wanted)
+                                                       ("with_expert_load", self.routing_bias_rate > 0)) if wanted
+                     ) + self.pipeline
+
+
+def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The forward's pipeline keywords for ``--mesh stage=S,...``, ``--microbatches`` and ``--pipeline-schedule``
+    (none without a stage axis); a model whose forward cannot pipeline, a count that does not divide the
+    accumulation step's rows, or micro-batches without stages are errors saying what to change."""
+    import inspect
+
+    stages = args.mesh.get("stage", 1)
+    if stages == -1:
+        raise ValueError("--mesh stage=-1: give the pipeline's stage count explicitly, e.g. --mesh stage=2,fsdp=-1")
+    if stages == 1:
+        if args.microbatches is not None:
+            raise ValueError(f"--microbatches {args.microbatches} needs a pipeline: add a 'stage' axis to --mesh "
+                             "(e.g. --mesh stage=2,fsdp=-1), or leave the flag out")
+        return ()
+    if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
+        raise ValueError(f"--mesh stage={stages}: {model_cls.__name__} does not run pipelined yet (its forward "
+                         "takes no pipeline_microbatches); train it on a mesh without 'stage'")
+    micro = stages if args.microbatches is None else args.microbatches
+    rows = args.batch // max(args.accum_steps, 1)
+    if micro < 1 or rows % micro:
+        raise ValueError(f"--microbatches {micro} must be >= 1 and divide the {rows} rows of each accumulation step "
+                         f"(--batch {args.batch} / --accum-steps {args.accum_steps})")
+    return (("pipeline_microbatches", micro), ("pipeline_schedule", args.pipeline_schedule))
 
 
 def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> Extras:
@@ -748,12 +784,14 @@ def _train(args: argparse.Namespace, source: ModelSource, entry: Entry, config: 
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
+    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args)  # before the memory plan
     remat_line = None
     if remat_is_auto(args):  # the memory plan: after the lock, as it takes a while
         config, remat_line = auto_remat(args, source, config)
     model_cls = AutoModelForCausalLM.model_class(config)
     extras, stage_lines = what_trains(config, model_cls, training_extras(config, model_cls, args),
                                       pretrained=source.pretrained is not None)
+    extras = extras._replace(pipeline=pipeline)
     settings = train_config(args, source, config, extras)
     params = config.num_parameters()
     print(f"nnx_zoo: {source.name} ({model_cls.__name__}): {params.total / 1e6:.1f}M parameters "

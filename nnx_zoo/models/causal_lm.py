@@ -42,6 +42,7 @@ from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, stage_count
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
@@ -129,7 +130,8 @@ class CausalLMOutput(NamedTuple):
     a trainer applies ``model.output_head()`` to these in chunks (``nnx_zoo.train.loss``). ``indexer_loss``
     (scalar): a sparse-attention indexer's own loss (DeepSeek-V3.2's KL), weighted, a mean over the sequences
     holding a real token like ``aux_loss``; its gradient reaches the indexer alone; computed when the config
-    trains the indexer.
+    trains the indexer. ``loss_sum`` (scalar, with ``loss_targets``): the masked token cross-entropy summed, which a
+    pipeline schedule that runs the head and loss on its last stage (1F1B) computes inside the model.
 
     >>> out = model.forward(ids, mask, with_hidden_states=True)
     >>> out.logits.shape, out.hidden_states.shape, out.mtp_logits
@@ -148,6 +150,7 @@ class CausalLMOutput(NamedTuple):
     final_hidden: jax.Array | None = None
     mtp_hidden: jax.Array | None = None
     indexer_loss: jax.Array | None = None
+    loss_sum: jax.Array | None = None
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -439,11 +442,20 @@ class CausalLM(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", loss_targets: tuple[jax.Array, jax.Array] | None = None
+                ) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits`` (None with
         ``with_logits=False``), ``final_hidden``, and ``hidden_states`` with ``with_hidden_states``. A dense model
         has no experts (``expert_load``, ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss;
         ``with_mtp`` is an error (no MTP heads).
+
+        On a mesh with a ``stage`` axis the layers run pipelined (``nnx_zoo.layers.pipeline.pipeline_stack``):
+        ``pipeline_microbatches`` micro-batches through the stages in ``pipeline_schedule`` order. GPipe: the
+        embedding, the final norm and the head run outside the pipeline, replicated over ``stage``. 1F1B needs
+        ``loss_targets=(targets, loss_mask)`` (``[batch, seq]`` each): the final norm, head and cross-entropy run on
+        the last stage, each micro-batch's backward right after its forward, and the output carries only
+        ``loss_sum`` (its gradient computed in the same program). Without a ``stage`` axis these are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
@@ -467,7 +479,18 @@ class CausalLM(CausalLMBase):
 
             embeddings = h = self.embed(input_ids)
             layer_outputs = []
-            for segment in self.layer_segments():
+            if stage_count() > 1:  # pipelined over the mesh's stage axis
+                if with_hidden_states:
+                    raise ValueError("with_hidden_states=True is not supported on a mesh with a 'stage' axis (the "
+                                     "pipeline hands on only the last layer's output); run it without 'stage'")
+                if pipeline_schedule == "1f1b":
+                    if loss_targets is None:
+                        raise ValueError("pipeline_schedule='1f1b' runs the loss on the last stage: pass "
+                                         "loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
+                    loss = self._one_f_one_b_loss(h, ropes, mask, loss_targets, pipeline_microbatches)
+                    return CausalLMOutput(logits=None, loss_sum=loss)
+                h = self._pipelined_layers(h, ropes, mask, pipeline_microbatches, pipeline_schedule)
+            for segment in self.layer_segments() if stage_count() == 1 else ():
                 h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
                                        remat_policy=c.remat_policy)
                 layer_outputs.append(model_order(outputs))
@@ -476,6 +499,73 @@ class CausalLM(CausalLMBase):
                              if with_hidden_states else None)
             return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
                                   hidden_states=hidden_states, final_hidden=final_hidden)
+
+    def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
+                          schedule: str) -> jax.Array:
+        """Every layer on ``h``, pipelined over the ``stage`` axis: one scan segment of whole stacks (Llama's one
+        ``layers``; a repeating pattern such as GPT-OSS's sliding/full pair, each stage holding a block of its
+        repeats), else a clear error."""
+        parts = self.layer_segments()
+        stacks = self.layer_stacks()
+        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
+            raise ValueError(
+                f"{type(self).__name__}'s layers run as {len(parts)} scan segments of parts of its stacks "
+                f"{[seg.pattern for seg in parts]}; the pipeline ('stage' mesh axis) needs one segment that repeats "
+                "one pattern over whole stacks. Train this model on a mesh without 'stage'")
+        segment = parts[0]
+
+        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
+            for name, layer in zip(segment.pattern, group):
+                h = layer(h, *ropes[name], mask)
+            return h
+
+        return pipeline_stack(segment.group, layer_fn, h, ropes, mask, microbatches=microbatches,
+                              schedule=schedule, scan=self.config.scan_layers, remat_policy=self.config.remat_policy)
+
+    def _one_f_one_b_loss(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
+                          loss_targets: tuple[jax.Array, jax.Array], microbatches: int) -> jax.Array:
+        """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order
+        (``pipeline_1f1b_value_and_grad``), as a function autodiff can differentiate: its gradients (layers, norm
+        and head, ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged."""
+        parts = self.layer_segments()
+        stacks = self.layer_stacks()
+        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
+            raise ValueError(f"{type(self).__name__}'s layers are not one scan over whole stacks; the pipeline "
+                             "('stage' mesh axis) cannot split them. Train this model on a mesh without 'stage'")
+        segment = parts[0]
+        head_module = nnx.List([self.norm, self.embed if self.lm_head is None else self.lm_head])
+        head_graph, head_state = nnx.split(head_module)
+        stack_graph, stack_state = nnx.split(segment.group)
+
+        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
+            for name, layer in zip(segment.pattern, group):
+                h = layer(h, *ropes[name], mask)
+            return h
+
+        def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> jax.Array:
+            norm, head = nnx.merge(head_graph, head_state)
+            logits = self._logits(norm(h), head=head).astype(jnp.float32)
+            targets, loss_mask = targets_and_mask
+            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+            target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+            per_token = jax.nn.logsumexp(logits, axis=-1) - target_logit
+            return jnp.sum(per_token * loss_mask.astype(jnp.float32))
+
+        def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+            loss, d_stack, d_head, d_h = pipeline_1f1b_value_and_grad(
+                nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, loss_targets, ropes, mask,
+                microbatches=microbatches)
+            return loss, (d_stack, d_head, d_h)
+
+        @jax.custom_vjp
+        def loss_of(stack_state: Any, head_state: Any, h: jax.Array) -> jax.Array:
+            return run(stack_state, head_state, h)[0]
+
+        def backward(grads: Any, g: jax.Array) -> Any:
+            return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)
+
+        loss_of.defvjp(run, backward)
+        return loss_of(stack_state, head_state, h)
 
     # ---- generation: a fixed-size cache, rings for local layers ----
     def init_cache(self, batch: int, max_len: int) -> StackedKVCache:

@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 # Physical mesh axes, in mesh order (outermost first).
 MESH_AXES: tuple[str, ...] = (
+    "stage",  # pipeline parallelism: each position holds a contiguous block of the layer stacks' layers
     "data",  # pure data parallelism: batch split, parameters replicated
     "fsdp",  # data parallelism with parameters (and optimizer state) sharded
     "fsdp_transpose",  # a second FSDP axis that shards the other matrix dimension
@@ -44,7 +45,7 @@ LOGICAL_AXES: dict[str, str] = {
     "norm": "RMSNorm scale vectors",
     "bias": "bias vectors",
     "lora_rank": "rank of a LoRA adapter",
-    "layers": "leading stack axis of scanned decoder layers (one entry per layer)",
+    "layers": "leading stack axis of scanned decoder layers (one entry per layer; the pipeline's stage axis splits it)",
     "hc_streams": "residual streams of a hyper-connection's weights (hc_mult; a handful: replicated)",
     "hc_mix": "a hyper-connection's mixing coefficients (pre, post and the streams x streams matrix)",
     # ---- activations ----

@@ -25,7 +25,7 @@ from typing import TypedDict, Unpack
 
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from nnx_zoo.sharding.axes import MESH_AXES, is_known
+from nnx_zoo.sharding.axes import MESH_AXES, STACK_AXES, is_known
 from nnx_zoo.sharding.rules import MeshAxes, Rules, expand_rules, get_rules
 
 
@@ -233,6 +233,14 @@ def resolve(
         return Resolution(PartitionSpec(*resolved), wanted_shards=math.prod(shards))
     if not allow_partial:
         dim = bad[0]
+        if names[dim] in STACK_AXES and "stage" in axes_tuple(resolved[dim]):
+            fits = [n for n in range(1, shape[dim] + 1) if shape[dim] % n == 0]
+            raise ShardingError(
+                f"{_where(path)}the {shape[dim]} layers of this stack (logical {names[dim]!r}) do not split into "
+                f"{shards[dim]} pipeline stages (mesh axes {axes_tuple(resolved[dim])}): every stage holds the same "
+                f"number of layers. Use a 'stage' mesh size that divides {shape[dim]} (one of {fits}), or a layer "
+                f"count that is a multiple of {shards[dim]}."
+            )
         raise ShardingError(
             f"{_where(path)}dimension {dim} (logical {names[dim]!r}, size {shape[dim]}) cannot be split over mesh "
             f"axes {axes_tuple(resolved[dim])} ({shards[dim]} shards): {shape[dim]} is not divisible by "

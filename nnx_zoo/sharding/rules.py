@@ -66,7 +66,9 @@ _REPLICATED = (
     ("bias", None),
     ("exp_router", None),
     ("lora_rank", None),
-    ("layers", None),
+    # Pipeline parallelism: a mesh with a ``stage`` axis gives each stage a contiguous block of every layer stack
+    # (stage s holds layers s*L/S .. (s+1)*L/S - 1); without one (size 1) the resolver drops it: replicated.
+    ("layers", "stage"),
 )
 _ACT_COMMON = (
     ("activation_embed", "tensor_transpose"),

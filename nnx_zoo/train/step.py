@@ -108,7 +108,13 @@ def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, 
     output_head = getattr(model, "output_head", None)
     if output_head is not None:
         model_kwargs = (*model_kwargs, ("with_logits", False))
+    if dict(model_kwargs).get("pipeline_schedule") == "1f1b":
+        # A pipeline that runs the head and loss on its last stage (each micro-batch's backward right after its
+        # forward) gets the targets and returns the summed loss; without stages the model runs as usual.
+        model_kwargs = (*model_kwargs, ("loss_targets", (batch["targets"], batch["loss_mask"])))
     out = model_outputs(model, batch, model_kwargs)
+    if getattr(out, "loss_sum", None) is not None:
+        return out, [(out.loss_sum, jnp.sum(batch["loss_mask"].astype(jnp.float32)))]
     depth_outputs = getattr(out, "mtp_hidden" if output_head is not None else "mtp_logits", None)
     depth = 0 if depth_outputs is None else depth_outputs.shape[0]
     targets = [shift_left(batch["targets"], k) if k else batch["targets"] for k in range(depth + 1)]

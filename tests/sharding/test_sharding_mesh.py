@@ -8,7 +8,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from nnx_zoo.sharding import MESH_AXES, make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
 
-ORDER = ("data", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_transpose", "expert")
+ORDER = ("stage", "data", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_transpose", "expert")
 
 
 def _sizes(mesh) -> dict[str, int]:
@@ -20,7 +20,7 @@ def test_axis_order_is_the_design_order():
     mesh = make_mesh({"expert": 2, "fsdp": 4})
     assert isinstance(mesh, Mesh)
     assert tuple(mesh.axis_names) == ORDER
-    assert _sizes(mesh) == {"data": 1, "fsdp": 4, "fsdp_transpose": 1, "context": 1, "tensor": 1,
+    assert _sizes(mesh) == {"stage": 1, "data": 1, "fsdp": 4, "fsdp_transpose": 1, "context": 1, "tensor": 1,
                             "tensor_transpose": 1, "expert": 2}
     assert mesh.devices.size == 8 and {d.id for d in mesh.devices.flat} == {d.id for d in jax.devices()}
 
@@ -118,7 +118,7 @@ def test_abstract_mesh_for_512_devices():
     assert isinstance(mesh, AbstractMesh)
     assert tuple(mesh.axis_names) == ORDER
     assert mesh.size == 512
-    assert _sizes(mesh) == {"data": 2, "fsdp": 32, "fsdp_transpose": 1, "context": 1, "tensor": 1,
+    assert _sizes(mesh) == {"stage": 1, "data": 2, "fsdp": 32, "fsdp_transpose": 1, "context": 1, "tensor": 1,
                             "tensor_transpose": 1, "expert": 8}
     assert shard_mode_of(mesh) == "explicit"
 

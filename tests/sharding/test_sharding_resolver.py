@@ -262,7 +262,7 @@ def test_non_string_names_error():
 
 
 def test_bad_user_rule_sets_error_clearly():
-    with pytest.raises(ValueError, match=r"unknown mesh axes \['fsdpp'\].*mesh axes are \('data'"):
+    with pytest.raises(ValueError, match=r"unknown mesh axes \['fsdpp'\].*mesh axes are \('stage'"):
         get_rules([("embed", "fsdpp")])
     with pytest.raises(ValueError, match=r"rule #1 .*unknown mesh axes \['model'\]"):
         get_rules([("embed", "fsdp"), ("mlp", ("tensor", "model"))])
