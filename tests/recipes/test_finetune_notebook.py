@@ -105,11 +105,11 @@ def _transformers_checkpoint(family: str, directory: Path):
                             num_hidden_layers=3, layer_types=["sliding_attention"] + ["full_attention"] * 2,
                             num_kv_shared_layers=1, hidden_size_per_layer_input=8, enable_moe_block=True,
                             num_experts=4, top_k_experts=2, moe_intermediate_size=16)
-    elif family == "qwen3_5_moe_text":  # a linear layer, then a full one; both MoE with a gated shared expert
-        from tests.models.qwen3_next.reference import make_hf as make_qwen35
+    elif family in QWEN_HYBRIDS:  # a linear layer, then a full one (Qwen3-Next's first dense, then MoE)
+        from tests.models.qwen3_next.reference import make_hf as make_qwen
 
-        model = make_qwen35("qwen3_5_moe", vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
-                            layer_types=["linear_attention", "full_attention"])
+        model = make_qwen(QWEN_HYBRIDS[family], vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"])
     elif family == "kimi_linear":  # a KDA layer with the dense MLP, then an MLA one (no rope) with the MoE
         from tests.models.kimi_linear.reference import make_hf as make_kimi
 
@@ -120,6 +120,10 @@ def _transformers_checkpoint(family: str, directory: Path):
         model = make_hf(family, vocab_size=vocab, max_position_embeddings=256)
     model.save_pretrained(directory)
     return type(model)
+
+
+# The Qwen hybrids (tests/models/qwen3_next/reference.py's tiny configs): model_type -> case.
+QWEN_HYBRIDS = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 # The families on DeepSeek's parts (tests/models/deepseek/hf_reference.py's tiny configs): model_type -> arch.
@@ -135,6 +139,7 @@ MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", 
                                                      ("llama4_text", 1), ("minimax_m2", 1),
                                                      ("gpt_oss", 2),  # GPT-OSS: both stacks
                                                      ("gemma3_text", 0), ("gemma4_text", 3),
+                                                     ("qwen3_next", 1), ("qwen3_5_text", 0),
                                                      ("qwen3_5_moe_text", 2), ("kimi_linear", 1)])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch

@@ -112,6 +112,9 @@ def test_glm_trains_with_aux_loss_free_balancing(tmp_path, capsys):
     # Qwen3-Next: a linear (gated delta net) MoE layer, then a full (gated attention) one; shared experts gated; its
     # MTP depth (one full MoE layer) on, so the loss adds the MTP term.
     ("qwen3-next-tiny", ["--model.num_hidden_layers", "2", "--model.mtp_num_hidden_layers", "1"]),
+    # Qwen3.5, dense and MoE: Qwen3-Next's layers with separate projections (a linear layer, then a full one).
+    ("qwen3.5-tiny", ["--model.num_hidden_layers", "2"]),
+    ("qwen3.5-moe-tiny", ["--model.num_hidden_layers", "2"]),
     # Kimi Linear: a KDA (per-channel decay) dense layer, then an MLA (no rope) one with the sigmoid + bias MoE.
     ("kimi-linear-tiny", ["--model.num_hidden_layers", "2"]),
 ])
