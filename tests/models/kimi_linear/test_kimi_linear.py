@@ -222,21 +222,25 @@ def test_hub_config_json_reads_as_transformers_does():
         **lists).layer_types
 
 
+@pytest.mark.parametrize("mixer", ["kda", "gated_deltanet"])
 @pytest.mark.parametrize(("sizes", "rules"), [({"fsdp": 2, "tensor": 2}, "default"),
                                               ({"fsdp": 2, "expert": 2}, "ep-as-cp")])
-def test_kda_keeps_its_input_sharding_under_an_explicit_mesh(sizes, rules):
-    """Heads split over 'tensor', or the sequence over 'expert' (ep-as-cp): KDA's output comes back laid out as its
-    input arrived, the rule set's layout or replicated (traced abstractly: the layouts are types under Explicit
-    axes, nothing is compiled)."""
+def test_kda_keeps_its_input_sharding_under_an_explicit_mesh(sizes, rules, mixer):
+    """Heads split over 'tensor', or the sequence over 'expert' (ep-as-cp): KDA's output (and Qwen's Gated
+    DeltaNet's) comes back laid out as its input arrived, the rule set's layout or replicated (traced abstractly:
+    the layouts are types under Explicit axes, nothing is compiled)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from nnx_zoo.models.kimi_linear.mixers import KimiDeltaAttention
+    from nnx_zoo.models.qwen3_next.mixers import GatedDeltaNet
     from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, use_rules
 
     mesh = make_mesh(sizes, shard_mode="explicit", devices=jax.devices()[:4])
-    kda = KimiDeltaAttention(32, heads=2, head_dim=8, conv_kernel=4, rngs=nnx.Rngs(0))
+    kda = (KimiDeltaAttention(32, heads=2, head_dim=8, conv_kernel=4, rngs=nnx.Rngs(0)) if mixer == "kda" else
+           GatedDeltaNet(32, key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv_kernel=4, packed=False,
+                         rngs=nnx.Rngs(0)))
     spec = logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"), get_rules(rules), mesh)
     assert (spec[1] == "expert") == (rules == "ep-as-cp")
     with jax.set_mesh(mesh), use_rules(rules):
