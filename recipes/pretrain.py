@@ -656,7 +656,7 @@ def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: in
             config.vocab_size)
     return memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
                        batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
-                       loss_chunk_tokens=chunk or None, allow_partial=args.allow_partial)
+                       loss_chunk_tokens=chunk or None)
 
 
 def remat_is_auto(args: argparse.Namespace) -> bool:
