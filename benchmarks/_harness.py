@@ -165,6 +165,26 @@ def write_results(stem: str, payload: dict, markdown: str, out_dir: Path | None 
     return jpath, mpath
 
 
+def grad_step_temp(model_cls: type, config: object, seq: int) -> dict:
+    """AOT, nothing allocated: ``{"temp_bytes", "compile_s"}`` of one next-token-loss gradient step of
+    ``model_cls(config)`` on 1 x ``seq`` tokens (XLA's temporaries, and the seconds the compile took)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    ids = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+
+    def loss(params, rest, ids):
+        logits = nnx.merge(graphdef, params, rest)(ids[:, :-1]).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1))
+
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, ids).compile()
+    return {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), "compile_s": time.perf_counter() - t0}
+
+
 def compiled_flops(compiled) -> float | None:
     """XLA's flop count for a compiled executable (None when the backend does not report it)."""
     try:

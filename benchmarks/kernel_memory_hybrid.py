@@ -48,27 +48,11 @@ def _config(layers: int, seq: int, schedule: str, impl: str, **extra):
     return Qwen35Config.preset("qwen3.5-9b", **fields)
 
 
-def _grad_step_temp(config, seq: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+def hybrid_section(quick: bool, log: Callable[[str], None]) -> dict:
+    import _harness as h
 
     from nnx_zoo import Qwen35
 
-    abstract = nnx.eval_shape(lambda: Qwen35(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    ids = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
-
-    def loss(params, rest, ids):
-        logits = nnx.merge(graphdef, params, rest)(ids[:, :-1]).astype(jnp.float32)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1))
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, ids).compile()
-    return {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), "compile_s": time.perf_counter() - t0}
-
-
-def hybrid_section(quick: bool, log: Callable[[str], None]) -> dict:
     seqs = (2048, 8192) if quick else (8192, 32768, 131072)
     layers = 4
     rows = []
@@ -80,7 +64,7 @@ def hybrid_section(quick: bool, log: Callable[[str], None]) -> dict:
                 config = _config(layers, seq, schedule, impl)
                 log(f"[hybrid] {impl} {schedule}: compiling the grad step at 1 x {seq}")
                 try:
-                    costs = _grad_step_temp(config, seq)
+                    costs = h.grad_step_temp(Qwen35, config, seq)
                 except Exception as err:  # noqa: BLE001 - a compile that fails is reported, not fatal
                     log(f"[hybrid]   failed: {type(err).__name__}: {str(err)[:200]}")
                     costs = {"temp_bytes": None, "compile_s": None, "error": f"{type(err).__name__}"}

@@ -17,32 +17,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import _harness as h
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 GIB = 2**30
 VOCAB = 8192
-
-
-def _grad_step_costs(config, seq: int) -> dict:
-    from nnx_zoo import Gemma3
-
-    abstract = nnx.eval_shape(lambda: Gemma3(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    ids = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
-
-    def loss(params, rest, ids):
-        logits = nnx.merge(graphdef, params, rest)(ids[:, :-1]).astype(jnp.float32)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1))
-
-    t0 = time.perf_counter()
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, ids).compile()
-    return {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), "compile_s": time.perf_counter() - t0}
 
 
 def _attention_times(seq: int, window: int, rounds: int, log: Callable[[str], None]) -> dict:
@@ -65,7 +46,7 @@ def _attention_times(seq: int, window: int, rounds: int, log: Callable[[str], No
 
 
 def local_section(quick: bool, log: Callable[[str], None]) -> dict:
-    from nnx_zoo import Gemma3Config
+    from nnx_zoo import Gemma3, Gemma3Config
 
     seqs = (2048, 8192) if quick else (8192, 32768)
     layers = 6 if quick else 26
@@ -79,7 +60,7 @@ def local_section(quick: bool, log: Callable[[str], None]) -> dict:
                     fields["layer_types"] = ("full_attention",) * layers
                 config = Gemma3Config.preset("gemma3-1b", **fields)
                 log(f"[local] {impl} {schedule}: compiling the grad step at 1 x {seq}")
-                costs = _grad_step_costs(config, seq)
+                costs = h.grad_step_temp(Gemma3, config, seq)
                 log(f"[local]   temp {costs['temp_bytes'] / GIB:.2f} GiB (compile {costs['compile_s']:.0f} s)")
                 rows.append({"attention_impl": impl, "schedule": schedule, "seq": seq, **costs})
     by = {(r["attention_impl"], r["schedule"], r["seq"]): r for r in rows}
