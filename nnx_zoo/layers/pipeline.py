@@ -59,9 +59,16 @@ def pipeline_stack(
     schedule: str = "gpipe",
     scan: bool = True,
     remat_policy: str = "none",
-) -> jax.Array:
+    with_aux: bool = False,
+) -> Any:
     """``layer_fn(layer, h, *args) -> h`` folded over the layers of ``stack`` (as ``run_stack`` would), pipelined
     over the ambient mesh's ``stage`` axis with ``microbatches`` micro-batches of ``x [batch, ...]``.
+
+    ``with_aux=True``: ``layer_fn`` returns ``(h, aux)`` (a pytree of per-layer outputs that are sums over the
+    layer's rows: an MoE layer's expert load, dropped tokens, a balance loss summed over sequences), and the result
+    is ``(h, aux)`` with each leaf stacked per layer (``[layers, ...]``, the layer dim on ``stage``, as the stack's
+    weights) and summed over the micro-batches: for a sum over rows, the whole batch's value (a term that is not
+    one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it).
 
     ``stack`` is a stacked module (or an ``nnx.List`` of them, one layer of each per step, as a scan segment's
     group). Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in
@@ -77,9 +84,16 @@ def pipeline_stack(
         raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({SCHEDULES}: 1f1b needs the "
                          "loss inside the pipeline, pipeline_1f1b_value_and_grad)")
     stages = stage_count()
+
+    def body(margs: Any) -> Callable[..., tuple[jax.Array, Any]]:  # run_stack's body: (h, this layer's aux)
+        def fn(group: Any, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
+            out = layer_fn(group, h, *margs)
+            return out if with_aux else (out, None)
+        return fn
+
     if stages == 1:
-        return run_stack(stack, lambda group, h, _: (layer_fn(group, h, *args), None), x, scan=scan,
-                         remat_policy=remat_policy)[0]
+        h, aux = run_stack(stack, body(args), x, scan=scan, remat_policy=remat_policy)
+        return (h, aux) if with_aux else h
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches must be a positive integer, got {microbatches!r}")
     batch = x.shape[0]
@@ -118,30 +132,37 @@ def pipeline_stack(
                 picked[i] = jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False) if b else a
             return jax.tree.unflatten(treedef, picked)
 
-        def run_local(h: jax.Array, index: jax.Array) -> jax.Array:
-            margs = micro_args(index)
-            return run_stack(local, lambda group, h, _: (layer_fn(group, h, *margs), None), h, scan=scan,
-                             remat_policy=remat_policy)[0]
+        def run_local(h: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:
+            return run_stack(local, body(micro_args(index)), h, scan=scan, remat_policy=remat_policy)
 
-        def time_step(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-            held, done = carry
+        def time_step(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array
+                      ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
+            held, done, aux_sum = carry
             index = jnp.clip(t - stage, 0, micro - 1)  # the micro-batch this stage works on at step t
             first_input = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), axis=1, keepdims=False)
-            h = run_local(jnp.where(stage == 0, first_input, held), index)
+            h, aux = run_local(jnp.where(stage == 0, first_input, held), index)
             finished = (stage == stages - 1) & (t >= stages - 1)
             done = jnp.where(finished, jax.lax.dynamic_update_index_in_dim(done, h, index, axis=1), done)
+            # Only the steps that run a real micro-batch on this stage count (the others repeat a clipped index).
+            working = (t >= stage) & (t - stage < micro)
+            aux_sum = jax.tree.map(lambda acc, a: acc + jnp.where(working, a, jnp.zeros_like(a)), aux_sum, aux)
             held = jax.lax.ppermute(h, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
-            return (held, done), None
+            return (held, done, aux_sum), None
 
         varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")  # noqa: E731
         held = varying(jnp.zeros_like(jax.lax.index_in_dim(xs, 0, axis=1, keepdims=False)))
-        (_, done), _ = jax.lax.scan(time_step, (held, varying(jnp.zeros_like(xs))), jnp.arange(micro + stages - 1))
-        return jax.lax.psum(jnp.where(stage == stages - 1, done, 0), STAGE_AXIS)  # the last stage's, to all
+        aux_shapes = jax.eval_shape(run_local, held, jnp.zeros((), jnp.int32))[1]
+        aux_zero = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), aux_shapes)
+        (_, done, aux_sum), _ = jax.lax.scan(time_step, (held, varying(jnp.zeros_like(xs)), aux_zero),
+                                             jnp.arange(micro + stages - 1))
+        return jax.lax.psum(jnp.where(stage == stages - 1, done, 0), STAGE_AXIS), aux_sum  # the last stage's h
 
     in_specs = (PartitionSpec(STAGE_AXIS), PartitionSpec(), [PartitionSpec()] * len(operands))
-    done = jax.shard_map(stage_program, in_specs=in_specs, out_specs=PartitionSpec(),
-                         axis_names={STAGE_AXIS})(state, split(x), operands)
-    return jnp.reshape(done, x.shape, out_sharding=spec)
+    # Per-layer aux: each stage's layers' sums, joined over stage in layer order (the layer dim on 'stage').
+    done, aux = jax.shard_map(stage_program, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS)),
+                              axis_names={STAGE_AXIS})(state, split(x), operands)
+    done = jnp.reshape(done, x.shape, out_sharding=spec)
+    return (done, aux) if with_aux else done
 
 
 def pipeline_1f1b_value_and_grad(

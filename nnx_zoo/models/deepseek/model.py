@@ -26,6 +26,7 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import pipeline_stack, stage_count
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.causal_lm import (
@@ -274,7 +275,9 @@ class DeepSeekV3(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", loss_targets: tuple[jax.Array, jax.Array] | None = None
+                ) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``; generation passes
         ``position_ids = cumsum(attention_mask) - 1``, as HF's ``generate`` does).
 
@@ -285,10 +288,22 @@ class DeepSeekV3(CausalLMBase):
         over the MoE layers (MTP heads excluded), averaged over the sequences holding a real token.
         ``with_logits=False``: no output head; ``final_hidden`` (and with ``with_mtp`` ``mtp_hidden``) are its
         inputs, for ``output_head()``.
+
+        On a mesh with a ``stage`` axis the MoE layers run pipelined (``_pipelined_moe``): ``pipeline_microbatches``
+        micro-batches in ``pipeline_schedule`` order (GPipe; ``loss_targets`` is the dense LM's 1F1B argument,
+        refused here). The embedding, the dense prefix (``first_k_dense_replace`` layers), the final norm, the MTP
+        heads and the output head run outside the pipeline, whole on every stage (their stacks' axes are
+        ``unpipelined_layers``, never on ``stage``): the dense prefix is 3 of V3's 61 layers and the MTP head 1, so
+        replicating them over stage costs little memory, and the trainer's chunked head + loss stays its one path;
+        the price is that every stage computes them. Without a ``stage`` axis the pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
+        pipelined = stage_count() > 1
+        if pipelined:
+            self._check_pipelined(pipeline_schedule, with_hidden_states=with_hidden_states,
+                                  with_routing=with_routing)
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             c = self.config
             seq_len = input_ids.shape[1]
@@ -326,7 +341,16 @@ class DeepSeekV3(CausalLMBase):
 
             carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
             records, moe_records = [], []
+            balance_sum = None  # pipelined: the balance loss summed over MoE layers and real sequences
             for name, stack, _ in self.layer_runs():
+                if pipelined and LAYER_STACKS[name][0]:
+                    h, record, balance_sum = self._pipelined_moe(
+                        stack, carry[0], cos, sin, mask, query_scale, attention_mask, with_expert_load,
+                        pipeline_microbatches)
+                    carry = (h, None)
+                    records.append(record)
+                    moe_records.append(record)
+                    continue
                 carry, record = run_stack(stack, layer_body, carry, **run)
                 records.append(record)
                 if LAYER_STACKS[name][0]:
@@ -352,12 +376,68 @@ class DeepSeekV3(CausalLMBase):
                 logits, mtp_logits = logits[0], logits[1:]
             elif with_logits:
                 logits = self._logits(final_hidden)
+            aux_loss = None
+            if moe.balance_loss is not None:
+                aux_loss = _mean_over_sequences(moe.balance_loss, attention_mask)
+            elif balance_sum is not None:
+                aux_loss = balance_sum / jnp.maximum(jnp.sum(_real_rows(input_ids, attention_mask)), 1.0)
             return CausalLMOutput(
                 logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
-                aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
-                                                                                     attention_mask),
+                aux_loss=aux_loss,
                 final_hidden=final_hidden, mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
+
+    # ---- pipeline parallelism over the mesh's 'stage' axis ----
+    def _check_pipelined(self, schedule: str, *, with_hidden_states: bool, with_routing: bool) -> None:
+        """Clear errors for what the pipelined forward does not run."""
+        c = self.config
+        if schedule != "gpipe":
+            raise ValueError(f"{type(self).__name__} runs pipelined with pipeline_schedule='gpipe' only (got "
+                             f"{schedule!r}: 1F1B, which puts the head, MTP heads and loss on the last stage, is not "
+                             "built for it yet); use --pipeline-schedule gpipe")
+        if with_hidden_states or with_routing:
+            raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
+                             "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
+        moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0]]
+        if c.index_topk or moe_runs not in ([], ["moe_layers"]):
+            raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix; this "
+                             f"config's MoE layers run as {moe_runs} (sparse attention's top-k handed between layers "
+                             "or its indexer loss are not pipelined yet). Train it on a mesh without 'stage'")
+
+    def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+                       query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
+                       microbatches: int) -> tuple[jax.Array, _LayerRecord, jax.Array | None]:
+        """The MoE stack on ``h``, pipelined over ``stage`` (``pipeline_stack``, GPipe): ``(h, record,
+        balance_sum)``. Each layer's aux terms leave the pipeline summed over the micro-batches: ``expert_load
+        [layers, experts]`` and ``dropped_tokens [layers]`` (what the whole batch gives; dropping over a capacity
+        is per forward, so with a capacity factor it counts per micro-batch, as gradient accumulation does), and
+        the sequence-wise balance loss as its sum over the real sequences (each sequence's loss is its own, so the
+        micro-batches' sums add up to the whole batch's), divided by the real sequence count by the caller."""
+        c = self.config
+        token_rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
+
+        def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+                     query_scale: jax.Array | None, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            if c.batch_split_factor > 1:
+                out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
+            else:
+                out = layer(h, cos, sin, mask, query_scale=query_scale)
+            aux = {}
+            if with_expert_load:
+                aux["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                      axis=(0, 1, 2))
+                aux["dropped"] = out.dropped_tokens
+            if out.balance_loss is not None:
+                aux["balance"] = jnp.sum(out.balance_loss * rows)
+            return out.hidden, aux
+
+        h, aux = pipeline_stack(stack, layer_fn, h, cos, sin, mask, query_scale, token_rows,
+                                microbatches=microbatches, scan=c.scan_layers, remat_policy=c.remat_policy,
+                                with_aux=True)
+        record = _LayerRecord(hidden=None, expert_indices=None, expert_load=aux.get("load"),
+                              dropped_tokens=aux.get("dropped"), balance_loss=None)
+        balance = aux.get("balance")
+        return h, record, None if balance is None else jnp.sum(balance)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
@@ -452,6 +532,13 @@ class DeepSeekV3(CausalLMBase):
 
         _, (hidden, indexer_loss) = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
         return hidden, indexer_loss
+
+
+def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+    """``[batch]`` float32: 1 for a row holding a real token, 0 for an all-padding row (every row without a mask)."""
+    if attention_mask is None:
+        return jnp.ones(x.shape[:1], jnp.float32)
+    return jnp.any(attention_mask.astype(bool), axis=-1).astype(jnp.float32)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
