@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx

@@ -211,6 +211,8 @@ class DeepSeekV3(CausalLMBase):
     # MLA's projections (queries, the key/value down- and up-projections, the output) in every decoder layer,
     # multi-token-prediction heads included; add ``nnx_zoo.layers.lora.EXPERTS_PATTERN`` for the routed experts.
     lora_targets: ClassVar[str] = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
+    # The pipeline schedules ``forward`` runs on a mesh with a 'stage' axis (the recipe checks --pipeline-schedule).
+    pipeline_schedules: ClassVar[tuple[str, ...]] = ("gpipe",)
 
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default",
                  allow_partial: bool | None = None):
@@ -391,7 +393,7 @@ class DeepSeekV3(CausalLMBase):
     def _check_pipelined(self, schedule: str, *, with_hidden_states: bool, with_routing: bool) -> None:
         """Clear errors for what the pipelined forward does not run."""
         c = self.config
-        if schedule != "gpipe":
+        if schedule not in self.pipeline_schedules:
             raise ValueError(f"{type(self).__name__} runs pipelined with pipeline_schedule='gpipe' only (got "
                              f"{schedule!r}: 1F1B, which puts the head, MTP heads and loss on the last stage, is not "
                              "built for it yet); use --pipeline-schedule gpipe")
