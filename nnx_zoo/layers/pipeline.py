@@ -68,7 +68,8 @@ def pipeline_stack(
     layer's rows: an MoE layer's expert load, dropped tokens, a balance loss summed over sequences), and the result
     is ``(h, aux)`` with each leaf stacked per layer (``[layers, ...]``, the layer dim on ``stage``, as the stack's
     weights) and summed over the micro-batches: for a sum over rows, the whole batch's value (a term that is not
-    one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it).
+    one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it). Each aux leaf
+    is whole within a stage (not split over the other mesh axes: sums over the rows are).
 
     ``stack`` is a stacked module (or an ``nnx.List`` of them, one layer of each per step, as a scan segment's
     group). Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in

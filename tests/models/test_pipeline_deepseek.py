@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -91,3 +92,16 @@ def test_pipelined_deepseek_adamw_steps_match_one_device(mesh_name, mode, accum_
             assert var[...].sharding.is_equivalent_to(want, var.ndim), path
     assert model.moe_layers.mlp.router[...].sharding.spec[0] == "stage"  # each stage holds its MoE layers
     assert model.dense_layers.mlp.up.kernel[...].sharding.spec[0] is None  # the dense prefix: whole on every stage
+
+
+def test_what_the_pipelined_deepseek_forward_does_not_run_is_refused():
+    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode="explicit")
+    graphdef, state = _parts()
+    model = nnx.merge(graphdef, state)
+    ids = np.zeros((8, 16), np.int32)
+    for kwargs, message in [
+        (dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)), "runs pipelined with pipeline_schedule='gpipe' only"),
+        (dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
+    ]:
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+            model.forward(ids, pipeline_microbatches=2, **kwargs)
