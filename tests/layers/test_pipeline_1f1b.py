@@ -1,11 +1,14 @@
-"""``pipeline_1f1b_value_and_grad``: the 1F1B schedule over the ``stage`` axis gives the loss and every gradient
-(stacked layers, head, input) of ``jax.value_and_grad`` of the un-pipelined stack + head, under Auto and Explicit
-meshes, with FSDP beside the stages, a per-row argument split with the micro-batches, and more micro-batches than
-a stage keeps inputs for (the ring of ``2S - 1`` slots wraps). The compiled 1F1B program's temporaries stay flat as
-the micro-batches grow, where GPipe's (autodiff of ``pipeline_stack``) grow with them.
+"""``pipeline_1f1b_value_and_grad``: the 1F1B schedule over the ``stage`` axis, and interleaved 1F1B (virtual
+stages, ``V > 1``), give the loss and every gradient (stacked layers, head, input) of ``jax.value_and_grad`` of the
+un-pipelined stack + head, under Auto and Explicit meshes, with FSDP beside the stages, a per-row argument split
+with the micro-batches, and more items than a stage keeps inputs for (the ring of ``2VS - 1`` slots wraps). The
+schedule's table (``pipeline_order``) runs each item one tick after the one it needs and keeps at most
+``2VS - 1`` stage inputs; the compiled 1F1B programs' temporaries stay flat as the micro-batches grow, where
+GPipe's (autodiff of ``pipeline_stack``) grow with them.
 
 A toy stack (4 tanh(Linear) layers of width 16, a linear + squared-error head) keeps each compile to a second or
-two; CI runs the ring's wrap, ``NNX_ZOO_FULL_MATRIX=1`` four more meshes (with FSDP, stage 2 and 4, both modes).
+two; CI runs 1F1B's ring wrap and interleaved on stage 2 (alone, and with FSDP 4 under Explicit),
+``NNX_ZOO_FULL_MATRIX=1`` more meshes (with FSDP, stage 2 and 4, both modes; interleaved on 8 layers for stage 4).
 """
 
 from __future__ import annotations
@@ -21,15 +24,27 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zoo.layers.linear import Linear
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack
+from nnx_zoo.layers.pipeline import (
+    B_CHUNK,
+    B_MICRO,
+    B_OK,
+    B_SLOT,
+    F_CHUNK,
+    F_MICRO,
+    F_OK,
+    F_SLOT,
+    pipeline_1f1b_value_and_grad,
+    pipeline_order,
+    pipeline_stack,
+)
 from nnx_zoo.layers.scan import create_stack, run_stack
 from nnx_zoo.sharding import create_sharded, make_mesh, use_rules
 
 WIDTH, LAYERS, BATCH, SEQ = 16, 4, 8, 4
 
 
-def _stack() -> nnx.Module:
-    return create_stack(lambda r: Linear(WIDTH, WIDTH, kernel_names=("embed", "mlp"), rngs=r), LAYERS, nnx.Rngs(0),
+def _stack(layers: int = LAYERS) -> nnx.Module:
+    return create_stack(lambda r: Linear(WIDTH, WIDTH, kernel_names=("embed", "mlp"), rngs=r), layers, nnx.Rngs(0),
                         "layers")
 
 
@@ -50,9 +65,9 @@ def _inputs(seq: int = SEQ) -> tuple[np.ndarray, ...]:
 
 
 @functools.cache
-def _want():
+def _want(layers: int = LAYERS):
     x, target, scale, w = _inputs()
-    graphdef, state = nnx.split(_stack())
+    graphdef, state = nnx.split(_stack(layers))
 
     def loss(state, w, x):
         h = run_stack(nnx.merge(graphdef, state), lambda layer, h, _: (_layer(layer, h, scale), None), x)[0]
@@ -62,33 +77,41 @@ def _want():
     return value, jax.tree.leaves(grads)
 
 
-def _on_mesh(mesh, microbatches):
+def _on_mesh(mesh, microbatches, virtual_stages=1, layers=LAYERS):
     x, target, scale, w = _inputs()
-    stack = create_sharded(_stack, mesh, "default")
+    stack = create_sharded(functools.partial(_stack, layers), mesh, "default")
     graphdef, state = nnx.split(stack)
     rows = NamedSharding(mesh, PartitionSpec("fsdp"))
     with jax.set_mesh(mesh), use_rules("default"):
         @jax.jit
         def run(state, w, x, target, scale):
             return pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), _layer, _head, w, x, target, scale,
-                                                microbatches=microbatches)
+                                                microbatches=microbatches, virtual_stages=virtual_stages)
 
         return run(state, jnp.asarray(w), *(jax.device_put(a, rows) for a in (x, target, scale)))
 
 
-# The trainer's cases (tests/models/test_pipeline.py) run 1F1B with FSDP under both modes; CI here adds the ring's wrap.
-CASES = [({"stage": 2}, 2, "auto", 8)]  # 8 micro-batches through a ring of 3 slots per stage
+# (mesh sizes, devices, mode, micro-batches, virtual stages, layers). The trainer's cases
+# (tests/models/test_pipeline.py) run 1F1B with FSDP under both modes; CI here adds the ring's wrap, and
+# interleaved (V = 2: chunk 1 on stage 0, so every chunk moves) alone with the wrap and beside FSDP 4, Explicit.
+CASES = [({"stage": 2}, 2, "auto", 8, 1, LAYERS),  # 8 micro-batches through a ring of 3 slots per stage
+         ({"stage": 2}, 2, "auto", 4, 2, LAYERS),  # 8 items through a ring of 7 slots
+         ({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 2, LAYERS)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2), ({"stage": 4, "fsdp": 2}, 8, "auto", 4),
-              ({"stage": 4, "fsdp": 2}, 8, "explicit", 4),
-              ({"stage": 2}, 2, "explicit", 8), ({"stage": 4}, 4, "auto", 8)]
+    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 1, LAYERS), ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 1, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "explicit", 4, 1, LAYERS),
+              ({"stage": 2}, 2, "explicit", 8, 1, LAYERS), ({"stage": 4}, 4, "auto", 8, 1, LAYERS),
+              ({"stage": 2}, 2, "explicit", 8, 2, LAYERS), ({"stage": 2, "fsdp": 4}, 8, "auto", 2, 2, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 2, 8), ({"stage": 4}, 4, "explicit", 8, 2, 8),
+              ({"stage": 2}, 2, "auto", 2, 4, 8)]
 
 
-@pytest.mark.parametrize(("sizes", "devices", "mode", "microbatches"), CASES)
-def test_1f1b_gives_the_loss_and_gradients_of_the_unpipelined_stack(sizes, devices, mode, microbatches):
+@pytest.mark.parametrize(("sizes", "devices", "mode", "microbatches", "virtual_stages", "layers"), CASES)
+def test_1f1b_gives_the_loss_and_gradients_of_the_unpipelined_stack(sizes, devices, mode, microbatches,
+                                                                     virtual_stages, layers):
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    loss, d_state, d_head, d_x = _on_mesh(mesh, microbatches)
-    want_loss, want_grads = _want()
+    loss, d_state, d_head, d_x = _on_mesh(mesh, microbatches, virtual_stages, layers)
+    want_loss, want_grads = _want(layers)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves((d_state, d_head, d_x)), want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
