@@ -15,7 +15,7 @@ the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's
 ``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
 stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
 its gradients, running each micro-batch's backward on a stage as soon as the stage after it hands the gradient
-back, and keeping at most ``2VS - 1`` stage inputs whatever ``M``. ``SCHEDULES`` says, per schedule name, which
+back, and keeping at most ``(V + 1) S - 1`` stage inputs whatever ``M``. ``SCHEDULES`` says, per schedule name, which
 of the two runs and whether the loss runs inside the pipeline: the model and the trainer both read it.
 """
 
@@ -203,24 +203,29 @@ def pipeline_order(stages: int, virtual_stages: int, microbatches: int) -> np.nd
     on stage ``S - 1`` (the ring). Backward item ``j = t - (V S - 1) - (S - 1 - s)``: ``g = j // (S V)``,
     ``v = V - 1 - (j % (S V)) // S``, ``m = g S + j % S``: the last virtual stage's backward runs in the tick of
     its forward (the head and loss run there), and each other one tick after the one it needs. Ticks:
-    ``T = M V + V S + S - 2`` (``M + 2S - 2`` for ``V = 1``, plain 1F1B). A stage's input for forward item ``i``
-    is kept in slot ``i % (2 V S - 1)`` until its backward, at most ``2 V S - 2`` ticks later, so
-    ``2 V S - 1`` slots never overwrite a live one. With ``V > 1``, ``M`` must be a multiple of ``S``.
+    ``T = M V + V S + S - 2`` (``M + 2S - 2`` for ``V = 1``, plain 1F1B). A stage keeps each forward's input
+    until its backward (at most ``2 V S - 2`` ticks later) in the lowest slot free when the forward runs (freed
+    after the backward reads it): at most ``(V + 1) S - 1 - 2 s`` inputs at once on stage ``s``, so
+    ``(V + 1) S - 1`` slots (``2S - 1`` for 1F1B; a ring by forward index ``i mod slots`` would need
+    ``2 V S - 1``). With ``V > 1``, ``M`` must be a multiple of ``S``.
     """
     V, S, M = virtual_stages, stages, microbatches
-    slots = 2 * V * S - 1
     ticks = M * V + V * S + S - 2
     table = np.zeros((ticks, S, 8), np.int32)
-    for t in range(ticks):
-        for s in range(S):
+    for s in range(S):
+        free, slot_of = list(range(2 * V * S - 1)), {}  # slots in use: item -> slot
+        for t in range(ticks):
             i = t - s
             j = t - (V * S - 1) - (S - 1 - s)
             for ok, index, chunk in ((F_OK, i, lambda r: r // S), (B_OK, j, lambda r: V - 1 - r // S)):
-                index_c = min(max(index, 0), M * V - 1)
-                g, r = divmod(index_c, S * V)
-                v = chunk(r)
-                forward_index = g * S * V + v * S + r % S  # the item's forward index: its saved input's slot
-                table[t, s, ok:ok + 4] = (0 <= index < M * V, g * S + r % S, v, forward_index % slots)
+                valid = 0 <= index < M * V
+                g, r = divmod(min(max(index, 0), M * V - 1), S * V)
+                item = (g * S + r % S, chunk(r))  # (micro-batch, chunk)
+                if valid and ok == F_OK:  # the lowest free slot; written before this tick's backward reads
+                    slot_of[item] = free.pop(free.index(min(free)))
+                table[t, s, ok:ok + 4] = (valid, *item, slot_of[item] if valid else 0)
+            if table[t, s, B_OK]:  # free once read: the next tick's forward may take it
+                free.append(slot_of.pop(tuple(table[t, s, B_MICRO:B_CHUNK + 1])))
     return table
 
 
@@ -244,8 +249,8 @@ def pipeline_1f1b_value_and_grad(
     stage, one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the last stage
     runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's forward arrives,
     and each stage keeps only the inputs of the items between their forward and their backward (at most
-    ``2 V S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe keeps all
-    ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split
+    ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe keeps
+    all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split
     like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``.
     Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S`` and ``L`` of ``V S``.
 
@@ -301,8 +306,8 @@ def pipeline_1f1b_value_and_grad(
                          f"on each of {stages} pipeline stages ({virtual * stages} equal chunks); use "
                          f"--virtual-stages one of {fits}, or a layer count that is a multiple of "
                          f"{virtual * stages}")
-    slots, last_chunk = 2 * virtual * stages - 1, virtual - 1
     order = pipeline_order(stages, virtual, micro)
+    slots, last_chunk = int(order[..., F_SLOT].max()) + 1, virtual - 1  # at most (V + 1) S - 1
     # The ring closes (stage S-1 hands chunk v's output to stage 0's chunk v+1) only when there are chunks to chain.
     ahead = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if virtual > 1 else [])
     back = [(b, a) for a, b in ahead]
