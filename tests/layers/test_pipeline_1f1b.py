@@ -98,7 +98,8 @@ CASES = [({"stage": 2}, 2, "auto", 8, 1, LAYERS),  # 8 micro-batches through a r
          ({"stage": 2}, 2, "auto", 4, 2, LAYERS),  # 8 items through a ring of 7 slots
          ({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 2, LAYERS)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 1, LAYERS), ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 1, LAYERS),
+    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 1, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 1, LAYERS),
               ({"stage": 4, "fsdp": 2}, 8, "explicit", 4, 1, LAYERS),
               ({"stage": 2}, 2, "explicit", 8, 1, LAYERS), ({"stage": 4}, 4, "auto", 8, 1, LAYERS),
               ({"stage": 2}, 2, "explicit", 8, 2, LAYERS), ({"stage": 2, "fsdp": 4}, 8, "auto", 2, 2, LAYERS),
