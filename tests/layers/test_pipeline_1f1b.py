@@ -1,10 +1,10 @@
 """``pipeline_1f1b_value_and_grad``: the 1F1B schedule over the ``stage`` axis, and interleaved 1F1B (virtual
 stages, ``V > 1``), give the loss and every gradient (stacked layers, head, input) of ``jax.value_and_grad`` of the
 un-pipelined stack + head, under Auto and Explicit meshes, with FSDP beside the stages, a per-row argument split
-with the micro-batches, and more items than a stage keeps inputs for (the ring of ``2VS - 1`` slots wraps). The
+with the micro-batches, and more items than a stage keeps inputs for (its ``(V + 1) S - 1`` slots are reused). The
 schedule's table (``pipeline_order``) runs each item one tick after the one it needs and keeps at most
-``2VS - 1`` stage inputs; the compiled 1F1B programs' temporaries stay flat as the micro-batches grow, where
-GPipe's (autodiff of ``pipeline_stack``) grow with them.
+``(V + 1) S - 1 <= 2VS - 1`` stage inputs; the compiled 1F1B programs' temporaries shrink with the micro-batch,
+where GPipe's (autodiff of ``pipeline_stack``) stay those of the whole batch.
 
 A toy stack (4 tanh(Linear) layers of width 16, a linear + squared-error head) keeps each compile to a second or
 two; CI runs 1F1B's ring wrap and interleaved on stage 2 (alone, and with FSDP 4 under Explicit),
@@ -95,7 +95,7 @@ def _on_mesh(mesh, microbatches, virtual_stages=1, layers=LAYERS):
 # (tests/models/test_pipeline.py) run 1F1B with FSDP under both modes; CI here adds the ring's wrap, and
 # interleaved (V = 2: chunk 1 on stage 0, so every chunk moves) alone with the wrap and beside FSDP 4, Explicit.
 CASES = [({"stage": 2}, 2, "auto", 8, 1, LAYERS),  # 8 micro-batches through a ring of 3 slots per stage
-         ({"stage": 2}, 2, "auto", 4, 2, LAYERS),  # 8 items through a ring of 7 slots
+         ({"stage": 2}, 2, "auto", 4, 2, LAYERS),  # 8 items through 5 slots
          ({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 2, LAYERS)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 1, LAYERS),
