@@ -302,11 +302,11 @@ class DeepSeekV3(CausalLMBase):
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
-        pipelined = stage_count() > 1
-        if pipelined:
-            self._check_pipelined(pipeline_schedule, with_hidden_states=with_hidden_states,
-                                  with_routing=with_routing)
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            pipelined = stage_count() > 1  # the ambient mesh's, or the one the parameters live on
+            if pipelined:
+                self._check_pipelined(pipeline_schedule, with_hidden_states=with_hidden_states,
+                                      with_routing=with_routing)
             c = self.config
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
