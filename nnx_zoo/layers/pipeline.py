@@ -450,7 +450,7 @@ def pipeline_1f1b_value_and_grad(
         inverse = lambda b, u: divmod(b * virtual + u, stages)[::-1]  # noqa: E731
         d_chunks = _move_chunks(d_chunks, stages, inverse)
         d_state = jax.tree.map(lambda d, a: jnp.reshape(d, a.shape), d_chunks, state)
-        if with_aux:
+        if jax.tree.leaves(stats):
             stats = jax.tree.map(lambda a: jnp.reshape(a, (-1, *a.shape[2:])), _move_chunks(stats, stages, inverse))
         total = lambda a: jax.lax.psum(a, STAGE_AXIS)  # noqa: E731  (each is nonzero on one stage, or summed)
         return total(loss), d_state, jax.tree.map(total, d_head), total(d_x), stats, jax.tree.map(total, head_stats)

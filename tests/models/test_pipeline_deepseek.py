@@ -36,9 +36,11 @@ STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
             model_kwargs=(("with_mtp", True), ("with_expert_load", True)))
 MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2),
           "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4)}  # name -> (mesh sizes, pipeline micro-batches)
-CASES = [("stage2-expert2-fsdp2", "explicit", 1)]
+CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "1f1b")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [("stage2-expert2-fsdp2", "auto", 1), ("stage4-fsdp2", "explicit", 1), ("stage4-fsdp2", "auto", 2)]
+    CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "1f1b")]
+    CASES += [("stage4-fsdp2", mode, accum, schedule) for mode in ("auto", "explicit") for accum in (1, 2)
+              for schedule in ("gpipe", "1f1b")]
 
 
 @functools.cache
@@ -68,11 +70,11 @@ def _one_device():
             _biases(model))
 
 
-@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps"), CASES)
-def test_pipelined_deepseek_adamw_steps_match_one_device(mesh_name, mode, accum_steps):
+@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "schedule"), CASES)
+def test_pipelined_deepseek_adamw_steps_match_one_device(mesh_name, mode, accum_steps, schedule):
     sizes, micro = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode)
-    history, model, optimizer = train_two_steps(mesh, accum_steps, micro // accum_steps, parts=_parts(),
+    history, model, optimizer = train_two_steps(mesh, accum_steps, micro // accum_steps, schedule, parts=_parts(),
                                                 batch=_batch(), **STEP)
     want_history, want_params, want_moments, want_biases = _one_device()
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
@@ -100,7 +102,7 @@ def test_what_the_pipelined_deepseek_forward_does_not_run_is_refused():
     model = nnx.merge(graphdef, state)
     ids = np.zeros((8, 16), np.int32)
     for kwargs, message in [
-        (dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)), "runs pipelined with pipeline_schedule='gpipe' only"),
+        (dict(pipeline_schedule="interleaved", loss_targets=(ids, ids)), "interleaved virtual stages are not built"),
         (dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
     ]:
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
