@@ -1,14 +1,17 @@
 """DeepSeek-V3 (MoE, MTP, sequence-wise balance loss, routing-bias balancing) pipelined over the ``stage`` axis.
 
 A tiny DeepSeek-V3 (1 dense + 4 MoE layers, 8 experts top-2, MTP depth 1, batch 8 x 16): two AdamW steps of the
-trainer with the MoE stack pipelined (GPipe) give the main loss, the MTP loss, the balance loss, the expert load
-balance, the gradient norm, the Adam moments, the updated parameters and the routing biases moved by the expert
-loads of the un-pipelined model on one device (float32). The dense prefix and the MTP head run outside the
-pipeline, whole on every stage; the MoE layers' per-layer aux terms come out of the pipeline summed over the
-micro-batches (``pipeline_stack(..., with_aux=True)``). Helpers are ``test_pipeline``'s.
+trainer with the MoE stack pipelined give the main loss, the MTP loss, the balance loss, the expert load balance,
+the gradient norm, the Adam moments, the updated parameters and the routing biases moved by the expert loads of
+the un-pipelined model on one device (float32). The dense prefix runs before the pipeline, whole on every stage;
+the MoE layers' per-layer aux terms come out of the pipeline summed over the micro-batches. GPipe
+(``pipeline_stack(..., with_aux=True)``): the MTP head and head after it, on every stage. 1F1B
+(``pipeline_1f1b_value_and_grad(..., with_aux=True)``): the MTP head and head on the last stage, the MTP and
+balance losses differentiated inside the program with the trainer's weights. Helpers are ``test_pipeline``'s.
 
 Cost: one pipelined train step compiled per case plus the one-device reference. CI runs stage 2 x expert 2 x
-fsdp 2 under Explicit; ``NNX_ZOO_FULL_MATRIX=1`` adds Auto, stage 4 x fsdp 2 and 2 accumulation steps.
+fsdp 2, GPipe under Explicit and 1F1B under Auto; ``NNX_ZOO_FULL_MATRIX=1`` adds the other mode of each, and
+stage 4 x fsdp 2 in both modes with and without 2 accumulation steps, both schedules.
 """
 
 from __future__ import annotations
