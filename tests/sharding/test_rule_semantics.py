@@ -99,6 +99,7 @@ LATENT_PLACEMENT = {
     "ep-as-cp": {"fsdp", "fsdp_transpose", "context"},  # embed's without expert (MaxText's mesh: fsdp only)
     "ep-as-dp": {"fsdp", "context"},  # embed's without fsdp_transpose (MaxText's mesh: fsdp only)
     "shard-exp-on-fsdp": {"fsdp", "fsdp_transpose", "expert"},  # embed's without context (= MaxText)
+    "pipeline-large-moe": {"fsdp"},  # MaxText: q_lora/kv_lora -> [fsdp]
 }
 
 
@@ -123,7 +124,8 @@ def test_latents_divide_at_scale_where_maxtext_keeps_them_off_expert():
 
 
 def test_every_named_set_is_checked_here():
-    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp"}
+    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp",
+                              "pipeline-large-moe"}
 
 
 @pytest.mark.parametrize("rules", sorted(RULE_SETS))
