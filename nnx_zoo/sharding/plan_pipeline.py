@@ -117,7 +117,8 @@ class PipelinePlan:
             f"remat {r}: {_human(self.total(r))}" for r in REMATS))
         lines.append("  by schedule (activations / total per device):")
         for schedule in self.activations:
-            lines.append(f"    {schedule:<12}" + "; ".join(
+            name = f"interleaved, V={self.virtual_stages}" if schedule == "interleaved" else schedule
+            lines.append(f"    {name:<17}" + "; ".join(
                 f"remat {r}: {_human(self.activation_bytes(r, schedule))} / {_human(self.total(r, schedule))}"
                 for r in REMATS))
         return "\n".join(lines)
