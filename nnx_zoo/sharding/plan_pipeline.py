@@ -15,8 +15,8 @@ one-layer phase (one layer's recomputation, its weights gathered) at ``m`` rows:
   finished outputs of the whole batch; the embedding, head and loss outside the pipeline on the whole batch.
 - ``1f1b``: a ring of ``2S - 1`` stage inputs ``[m, seq, hidden]`` whatever ``M``, one micro-batch's stage
   recomputed for its backward (``keep(m)``), the input gradients of the whole batch; head and loss per micro-batch.
-- ``interleaved`` (``V`` chunks of ``ceil(layers / V)`` layers per stage): ``2VS - 1`` chunk inputs and one chunk
-  recomputed, otherwise as 1F1B.
+- ``interleaved`` (``V`` chunks of ``ceil(layers / V)`` layers per stage): ``(V + 1) S - 1`` chunk inputs (the
+  saved-input slots of ``nnx_zoo.layers.pipeline.pipeline_order``) and one chunk recomputed, otherwise as 1F1B.
 The peak is, as in ``plan``: what the backward holds throughout + the larger of the output-head and one-layer
 phases.
 """
@@ -177,7 +177,7 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
                          "embeddings and logits": whole["embeddings and logits"],
                          **({"mtp heads": whole["mtp heads"]} if "mtp heads" in whole else {})}
             else:
-                ring = 2 * chunks * stages - 1
+                ring = (chunks + 1) * stages - 1  # pipeline_order's saved-input slots (2S - 1 for 1F1B)
                 unit = "chunk" if chunks > 1 else "stage"
                 parts = {f"{ring} {unit} inputs in flight": ring * m * row_input,
                          f"one micro-batch's {unit} recomputed": keep,

@@ -80,6 +80,11 @@ def test_gpipe_activations_grow_with_microbatches_and_1f1b_stays_bounded(remat):
     for m, p in plans.items():
         one_f = p.activations["1f1b"][remat]
         assert one_f["3 stage inputs in flight"] == 3 * row  # 2S - 1 of them, whatever M
+        # Interleaved, V = 2 chunks of one layer each: (V + 1) S - 1 chunk inputs and one chunk recomputed (a
+        # one-layer chunk is compiled whole: under remat full it keeps its layer's intermediates, not only inputs).
+        assert p.activations["interleaved"][remat]["5 chunk inputs in flight"] == 5 * row
+        chunk = p.activations["interleaved"][remat]["one micro-batch's chunk recomputed"]
+        assert 0 < chunk < keep[m] if remat == "none" else chunk > keep[m]
         # GPipe's scan keeps every one of its M + S - 1 time steps' residuals of the stage.
         assert p.activations["gpipe"][remat][f"{m + 1} time steps' saved activations"] == (m + 1) * keep[m]
         held_1f1b = p.activation_bytes(remat, "1f1b") - one_f["input gradients, whole batch"]
