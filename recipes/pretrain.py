@@ -657,11 +657,12 @@ def plan(args: argparse.Namespace, config: Any) -> int:
         staged = memory_plan_of(args, config, mesh, seq_len, kernels, args.plan_batch, pipeline=True)
         print(result.report.table() + "\n\n" + staged.table())
         fallbacks = tuple(f for f in fallbacks if f.name not in STACK_AXES)  # the stage table says what to do
+        result = staged  # the fullest stage's step decides the remat policy
     else:
         print(result.report.table() + "\n\n" + result.table())
-        if args.device_memory:
-            print("\n" + choose_remat(result, int(args.device_memory * 2**30), "--device-memory",
-                                      args.memory_margin).describe())
+    if args.device_memory:
+        print("\n" + choose_remat(result, int(args.device_memory * 2**30), "--device-memory",
+                                  args.memory_margin).describe())
     if fallbacks:
         print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(fallbacks)} "
               "dimension(s) above do not divide over their rule's mesh axes (strict placement refuses them).")
