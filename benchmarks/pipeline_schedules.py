@@ -1,6 +1,6 @@
 """Pipeline schedules (``stage`` mesh axis) read from the compiled train step: bubble, activation memory, traffic.
 
-For a small Llama (8 layers, hidden 256, seq 128, batch 32, vocab 1000) on 8 CPU devices, a mesh
+For a small Llama (8 layers, hidden 256, seq 64, batch 32, vocab 1000) on 8 CPU devices, a mesh
 ``{"stage": S, "fsdp": 8 / S}`` with S in (2, 4) and M in (S, 2S, 4S) pipeline micro-batches (the global batch
 stays 32: a micro-batch is 32 / M rows), every schedule of ``nnx_zoo.layers.pipeline.SCHEDULES`` (a new schedule
 there is a new row here; its formula, if any, is one entry of ``FORMULAS``) compiles the trainer's
@@ -31,6 +31,10 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU runs a device's ready collectives on a shared worker pool sized by NPROC (default: the cores, 2 here); a
+# collective blocks its worker until every device arrives, so with 8 devices and 1F1B's independent forward and
+# backward collectives the pool can fill with waiters and deadlock (seen at S=4, M=8: a rendezvous timeout).
+os.environ.setdefault("NPROC", "16")
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
@@ -324,7 +328,7 @@ def run(a: argparse.Namespace) -> dict:
                     timed[name] = (lambda c=compiled, args=state: jax.block_until_ready(c(*args)[1]))
                     case["_timed"] = True
             if len(timed) > 1 or (timed and a.rounds):
-                times = h.interleaved(timed, rounds=a.rounds, target_s=0.0, log=log)
+                times = h.interleaved(timed, rounds=a.rounds, target_s=0.0, warmup=0, log=log)  # calibration warms
                 for case in cases:
                     if case.get("_timed") and case["stages"] == s and case["microbatches"] == m:
                         case.pop("_timed")
@@ -389,7 +393,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-time", action="store_true", help="compile and read the programs only")
