@@ -70,9 +70,10 @@ def _gpipe_program(s: int, m: int, v: int) -> float:
 
 
 def _one_f_one_b_program(s: int, m: int, v: int) -> float:
-    """``pipeline_1f1b_value_and_grad``: M + 2S - 2 ticks, each a forward (F) and a backward that recomputes the
-    stage (F + 2F); useful work is M x 3F."""
-    return 1 - 3 * m / (4 * (m + 2 * s - 2))
+    """``pipeline_1f1b_value_and_grad`` (1F1B, and interleaved with V > 1): T = MV + VS + S - 2 ticks, each a
+    chunk's forward (F) and a chunk's backward that recomputes it (F + 2F), every stage, masked when idle; useful
+    work is M V x 3F. (Idle ticks alone: (VS + S - 2) / T; the recompute adds a quarter of every tick.)"""
+    return 1 - 3 * m * v / (4 * (m * v + v * s + s - 2))
 
 
 # schedule name -> (textbook bubble, this program's predicted excess of executed over useful layer FLOPs), as
@@ -80,11 +81,8 @@ def _one_f_one_b_program(s: int, m: int, v: int) -> float:
 FORMULAS: dict[str, tuple[Callable[[int, int, int], float], Callable[[int, int, int], float] | None]] = {
     "gpipe": (lambda s, m, v: (s - 1) / (m + s - 1), _gpipe_program),
     "1f1b": (lambda s, m, v: (s - 1) / (m + s - 1), _one_f_one_b_program),
-    "interleaved": (lambda s, m, v: (s - 1) / (v * m + s - 1), None),
+    "interleaved": (lambda s, m, v: (s - 1) / (v * m + s - 1), _one_f_one_b_program),
 }
-FORMULA_TEXT = {"gpipe": ("(S-1)/(M+S-1)", "(S-1)/(M+S-1)"),
-                "1f1b": ("(S-1)/(M+S-1)", "1-3M/(4(M+2S-2))"),
-                "interleaved": ("(S-1)/(VM+S-1)", "")}
 
 
 def schedules() -> list[str]:
@@ -350,17 +348,19 @@ def render(result: dict) -> str:
     cases = result["cases"]
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     bubble = h.markdown_table(
-        ["schedule", "S", "M", "ticks (runs of each stage permute)", "layer GFLOP/device: executed", "useful",
-         "excess measured",         "formula: this program", "formula: textbook", "head FLOPs / un-pipelined"],
+        ["schedule", "S", "M", "ticks (trips of the loops with a stage permute)", "layer GFLOP/device: executed",
+         "useful", "excess measured", "formula: this program", "formula: textbook", "head FLOPs / un-pipelined"],
         [[c["schedule"], c["stages"], c["microbatches"],
-          " + ".join(str(t) for t in c["collectives"].get("stage", {}).get("ticks", [])) or "-",
+          " / ".join(str(t) for t in sorted({t for t in c["collectives"].get("stage", {}).get("ticks", []) if t > 1}))
+          or "-",
           c["flops"]["layers"] / 1e9, c["useful_layer_flops"] / 1e9, fmt(c["bubble_measured"]),
           fmt(c["bubble_program"]), fmt(c["bubble_textbook"]), c["head_flops_ratio"]] for c in cases])
     memory = h.markdown_table(
-        ["schedule", "S", "M", "temp MiB", "arguments MiB", "activations MiB (temp - arguments)",
+        ["schedule", "V", "S", "M", "temp MiB", "arguments MiB", "activations MiB (temp - arguments)",
          "one micro-batch on one stage MiB", "micro-batches held"],
-        [[c["schedule"], c["stages"], c["microbatches"], _mib(c["temp_bytes"]), _mib(c["argument_bytes"]),
-          _mib(c["activation_bytes"]), _mib(c["microbatch_activation_bytes"]), c["microbatches_held"]]
+        [[c["schedule"], c["virtual_stages"], c["stages"], c["microbatches"], _mib(c["temp_bytes"]),
+          _mib(c["argument_bytes"]), _mib(c["activation_bytes"]), _mib(c["microbatch_activation_bytes"]),
+          c["microbatches_held"]]
          for c in cases])
     labels = sorted({k for c in cases for k in c["collectives"]})
     traffic = h.markdown_table(
