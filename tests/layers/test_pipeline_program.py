@@ -1,12 +1,13 @@
 """The pipeline schedules' bubble, read from the compiled program as ``benchmarks/pipeline_schedules.py`` reads it:
 the matmul FLOPs each device executes (every ``dot``, times the trip counts of the loops around it) against the
 un-pipelined program's divided by the stages. The SPMD pipeline runs every stage on every tick and masks the idle
-ones, so the excess is the tick count: GPipe runs ``M + S - 1`` forward and as many backward ticks; 1F1B runs
-``M + 2S - 2`` ticks of a forward and a backward that recomputes the stage (4 matmul passes for 3 useful ones),
-and runs the head on every stage in every tick. A schedule that grew an idle tick, or a recompute, fails here.
+ones, so the excess is the tick count: GPipe runs ``M + S - 1`` forward and as many backward ticks; 1F1B and
+interleaved 1F1B (V chunks per stage) run ``M V + V S + S - 2`` ticks of a chunk's forward and a backward that
+recomputes the chunk (4 matmul passes for 3 useful ones), and run the head on every stage in every tick. A
+schedule that grew an idle tick, or a recompute, fails here.
 
 A toy stack (4 tanh(Linear) layers of width 16, a linear head to 5 outputs: the dim that tells the head's dots
-apart) on stage 2 with 4 micro-batches; three compiles of a second or so.
+apart) on stage 2 with 4 micro-batches (V = 2 for interleaved); four compiles of a second or so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import pipeline_schedules as ps  # noqa: E402
 
 WIDTH, LAYERS, BATCH, SEQ, OUT = 16, 4, 8, 4, 5  # OUT: the head's output dim, no other dim's size
-STAGES, MICRO = 2, 4
+STAGES, MICRO, VIRTUAL = 2, 4, 2  # VIRTUAL: interleaved's chunks per stage
 
 
 def _stack() -> nnx.Module:
@@ -62,9 +63,9 @@ def _flops() -> dict[str, dict[str, float]]:
     def gpipe(state, w, x):
         return _head(w, pipeline_stack(nnx.merge(graphdef, state), _layer, x, microbatches=MICRO), target)
 
-    def one_f_one_b(state, w, x):
+    def one_f_one_b(state, w, x, virtual_stages=1):
         return pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), _layer, _head, w, x, target,
-                                            microbatches=MICRO)
+                                            microbatches=MICRO, virtual_stages=virtual_stages)
 
     def count(fn, *args) -> dict[str, float]:
         return ps.dot_flops(jax.jit(fn).lower(*args).compile().as_text(), vocab=OUT)
@@ -74,17 +75,20 @@ def _flops() -> dict[str, dict[str, float]]:
     with jax.set_mesh(mesh), use_rules("default"):
         out["gpipe"] = count(jax.value_and_grad(gpipe, argnums=(0, 1, 2)), state, w, x)
         out["1f1b"] = count(one_f_one_b, state, w, x)
+        out["interleaved"] = count(functools.partial(one_f_one_b, virtual_stages=VIRTUAL), state, w, x)
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_executed_matmul_flops_are_the_schedules_ticks(schedule):
     flops = _flops()
     useful = flops["plain"]["layers"] / STAGES
-    bubble = ps.FORMULAS[schedule][1](STAGES, MICRO, 1)  # what the benchmark writes as "this program"
+    v = VIRTUAL if schedule == "interleaved" else 1
+    bubble = ps.FORMULAS[schedule][1](STAGES, MICRO, v)  # what the benchmark writes as "this program"
     assert flops[schedule]["layers"] == pytest.approx(useful / (1 - bubble), rel=1e-9)
-    ticks = MICRO + STAGES - 1 if schedule == "gpipe" else MICRO + 2 * STAGES - 2
-    assert bubble == pytest.approx(1 - MICRO / ticks if schedule == "gpipe" else 1 - 3 * MICRO / (4 * ticks))
+    # chunk forwards per stage: MICRO x v useful, one per tick executed (plus the backward's recompute in 1F1B)
+    ticks = MICRO + STAGES - 1 if schedule == "gpipe" else MICRO * v + v * STAGES + STAGES - 2
+    assert bubble == pytest.approx(1 - MICRO / ticks if schedule == "gpipe" else 1 - 3 * MICRO * v / (4 * ticks))
     # GPipe's head runs once, outside the pipeline; 1F1B's on every stage in every tick, masked.
     head_runs = 1 if schedule == "gpipe" else ticks / MICRO
     assert flops[schedule]["head"] == pytest.approx(flops["plain"]["head"] * head_runs, rel=1e-9)
