@@ -79,7 +79,8 @@ SHARED_LIKE: Mapping[str, str] = MappingProxyType({"latent": "embed"})
 
 # Shared names that are leading layer-stack axes (one entry per layer, never a matrix dim). A declared name
 # placed like one of them is a stack axis too (``STACK_AXES``).
-_SHARED_STACK_AXES = frozenset({"layers", "unpipelined_layers"})
+UNPIPELINED_STACK = "unpipelined_layers"  # the stack axis of layers that run outside the pipeline
+_SHARED_STACK_AXES = frozenset({"layers", UNPIPELINED_STACK})
 
 
 @dataclasses.dataclass(frozen=True)
