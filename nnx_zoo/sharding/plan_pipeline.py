@@ -194,7 +194,7 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
                 if "mtp heads" in whole:  # per micro-batch, with the head
                     parts["mtp heads"] = whole["mtp heads"] * m // b
             if prefix:
-                parts[f"{prefix} dense layer(s) before the pipeline, whole batch"] = prefix_keep(remat)
+                parts[f"dense prefix ({prefix} layers), whole batch"] = prefix_keep(remat)
             by_remat[remat] = {**parts, **one_layer, **weights}
         out[schedule] = by_remat
     return out

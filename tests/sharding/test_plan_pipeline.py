@@ -52,7 +52,7 @@ def test_pipeline_large_moe_splits_deepseeks_moe_stack_over_stages_strictly():
     plan = pipeline_memory_plan(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), config, mesh, "pipeline-large-moe",
                                 seq_len=32, batch_per_device=2)
     assert plan.stacks == {"moe_layers": (2, 4)}  # the dense and MTP stacks count whole on the stage
-    assert plan.activations["1f1b"]["none"]["2 dense layer(s) before the pipeline, whole batch"] > 0
+    assert plan.activations["1f1b"]["none"]["dense prefix (2 layers), whole batch"] > 0
 
 
 TINY = AutoConfig.preset("llama3-tiny")  # 4 layers, width 128, MLP 384, 4 heads + 2 kv heads of 32, vocab 32000
