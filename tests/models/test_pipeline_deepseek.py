@@ -7,11 +7,19 @@ the un-pipelined model on one device (float32). The dense prefix runs before the
 the MoE layers' per-layer aux terms come out of the pipeline summed over the micro-batches. GPipe
 (``pipeline_stack(..., with_aux=True)``): the MTP head and head after it, on every stage. 1F1B
 (``pipeline_1f1b_value_and_grad(..., with_aux=True)``): the MTP head and head on the last stage, the MTP and
-balance losses differentiated inside the program with the trainer's weights. Helpers are ``test_pipeline``'s.
+balance losses differentiated inside the program with the trainer's weights. Interleaved 1F1B (2 virtual stages
+on stage 2: stage 0 runs MoE layers 0 and 2, stage 1 layers 1 and 3): the same, with the per-layer expert loads
+moved back into model order (the routing biases they move would differ otherwise). Helpers are
+``test_pipeline``'s.
 
 Cost: one pipelined train step compiled per case plus the one-device reference. CI runs stage 2 x expert 2 x
-fsdp 2, GPipe under Explicit and 1F1B under Auto; ``NNX_ZOO_FULL_MATRIX=1`` adds the other mode of each, and
-stage 4 x fsdp 2 in both modes with and without 2 accumulation steps, both schedules.
+fsdp 2, GPipe under Explicit and interleaved (V = 2) under Auto. 1F1B is interleaved's ``V = 1`` case: the
+DeepSeek code (``DeepSeekV3._one_f_one_b``: layer aux terms, MTP heads and losses on the last stage) is one path
+for both, ``V`` only passed on, and what ``V`` changes (chunks moved to their stages and back) is inside
+``pipeline_1f1b_value_and_grad``, whose 1F1B case CI covers in ``test_pipeline`` and ``test_pipeline_1f1b``.
+``NNX_ZOO_FULL_MATRIX=1`` adds the other mode of each, 1F1B in both modes, stage 4 x fsdp 2 in both modes with
+and without 2 accumulation steps for GPipe and 1F1B (4 MoE layers do not split into 2 chunks on 4 stages), and
+interleaved on stage 2 x tensor 2 x fsdp 2 in both modes with and without 2 accumulation steps.
 """
 
 from __future__ import annotations
@@ -37,13 +45,20 @@ CONFIG = DeepSeekV3Config.preset(
 METRICS = ("loss", "grad_norm", "mtp1", "aux_loss", "expert_max_over_mean")
 STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
             model_kwargs=(("with_mtp", True), ("with_expert_load", True)))
+# name -> (mesh sizes, pipeline micro-batches per step): interleaved needs a multiple of the 2 stages per
+# accumulation step, and each micro-batch's rows must divide over the batch's mesh axes.
 MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2),
-          "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4)}  # name -> (mesh sizes, pipeline micro-batches)
-CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "1f1b")]
+          "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 4)}
+CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "interleaved")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "1f1b")]
+    CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "1f1b") for mode in ("auto", "explicit")]
     CASES += [("stage4-fsdp2", mode, accum, schedule) for mode in ("auto", "explicit") for accum in (1, 2)
               for schedule in ("gpipe", "1f1b")]
+    CASES += [("stage2-tensor2-fsdp2", mode, accum, "interleaved") for mode in ("auto", "explicit")
+              for accum in (1, 2)]
+VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1, stage s holding chunks s and 2 + s
 
 
 @functools.cache
@@ -77,8 +92,11 @@ def _one_device():
 def test_pipelined_deepseek_adamw_steps_match_one_device(mesh_name, mode, accum_steps, schedule):
     sizes, micro = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode)
+    step = dict(STEP)
+    if schedule == "interleaved":
+        step["model_kwargs"] += (("pipeline_virtual_stages", VIRTUAL_STAGES),)
     history, model, optimizer = train_two_steps(mesh, accum_steps, micro // accum_steps, schedule, parts=_parts(),
-                                                batch=_batch(), **STEP)
+                                                batch=_batch(), **step)
     want_history, want_params, want_moments, want_biases = _one_device()
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0] and min(h[3] for h in history) > 0  # it learns; the balance loss is on
@@ -105,7 +123,10 @@ def test_what_the_pipelined_deepseek_forward_does_not_run_is_refused():
     model = nnx.merge(graphdef, state)
     ids = np.zeros((8, 16), np.int32)
     for kwargs, message in [
-        (dict(pipeline_schedule="interleaved", loss_targets=(ids, ids)), "interleaved virtual stages are not built"),
+        # 4 MoE layers do not split into 8 chunks; checked before anything runs.
+        (dict(pipeline_schedule="interleaved", pipeline_virtual_stages=4, loss_targets=(ids, ids)),
+         r"DeepSeekV3 pipelines its 4 MoE layers \(num_hidden_layers 5 - first_k_dense_replace 1\), which do not "
+         r"split into 8 equal chunks \(2 stages x 4 virtual stages\); use --virtual-stages one of \[1, 2\]"),
         (dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
     ]:
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):

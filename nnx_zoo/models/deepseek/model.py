@@ -26,7 +26,14 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
+from nnx_zoo.layers.pipeline import (
+    STAGE_AXIS,
+    Schedule,
+    pipeline_1f1b_value_and_grad,
+    pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.causal_lm import (
@@ -211,8 +218,6 @@ class DeepSeekV3(CausalLMBase):
     # MLA's projections (queries, the key/value down- and up-projections, the output) in every decoder layer,
     # multi-token-prediction heads included; add ``nnx_zoo.layers.lora.EXPERTS_PATTERN`` for the routed experts.
     lora_targets: ClassVar[str] = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
-    # The pipeline schedules ``forward`` runs on a mesh with a 'stage' axis (the recipe checks --pipeline-schedule).
-    pipeline_schedules: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b")
 
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default",
                  allow_partial: bool | None = None):
@@ -297,12 +302,15 @@ class DeepSeekV3(CausalLMBase):
         before the pipeline, whole on every stage (their stacks' axes are ``unpipelined_layers``, never on
         ``stage``: 3 of V3's 61 layers, little memory). GPipe (``_pipelined_moe``): the final norm, the MTP heads
         and the output head run after it, whole on every stage too (the trainer's chunked head + loss stays its one
-        path; the price is that every stage computes them). 1F1B (``_one_f_one_b``; ``loss_targets=(targets,
-        loss_mask)`` and the trainer's ``loss_scale=(mtp_weight, counts)``): the final norm, the MTP heads (their
+        path; the price is that every stage computes them). 1F1B and interleaved 1F1B (``_one_f_one_b``, with
+        ``pipeline_virtual_stages`` chunks of the MoE stack per stage for interleaved, default 2: stage ``s`` runs
+        chunks ``s, S + s, ...``; ``loss_targets=(targets, loss_mask)`` and the trainer's
+        ``loss_scale=(mtp_weight, counts)``): the final norm, the MTP heads (their
         shifted tokens handed through the pipeline with each micro-batch, embedded there) and the head run on the
         last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the whole
         loss: the MTP and balance terms weighted as ``nnx_zoo.train.step.loss_terms`` weighs them),
-        ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens``. Without a ``stage`` axis the
+        ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens`` (per MoE layer in model order, for
+        every schedule: what the routing-bias update reads). Without a ``stage`` axis the
         pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
@@ -311,8 +319,8 @@ class DeepSeekV3(CausalLMBase):
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             pipelined = stage_count() > 1  # the ambient mesh's, or the one the parameters live on
             if pipelined:
-                self._check_pipelined(pipeline_schedule, with_hidden_states=with_hidden_states,
-                                      with_routing=with_routing)
+                schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                self._check_pipelined(schedule, with_hidden_states=with_hidden_states, with_routing=with_routing)
             c = self.config
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
@@ -351,12 +359,11 @@ class DeepSeekV3(CausalLMBase):
             records, moe_records = [], []
             balance_sum = None  # pipelined: the balance loss summed over MoE layers and real sequences
             for name, stack, _ in self.layer_runs():
-                if pipelined and LAYER_STACKS[name][0] and resolve_schedule(
-                        pipeline_schedule, pipeline_virtual_stages).loss_inside:
+                if pipelined and LAYER_STACKS[name][0] and schedule.loss_inside:  # 1F1B, interleaved
                     return self._one_f_one_b(
                         stack, carry[0], (cos, sin, mask, query_scale), input_ids, attention_mask, segment_ids,
                         positions, depth, loss_targets, loss_scale, with_expert_load, pipeline_microbatches,
-                        resolve_schedule(pipeline_schedule, pipeline_virtual_stages).virtual_stages)
+                        schedule)
                 if pipelined and LAYER_STACKS[name][0]:
                     h, record, balance_sum = self._pipelined_moe(
                         stack, carry[0], cos, sin, mask, query_scale, attention_mask, with_expert_load,
@@ -403,13 +410,10 @@ class DeepSeekV3(CausalLMBase):
                 final_hidden=final_hidden, mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
 
     # ---- pipeline parallelism over the mesh's 'stage' axis ----
-    def _check_pipelined(self, schedule: str, *, with_hidden_states: bool, with_routing: bool) -> None:
-        """Clear errors for what the pipelined forward does not run."""
+    def _check_pipelined(self, schedule: Schedule, *, with_hidden_states: bool, with_routing: bool) -> None:
+        """Clear errors for what the pipelined forward does not run, and for an MoE stack that does not split into
+        the schedule's equal chunks (``S`` stages, times ``V`` virtual stages when interleaved)."""
         c = self.config
-        if schedule not in self.pipeline_schedules:
-            raise ValueError(f"{type(self).__name__} runs pipelined with pipeline_schedule in "
-                             f"{self.pipeline_schedules} (got {schedule!r}: interleaved virtual stages are not built "
-                             "for it yet); use --pipeline-schedule 1f1b")
         if with_hidden_states or with_routing:
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
@@ -418,6 +422,17 @@ class DeepSeekV3(CausalLMBase):
             raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix; this "
                              f"config's MoE layers run as {moe_runs} (sparse attention's top-k handed between layers "
                              "or its indexer loss are not pipelined yet). Train it on a mesh without 'stage'")
+        # Only the MoE layers are on 'stage' (the dense prefix runs before the pipeline): say so, not "the stack".
+        moe, stages, virtual = len(c.layer_stacks()["moe_layers"]), stage_count(), schedule.virtual_stages
+        if moe % (stages * virtual):
+            fix = (f"--virtual-stages one of {[v for v in range(1, moe // stages + 1) if moe % (v * stages) == 0]}"
+                   if schedule.interleaved and moe % stages == 0 else
+                   f"a '{STAGE_AXIS}' mesh size that divides {moe}")
+            raise ValueError(f"{type(self).__name__} pipelines its {moe} MoE layers (num_hidden_layers "
+                             f"{c.num_hidden_layers} - first_k_dense_replace {c.first_k_dense_replace}), which do not "
+                             f"split into {stages * virtual} equal chunks ({stages} stages x {virtual} virtual "
+                             f"stages); use {fix}, or num_hidden_layers with a multiple of {stages * virtual} MoE "
+                             "layers")
 
     def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                        query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
@@ -458,10 +473,15 @@ class DeepSeekV3(CausalLMBase):
                      attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,
                      depth: int, loss_targets: tuple[jax.Array, jax.Array] | None,
                      loss_scale: tuple[float, Any] | None, with_expert_load: bool, microbatches: int,
-                     virtual_stages: int) -> CausalLMOutput:
+                     schedule: Schedule) -> CausalLMOutput:
         """The MoE stack, final norm, MTP heads, head and losses on ``h`` (the dense prefix's output) in 1F1B order
         (``pipeline_1f1b_value_and_grad(..., with_aux=True)``), as a function autodiff differentiates: a
         ``custom_vjp`` whose gradients (MoE stack, head modules, ``h``) come from the same program.
+
+        1F1B and interleaved 1F1B run this same code: only ``schedule.virtual_stages`` differs, and what it changes
+        (the MoE chunks moved to their stages, ``V`` chunks per stage, the per-layer stats and gradients moved back
+        into model order) happens inside ``pipeline_1f1b_value_and_grad``. The MTP heads and the head run with the
+        last virtual stage, on the last stage.
 
         The loss it differentiates is the trainer's (``loss_terms``) share of this micro-batch: the cross-entropy
         sum, plus ``w_k`` times each MTP depth's sum (``w_k = mtp_weight / depth * step tokens / depth k's step
@@ -472,13 +492,14 @@ class DeepSeekV3(CausalLMBase):
         the MTP and aux values (``mtp_loss_sums``, ``aux_loss``, without gradient) with the same weights."""
         c = self.config
         if loss_targets is None:
-            raise ValueError("pipeline_schedule='1f1b' runs the loss on the last stage: pass loss_targets=(targets, "
-                             "loss_mask) (and loss_scale=(mtp_weight, counts), as nnx_zoo.train.step does), or use "
-                             "pipeline_schedule='gpipe'")
+            raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage: pass "
+                             "loss_targets=(targets, loss_mask) (and loss_scale=(mtp_weight, counts), as "
+                             "nnx_zoo.train.step does), or use pipeline_schedule='gpipe'")
         balance_on = c.seq_aux_loss_alpha > 0
         if loss_scale is None and (depth or balance_on):
-            raise ValueError("pipeline_schedule='1f1b' with MTP heads or a balance loss needs loss_scale=(mtp_weight, "
-                             "counts) to weigh them inside the pipeline (nnx_zoo.train.step.loss_terms passes it)")
+            raise ValueError(f"pipeline_schedule={schedule.name!r} with MTP heads or a balance loss needs "
+                             "loss_scale=(mtp_weight, counts) to weigh them inside the pipeline "
+                             "(nnx_zoo.train.step.loss_terms passes it)")
         mtp_weight, counts = (0.0, None) if loss_scale is None else loss_scale
         targets, loss_mask = loss_targets
         rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
@@ -540,7 +561,8 @@ class DeepSeekV3(CausalLMBase):
         def program(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
             total, d_stack, d_head, d_h, stats, head_stats = pipeline_1f1b_value_and_grad(
                 nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, head_inputs,
-                *layer_inputs, rows, w_bal, microbatches=microbatches, virtual_stages=virtual_stages, with_aux=True)
+                *layer_inputs, rows, w_bal, microbatches=microbatches, virtual_stages=schedule.virtual_stages,
+                with_aux=True)
             return (total, stats, head_stats), (d_stack, d_head, d_h)
 
         @jax.custom_vjp
