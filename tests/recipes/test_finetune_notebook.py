@@ -144,15 +144,16 @@ FAMILIES = {"llama": 0, "qwen3_moe": 1, "mixtral": 1, "glm4_moe": 1, "deepseek_v
 # The representative covers the families after it, which share its layers, attention and MoE kind:
 CI_FAMILIES = {
     "llama": (),  # dense GQA + SwiGLU
-    # GQA + routed experts (a dense first layer, shared experts): Qwen3-MoE, Mixtral, MiniMax-M2 (every layer MoE)
-    "glm4_moe": ("qwen3_moe", "mixtral", "minimax_m2"),
+    # GQA + routed experts (a dense first layer, shared experts): Qwen3-MoE, Mixtral, MiniMax-M2 (every layer MoE),
+    # Llama 4 (a shared expert; its chunked attention is local attention, as Gemma 4's sliding window)
+    "glm4_moe": ("qwen3_moe", "mixtral", "minimax_m2", "llama4_text"),
     # MLA with the lightning indexer (sparse path) and a layer reusing its top-k, two MoE stacks (the notebook's own
     # run is DeepSeek-V3's MLA): V2 (MLA, softmax router), V3.2 (the indexer), Mistral 4 (MLA, every layer MoE)
     "glm_moe_dsa": ("deepseek_v2", "deepseek_v32", "mistral4"),
     "deepseek_v4": (),  # V4: sliding hash-routed, CSA and HCA layers
-    "llama4_text": (),  # chunked local attention, NoPE, the input-scaled top-1 MoE with a shared expert
-    "gpt_oss": (),  # sliding window with sinks, biased experts
-    "gemma4_text": ("gemma3_text",),  # a sliding and a global stack (Gemma 3's), K/V sharing, MoE beside the MLP
+    # Local attention: a sliding and a global stack with MoE, K/V sharing: Gemma 3 (sliding and global, dense),
+    # GPT-OSS (sliding and full stacks, every layer MoE)
+    "gemma4_text": ("gemma3_text", "gpt_oss"),
     # Gated DeltaNet linear layers and full ones, two MoE stacks: Qwen3-Next (the same mixers), Qwen3.5 (dense)
     "qwen3_5_moe_text": ("qwen3_next", "qwen3_5_text"),
     "kimi_linear": (),  # KDA linear layers, MLA without rope
