@@ -527,13 +527,10 @@ def test_mtp_loss_equals_the_sliced_formula():
 
 V32 = (("index_topk", 6), ("index_n_heads", 4), ("index_head_dim", 16), ("indexer_training", "sparse"))
 V32_MESHES = ((("fsdp", 8),), (("fsdp", 4), ("expert", 2)))
-V32_CASES = [  # CI: FSDP 8 under Auto; FSDP 4 x EP 2 under Explicit with the sequence split over 'expert'
-    Setup(rules, 1, impl, sizes, mode, config=V32)
-    for sizes, rules, impl, mode in (
-        (V32_MESHES[0], "default", "dense", "auto"),
-        (V32_MESHES[1], "ep-as-cp", "ep", "explicit"),  # a query's top-k spans the sequence shards
-    )
-] if not FULL else [  # 24 cases: both meshes, every named rule set, both modes
+# CI: FSDP 8 under Auto. FSDP 4 x EP 2 under Explicit ep-as-cp (the sequence split over 'expert': a query's top-k
+# spans the sequence shards) runs in CI as GLM-5's case below, which is this V3.2 indexer (and its trained KL) too.
+# NNX_ZOO_FULL_MATRIX=1: 24 cases, both meshes, every named rule set, both modes.
+V32_CASES = [Setup("default", 1, "dense", V32_MESHES[0], "auto", config=V32)] if not FULL else [
     Setup(rules, 1, "ep" if _ep_axes(dict(sizes), rules) else "dense", sizes, mode, config=V32)
     for sizes in V32_MESHES for rules in RULE_ORDER for mode in MODES
 ]
