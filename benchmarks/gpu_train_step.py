@@ -83,19 +83,27 @@ class FamilyRun(NamedTuple):
 class Family(NamedTuple):
     """A family case: the recipe as a user runs it at ``full`` (``smoke`` on the CPU), against transformers eager
     and ``torch.compile`` on the same cut config when ``torch``, then the profile. ``moe``: a failed recipe run is
-    retried with the ``pallas_triton`` grouped-matmul kernel (the run a user falls back to when tokamax fails)."""
+    retried with the ``pallas_triton`` grouped-matmul kernel (the run a user falls back to when tokamax fails).
+    ``slice_fusion``: the recipe runs again with ``SLICE_FUSION_FLAG`` (a GPU only flag, so not under ``--smoke``),
+    to measure whether the grouped-matmul custom call then reads each layer's slice of the stacked expert weights in
+    place instead of from a copy (issue 37; benchmarks README section 15)."""
 
     full: FamilyRun
     smoke: FamilyRun
     moe: bool
     torch: bool = True
+    slice_fusion: bool = False
+
+
+# XLA:GPU runs GEMMs and custom calls on a dynamic slice in place with it (off by default in jax 0.11).
+SLICE_FUSION_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=true"
 
 
 # Every cut plans under remat full below an H100's 78 GiB (tests/test_device_scripts.py checks it).
 FAMILIES = {
     # 128 experts, top-8, GQA 32/4, q/k norm; 2 of 48 layers: ~1.8B parameters
     "qwen3moe": Family(FamilyRun("qwen3-moe-30b-a3b", {"num_hidden_layers": 2}, 4, 2048),
-                       FamilyRun("qwen3-moe-tiny", {"num_hidden_layers": 2}, 2, 64), moe=True),
+                       FamilyRun("qwen3-moe-tiny", {"num_hidden_layers": 2}, 2, 64), moe=True, slice_fusion=True),
     # 32 experts (biased, clamped SwiGLU), top-4, sinks, a 128-token sliding layer then a full one; 2 of 24 layers
     "gpt_oss": Family(FamilyRun("gpt-oss-20b", {"num_hidden_layers": 2}, 4, 2048),
                       FamilyRun("gpt-oss-tiny", {}, 2, 64), moe=True),
@@ -143,16 +151,20 @@ class Shapes:
 
 
 # ------------------------------------------------------------------------------------- the recipe, as a user runs it
-def run_recipe(name: str, argv: list[str], steps: int, skip: int, timeout_s: float) -> dict:
+def run_recipe(name: str, argv: list[str], steps: int, skip: int, timeout_s: float, xla_flags: str = "") -> dict:
     """``recipes/pretrain.py argv`` in a subprocess until ``steps`` steps are logged, then killed (no end-of-run
-    checkpoint of a multi-GB optimizer state). Returns the medians of its own per-step metrics."""
+    checkpoint of a multi-GB optimizer state), with ``xla_flags`` added to ``XLA_FLAGS``. Returns the medians of
+    its own per-step metrics."""
+    env = _env()
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *argv, "--steps", "100000", "--run-dir",
                run_dir, "--no-progress", "--checkpoint-every", "0", "--checkpoint-minutes", "0"]
         log_path = Path(run_dir) / "log.txt"
         start = time.perf_counter()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             records: list[dict] = []
             metrics = Path(run_dir) / "metrics.jsonl"
             while proc.poll() is None and time.perf_counter() - start < timeout_s:
@@ -425,6 +437,9 @@ def family_case(name: str, s: Shapes, timeout_s: float) -> list[dict]:
     if family.moe and "error" in rows[0]:  # auto's kernel (tokamax when it imports) failed: the run a user falls
         rows.append(run_recipe("nnx_zoo recipe (gmm pallas_triton)",  # back to
                                [*argv, "--model.grouped_matmul_impl", "pallas_triton"], s.steps, s.skip, timeout_s))
+    if family.slice_fusion and not _SMOKE[0]:
+        rows.append(run_recipe("nnx_zoo recipe, dynamic-slice fusion", argv, s.steps, s.skip, timeout_s,
+                               xla_flags=SLICE_FUSION_FLAG))
     for compiled in (False, True) if family.torch else ():
         label = "transformers + torch.compile" if compiled else "transformers eager"
         rows.append({"name": label, **_worker(["torch", run.preset, run.batch, run.seq, s.steps, s.skip,

@@ -269,12 +269,17 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
                    "failing; --plan lists them with the bytes they replicate")
     g.add_argument("--microbatches", type=int, default=None, metavar="M",
                    help="pipeline micro-batches per accumulation step, with a 'stage' axis in --mesh (default: the "
-                   "stage count); more shrink the bubble, (S-1)/(M+S-1) of each stage's time")
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=PIPELINE_SCHEDULES[0],
+                   "stage count; a multiple of it for interleaved); more shrink the bubble, (S-1)/(M+S-1) of each "
+                   "stage's time for gpipe, (VS+S-2)/(MV+VS+S-2) for 1f1b (V=1) and interleaved")
+    g.add_argument("--pipeline-schedule", choices=tuple(PIPELINE_SCHEDULES), default="gpipe",
                    help="order of the pipeline's forward and backward passes (default: %(default)s): gpipe, all "
                    "forwards then all backwards, every micro-batch's activations alive; 1f1b, each micro-batch's "
                    "backward right after its forward on the last stage, at most 2S-1 micro-batches' stage inputs "
-                   "kept (the backward recomputes the stage)")
+                   "kept (the backward recomputes the stage); interleaved, 1f1b over --virtual-stages chunks per "
+                   "stage (stage s runs layer chunks s, S+s, ...), at most (V+1)S-1 chunk inputs kept")
+    g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="--pipeline-schedule interleaved: layer chunks per stage (default 2; the layers must split "
+                   "into V*S equal chunks); 1 with the other schedules")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)),
@@ -543,12 +548,20 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[
     accumulation step's rows, or micro-batches without stages are errors saying what to change."""
     import inspect
 
+    from nnx_zoo.layers.pipeline import resolve_schedule
+
+    virtual = args.virtual_stages
+    try:
+        schedule = resolve_schedule(args.pipeline_schedule, virtual)
+    except ValueError as e:
+        raise ValueError(f"--pipeline-schedule {args.pipeline_schedule} --virtual-stages {virtual}: {e}") from None
     stages = args.mesh.get("stage", 1)
     if stages == -1:
         raise ValueError("--mesh stage=-1: give the pipeline's stage count explicitly, e.g. --mesh stage=2,fsdp=-1")
     if stages == 1:
-        if args.microbatches is not None:
-            raise ValueError(f"--microbatches {args.microbatches} needs a pipeline: add a 'stage' axis to --mesh "
+        if args.microbatches is not None or virtual not in (None, 1):
+            flag = "--microbatches" if args.microbatches is not None else "--virtual-stages"
+            raise ValueError(f"{flag} {args.microbatches or virtual} needs a pipeline: add a 'stage' axis to --mesh "
                              "(e.g. --mesh stage=2,fsdp=-1), or leave the flag out")
         return ()
     if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
@@ -559,7 +572,16 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[
     if micro < 1 or rows % micro:
         raise ValueError(f"--microbatches {micro} must be >= 1 and divide the {rows} rows of each accumulation step "
                          f"(--batch {args.batch} / --accum-steps {args.accum_steps})")
-    return (("pipeline_microbatches", micro), ("pipeline_schedule", args.pipeline_schedule))
+    settings = (("pipeline_microbatches", micro), ("pipeline_schedule", schedule.name))
+    if not schedule.interleaved:
+        return settings
+    if micro % stages:
+        raise ValueError(f"--pipeline-schedule interleaved runs micro-batches in groups of the {stages} stages: "
+                         f"--microbatches {micro} must be a multiple of {stages}")
+    if "pipeline_virtual_stages" not in inspect.signature(model_cls.forward).parameters:
+        raise ValueError(f"--pipeline-schedule interleaved: {model_cls.__name__}'s forward takes no "
+                         "pipeline_virtual_stages yet; use --pipeline-schedule 1f1b or gpipe")
+    return (*settings, ("pipeline_virtual_stages", schedule.virtual_stages))
 
 
 def training_extras(config: Any, model_cls: type, args: argparse.Namespace) -> Extras:
@@ -620,32 +642,44 @@ def plan(args: argparse.Namespace, config: Any) -> int:
     """``--plan``: the sharding report of ``config``'s model on the given mesh, from abstract arrays."""
     from nnx_zoo.layers.kernel_choices import describe as describe_kernels
     from nnx_zoo.layers.kernel_choices import kernel_choices
-    from nnx_zoo.sharding import make_abstract_mesh
+    from nnx_zoo.sharding import STACK_AXES, make_abstract_mesh
     from nnx_zoo.train.remat_choice import choose_remat
 
     if any(v == -1 for v in args.mesh.values()):
         raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
     seq_len = args.plan_seq_len or args.seq_len
     kernels = kernel_choices(config, seq_len=seq_len, segments=args.data != "synthetic", platform=args.plan_platform)
-    result = memory_plan_of(args, config, make_abstract_mesh(dict(args.mesh)), seq_len, kernels, args.plan_batch)
+    mesh = make_abstract_mesh(dict(args.mesh))
+    result = memory_plan_of(args, config, mesh, seq_len, kernels, args.plan_batch)
     print(f"kernels on {args.plan_platform}: {describe_kernels(config, kernels)}")
-    print(result.report.table() + "\n\n" + result.table())
+    fallbacks = result.report.fallbacks
+    if args.mesh.get("stage", 1) > 1:  # per stage, by schedule (nnx_zoo/sharding/plan_pipeline.py)
+        staged = memory_plan_of(args, config, mesh, seq_len, kernels, args.plan_batch, pipeline=True)
+        print(result.report.table() + "\n\n" + staged.table())
+        fallbacks = tuple(f for f in fallbacks if f.name not in STACK_AXES)  # the stage table says what to do
+        result = staged  # the fullest stage's step decides the remat policy
+    else:
+        print(result.report.table() + "\n\n" + result.table())
     if args.device_memory:
         print("\n" + choose_remat(result, int(args.device_memory * 2**30), "--device-memory",
                                   args.memory_margin).describe())
-    if result.report.fallbacks:
-        print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(result.report.fallbacks)} "
+    if fallbacks:
+        print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(fallbacks)} "
               "dimension(s) above do not divide over their rule's mesh axes (strict placement refuses them).")
     return 0
 
 
 def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: int, kernels: dict[str, str],
-                   batch_per_device: int | None = None) -> Any:
-    """The memory plan of training ``config`` as the command line describes it on ``mesh`` (abstract or real)."""
+                   batch_per_device: int | None = None, pipeline: bool = False) -> Any:
+    """The memory plan of training ``config`` as the command line describes it on ``mesh`` (abstract or real);
+    ``pipeline``: per stage of the mesh's ``stage`` axis, for ``--microbatches`` and ``--pipeline-schedule``."""
+    import functools
+
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
     from nnx_zoo.sharding.plan import memory_plan
+    from nnx_zoo.sharding.plan_pipeline import pipeline_memory_plan
     from nnx_zoo.train.loss import default_chunk_tokens
 
     model_cls = AutoModelForCausalLM.model_class(config)
@@ -654,9 +688,13 @@ def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: in
     if chunk is None:
         chunk = None if args.shard_mode == "auto" and math.prod(mesh.axis_sizes) > 1 else default_chunk_tokens(
             config.vocab_size)
-    return memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
-                       batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
-                       loss_chunk_tokens=chunk or None)
+    planner = memory_plan
+    if pipeline:
+        planner = functools.partial(pipeline_memory_plan, microbatches=args.microbatches,
+                                    schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages or 2)
+    return planner(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
+                   batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
+                   loss_chunk_tokens=chunk or None)
 
 
 def remat_is_auto(args: argparse.Namespace) -> bool:

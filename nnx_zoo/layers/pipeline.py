@@ -12,25 +12,68 @@ Its schedule is GPipe's: differentiating the scan runs the time steps backwards,
 finishes before the first backward starts, and the activations of all ``M`` micro-batches stay alive (as many as
 the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's time, forward and backward.
 
-``pipeline_1f1b_value_and_grad`` is the 1F1B schedule: it takes the head and loss too and returns the loss with
+``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
+stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
 its gradients, running each micro-batch's backward on a stage as soon as the stage after it hands the gradient
-back, and keeping at most ``2S - 1`` micro-batches' stage inputs whatever ``M``.
+back, and keeping at most ``(V + 1) S - 1`` stage inputs whatever ``M``. ``SCHEDULES`` says, per schedule name, which
+of the two runs and whether the loss runs inside the pipeline: the model and the trainer both read it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.scan import _check_micro_batch, _explicit_spec_of, run_stack
 
 STAGE_AXIS = "stage"  # the mesh axis the layer stacks are split over
-SCHEDULES = ("gpipe", "1f1b")  # gpipe: ``pipeline_stack`` differentiated; 1f1b: ``pipeline_1f1b_value_and_grad``
+
+
+class Schedule(NamedTuple):
+    """What a pipeline schedule name runs, the one table (``SCHEDULES``) the model's forward, the trainer and the
+    recipe read: ``loss_inside`` (the final norm, head and loss run on the last stage, in
+    ``pipeline_1f1b_value_and_grad``: the forward needs ``loss_targets`` and returns ``loss_sum``; else the
+    trainer differentiates ``pipeline_stack`` and computes the loss itself) and ``virtual_stages`` (the default
+    number of stack chunks each stage holds; only ``interleaved`` takes more than 1).
+
+    >>> resolve_schedule("interleaved")
+    Schedule(name='interleaved', loss_inside=True, virtual_stages=2, interleaved=True)
+    """
+
+    name: str
+    loss_inside: bool
+    virtual_stages: int
+    interleaved: bool  # takes virtual_stages > 1
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", loss_inside=False, virtual_stages=1, interleaved=False),  # ``pipeline_stack``, differentiated
+    Schedule("1f1b", loss_inside=True, virtual_stages=1, interleaved=False),  # ``pipeline_1f1b_value_and_grad``
+    Schedule("interleaved", loss_inside=True, virtual_stages=2, interleaved=True),  # the same, V > 1
+)}
+
+
+def resolve_schedule(name: str, virtual_stages: int | None = None) -> Schedule:
+    """``SCHEDULES[name]`` with ``virtual_stages`` (None: the schedule's default) checked and filled in; an
+    unknown name, or virtual stages other than 1 with a schedule that is not interleaved, is a clear error."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; one of {tuple(SCHEDULES)}")
+    schedule = SCHEDULES[name]
+    if virtual_stages is None:
+        return schedule
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual stages must be a positive integer, got {virtual_stages!r}")
+    if virtual_stages != 1 and not schedule.interleaved:
+        raise ValueError(f"{virtual_stages} virtual stages need the 'interleaved' schedule (--pipeline-schedule "
+                         f"interleaved); the {name!r} schedule holds one contiguous block of layers per stage "
+                         "(--virtual-stages 1)")
+    return schedule._replace(virtual_stages=virtual_stages)
 
 
 def stage_count() -> int:
@@ -74,8 +117,8 @@ def pipeline_stack(
     ...                    microbatches=4)
     """
     if schedule != "gpipe":
-        raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({SCHEDULES}: 1f1b needs the "
-                         "loss inside the pipeline, pipeline_1f1b_value_and_grad)")
+        raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({tuple(SCHEDULES)}: the "
+                         "others run the loss inside the pipeline, pipeline_1f1b_value_and_grad)")
     stages = stage_count()
     if stages == 1:
         return run_stack(stack, lambda group, h, _: (layer_fn(group, h, *args), None), x, scan=scan,
@@ -144,6 +187,48 @@ def pipeline_stack(
     return jnp.reshape(done, x.shape, out_sharding=spec)
 
 
+# The columns of ``pipeline_order``'s table: per tick and stage, the forward's and the backward's work item.
+F_OK, F_MICRO, F_CHUNK, F_SLOT, B_OK, B_MICRO, B_CHUNK, B_SLOT = range(8)
+
+
+def pipeline_order(stages: int, virtual_stages: int, microbatches: int) -> np.ndarray:
+    """The (interleaved) 1F1B schedule as data: ``[ticks, stages, 8]`` int32, per tick ``t`` and stage ``s`` the
+    forward's (valid, micro-batch, chunk ``v``, saved-input slot) and the backward's (the same four), columns
+    ``F_OK .. B_SLOT``. ``pipeline_1f1b_value_and_grad`` runs exactly this table.
+
+    With ``S`` stages and ``V`` virtual stages, virtual stage ``k = v S + s`` (layer chunk ``k``) is chunk ``v`` of
+    stage ``s``. Forward item ``i = t - s`` (``0 <= i < M V``): group ``g = i // (S V)`` of ``S`` micro-batches,
+    chunk ``v = (i % (S V)) // S``, micro-batch ``m = g S + i % S``; so a micro-batch's chunk ``v`` on stage ``s``
+    runs one tick after chunk ``v`` on stage ``s - 1``, and chunk ``v`` on stage 0 one tick after chunk ``v - 1``
+    on stage ``S - 1`` (the ring). Backward item ``j = t - (V S - 1) - (S - 1 - s)``: ``g = j // (S V)``,
+    ``v = V - 1 - (j % (S V)) // S``, ``m = g S + j % S``: the last virtual stage's backward runs in the tick of
+    its forward (the head and loss run there), and each other one tick after the one it needs. Ticks:
+    ``T = M V + V S + S - 2`` (``M + 2S - 2`` for ``V = 1``, plain 1F1B). A stage keeps each forward's input
+    until its backward (at most ``2 V S - 2`` ticks later) in the lowest slot free when the forward runs (freed
+    after the backward reads it): at most ``(V + 1) S - 1 - 2 s`` inputs at once on stage ``s``, so
+    ``(V + 1) S - 1`` slots (``2S - 1`` for 1F1B; a ring by forward index ``i mod slots`` would need
+    ``2 V S - 1``). With ``V > 1``, ``M`` must be a multiple of ``S``.
+    """
+    V, S, M = virtual_stages, stages, microbatches
+    ticks = M * V + V * S + S - 2
+    table = np.zeros((ticks, S, 8), np.int32)
+    for s in range(S):
+        free, slot_of = list(range(2 * V * S - 1)), {}  # slots in use: item -> slot
+        for t in range(ticks):
+            i = t - s
+            j = t - (V * S - 1) - (S - 1 - s)
+            for ok, index, chunk in ((F_OK, i, lambda r: r // S), (B_OK, j, lambda r: V - 1 - r // S)):
+                valid = 0 <= index < M * V
+                g, r = divmod(min(max(index, 0), M * V - 1), S * V)
+                item = (g * S + r % S, chunk(r))  # (micro-batch, chunk)
+                if valid and ok == F_OK:  # the lowest free slot; written before this tick's backward reads
+                    slot_of[item] = free.pop(free.index(min(free)))
+                table[t, s, ok:ok + 4] = (valid, *item, slot_of[item] if valid else 0)
+            if table[t, s, B_OK]:  # free once read: the next tick's forward may take it
+                free.append(slot_of.pop(tuple(table[t, s, B_MICRO:B_CHUNK + 1])))
+    return table
+
+
 def pipeline_1f1b_value_and_grad(
     stack: nnx.Module,
     layer_fn: Callable[..., jax.Array],
@@ -153,30 +238,79 @@ def pipeline_1f1b_value_and_grad(
     targets: Any,
     *args: Any,
     microbatches: int,
+    virtual_stages: int = 1,
 ) -> tuple[jax.Array, nnx.State, Any, jax.Array]:
     """The summed loss of ``head_fn(head_params, layers(x), targets)`` over ``microbatches`` micro-batches and its
-    gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis.
+    gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis;
+    interleaved 1F1B with ``virtual_stages=V > 1`` (each stage runs ``V`` non-contiguous chunks of ``L / (V S)``
+    layers: chunks ``s, S + s, ..., (V - 1) S + s`` on stage ``s``).
 
-    One SPMD program (``shard_map`` over ``stage``) whose ``M + 2S - 2`` ticks each run, on every stage, one
-    micro-batch's forward (``f = t - s``) and one's backward (``b = t - 2S + 2 + s``): the last stage runs the head
-    and the loss and starts a micro-batch's backward in the tick its forward arrives, and each stage keeps only the
-    inputs of the micro-batches between its forward and its backward (at most ``2S - 1``, whatever ``M``; the
-    backward recomputes the stage's layers from them), where GPipe keeps all ``M``. ``head_fn`` returns a scalar
-    summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split like ``x`` (rows ``j, j + M, ...``)
-    when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``. Needs a ``stage`` axis.
+    One SPMD program (``shard_map`` over ``stage``) whose ``T = M V + V S + S - 2`` ticks each run, on every
+    stage, one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the last stage
+    runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's forward arrives,
+    and each stage keeps only the inputs of the items between their forward and their backward (at most
+    ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe keeps
+    all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split
+    like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``.
+    Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S`` and ``L`` of ``V S``.
 
-    The dense causal LM wraps it in a ``custom_vjp`` (``forward(..., pipeline_schedule="1f1b", loss_targets=...)``)
-    so that a trainer's ``value_and_grad`` gets these gradients.
+    Bubble, exactly: every tick runs a forward and a backward on every stage, valid or not (an SPMD program has
+    no per-stage control flow; the idle ones are masked), so of each stage's ``T`` ticks ``M V`` do useful work
+    and the bubble is ``(V S + S - 2) / (M V + V S + S - 2)`` of its time, forward and backward alike
+    (``(2S - 2) / (M + 2S - 2)`` for 1F1B; ``S = 2, M = 4``: 1/3 for ``V = 1``, 0.3 for ``V = 2``). Were the masked
+    halves free (the warm-up's ``V S - 1`` ticks forward only, the cool-down's backward only), the time would be
+    ``M V + S - 1`` ticks and the bubble Megatron's ``(S - 1) / (M V + S - 1)``.
+
+    Placement of the chunks: the stored stack keeps layer order and the rule set puts it on ``stage`` in
+    contiguous blocks (stage ``b`` holds chunks ``b V .. b V + V - 1``; HF load/save and checkpoints rely on that
+    order). The program moves each chunk to its stage at its start (``_move_chunks``: one ``ppermute`` over
+    ``stage`` per pair of source and destination positions, so each chunk travels once, directly, and one already
+    on its stage, ``k // V == k % S``, stays), and the gradients back the same way at its end (the inverse
+    permutation: exact, nothing summed). Why this and not a reshape or gather of the global stack: its bytes are
+    known, no device holds more than its own share at any time (a gather over the sharded layer dim may gather the
+    whole stack first), and it reads the same under Auto and Explicit meshes. Its cost, per call (once per
+    accumulation step): the stack's parameter bytes less the chunks that stay (a fraction about ``1 / S``) over
+    the stage links for the parameters, and as many for their gradients. Storing the stacks in pipeline order
+    would remove it (the follow-up; it touches HF load/save and checkpoints).
+
+    The dense causal LM wraps it in a ``custom_vjp`` (``forward(..., pipeline_schedule="1f1b" | "interleaved",
+    loss_targets=...)``) so that a trainer's ``value_and_grad`` gets these gradients.
+
+    >>> loss, d_stack, d_head, d_x = pipeline_1f1b_value_and_grad(stack, layer_fn, head_fn, w, x, targets,
+    ...                                                           microbatches=4, virtual_stages=2)
     """
     stages = stage_count()
     if stages == 1:
         raise ValueError("pipeline_1f1b_value_and_grad needs a mesh with a 'stage' axis of size > 1")
+    virtual = virtual_stages
+    if not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual stages must be a positive integer, got {virtual!r}")
     batch = x.shape[0]
     if not isinstance(microbatches, int) or microbatches < 1 or batch % microbatches:
         raise ValueError(f"{microbatches} pipeline micro-batches do not divide the batch of {batch} rows")
-    micro, slots = microbatches, 2 * stages - 1
+    micro = microbatches
+    if virtual > 1 and micro % stages:
+        fits = [m for m in range(stages, batch + 1, stages) if batch % m == 0]
+        raise ValueError(f"interleaved 1F1B runs micro-batches in groups of the {stages} stages: {micro} "
+                         f"micro-batches is not a multiple of {stages}; use a multiple of {stages} that divides the "
+                         f"batch of {batch} (one of {fits}), or --virtual-stages 1")
+    spec = _explicit_spec_of(x)
+    if spec is not None:  # each micro-batch's rows must still split over the devices that split the batch
+        _check_micro_batch(jax.typeof(x).sharding.mesh, spec[0], batch, micro)
     graphdef, state = nnx.split(stack)
-    check_stages(jax.tree.leaves(state)[0].shape[0], stages)
+    layers = jax.tree.leaves(state)[0].shape[0]
+    check_stages(layers, stages)
+    if layers % (virtual * stages):
+        fits = [v for v in range(1, layers // stages + 1) if layers % (v * stages) == 0]
+        raise ValueError(f"the layer stack has {layers} layers, which do not split into {virtual} virtual stages "
+                         f"on each of {stages} pipeline stages ({virtual * stages} equal chunks); use "
+                         f"--virtual-stages one of {fits}, or a layer count that is a multiple of "
+                         f"{virtual * stages}")
+    order = pipeline_order(stages, virtual, micro)
+    slots, last_chunk = int(order[..., F_SLOT].max()) + 1, virtual - 1  # at most (V + 1) S - 1
+    # The ring closes (stage S-1 hands chunk v's output to stage 0's chunk v+1) only when there are chunks to chain.
+    ahead = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if virtual > 1 else [])
+    back = [(b, a) for a, b in ahead]
 
     def split(a: jax.Array) -> jax.Array:
         spec = _explicit_spec_of(a)
@@ -194,6 +328,10 @@ def pipeline_1f1b_value_and_grad(
         last = stage == stages - 1
         varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")  # noqa: E731
         head_params = jax.tree.map(varying, head_params)  # differentiated per stage, summed once at the end
+        # [V Lc, ...] in layer order (chunks b V + u) -> [V, Lc, ...], chunk v = v S + s (identity for V = 1).
+        chunks = jax.tree.map(lambda a: jnp.reshape(a, (virtual, a.shape[0] // virtual, *a.shape[1:])), state)
+        chunks = _move_chunks(chunks, stages, lambda s, v: divmod(v * stages + s, virtual))
+        table = jnp.asarray(order)
 
         def micro_inputs(index: jax.Array) -> Any:
             picked = list(leaves)
@@ -201,47 +339,55 @@ def pipeline_1f1b_value_and_grad(
                 picked[i] = jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False) if b else a
             return jax.tree.unflatten(treedef, picked)
 
-        def stage_fn(state: Any, h: jax.Array, index: jax.Array) -> jax.Array:
+        def chunk_of(tree: Any, v: jax.Array) -> Any:
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False), tree)
+
+        def stage_fn(chunk: Any, h: jax.Array, index: jax.Array) -> jax.Array:
             _, margs = micro_inputs(index)
-            return run_stack(nnx.merge(graphdef, state), lambda group, h, _: (layer_fn(group, h, *margs), None),
+            return run_stack(nnx.merge(graphdef, chunk), lambda group, h, _: (layer_fn(group, h, *margs), None),
                              h)[0]
 
         def keep(valid: jax.Array, new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
 
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-            fwd_in, bwd_in, saved, d_state, d_head, loss, d_x = carry
-            f = t - stage
-            f_ok = (f >= 0) & (f < micro)
-            fi = jnp.clip(f, 0, micro - 1)
-            first_input = jax.lax.dynamic_index_in_dim(xs, fi, axis=1, keepdims=False)
-            h_in = jnp.where(stage == 0, first_input, fwd_in)
-            saved = keep(f_ok, jax.lax.dynamic_update_index_in_dim(saved, h_in, fi % slots, 0), saved)
-            h_out = stage_fn(state, h_in, fi)
-            tgt, _ = micro_inputs(fi)
+            fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x = carry
+            row = table[t, stage]
+            f_ok, fm, fv, f_slot = row[F_OK] > 0, row[F_MICRO], row[F_CHUNK], row[F_SLOT]
+            first_input = jax.lax.dynamic_index_in_dim(xs, fm, axis=1, keepdims=False)
+            h_in = jnp.where((stage == 0) & (fv == 0), first_input, fwd_in)
+            saved = keep(f_ok, jax.lax.dynamic_update_index_in_dim(saved, h_in, f_slot, 0), saved)
+            h_out = stage_fn(chunk_of(chunks, fv), h_in, fm)
+            tgt, _ = micro_inputs(fm)
             mb_loss, (g_head, g_out) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h_out, tgt)
-            at_head = last & f_ok
+            at_head = last & (fv == last_chunk) & f_ok
             loss = loss + jnp.where(at_head, mb_loss, 0.0)
             d_head = keep(at_head, jax.tree.map(jnp.add, d_head, g_head), d_head)
 
-            b = t - (2 * stages - 2) + stage  # on the last stage b == f: its backward follows its forward
-            b_ok = (b >= 0) & (b < micro)
-            bi = jnp.clip(b, 0, micro - 1)
-            h_saved = jax.lax.dynamic_index_in_dim(saved, bi % slots, 0, keepdims=False)
-            _, pullback = jax.vjp(lambda s, h: stage_fn(s, h, bi), state, h_saved)
-            g_state, g_in = pullback(jnp.where(last, g_out, bwd_in))
-            d_state = keep(b_ok, jax.tree.map(jnp.add, d_state, g_state), d_state)
-            d_x = keep((stage == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(d_x, g_in, bi, axis=1), d_x)
-            fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
-            bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, [(s + 1, s) for s in range(stages - 1)])
-            return (fwd_in, bwd_in, saved, d_state, d_head, loss, d_x), None
+            # The last virtual stage's backward is this tick's forward item (pipeline_order), seeded by the head.
+            b_ok, bm, bv, b_slot = row[B_OK] > 0, row[B_MICRO], row[B_CHUNK], row[B_SLOT]
+            h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
+            _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm), chunk_of(chunks, bv), h_saved)
+            g_chunk, g_in = pullback(jnp.where(last & (bv == last_chunk), g_out, bwd_in))
+            d_chunks = keep(b_ok, jax.tree.map(
+                lambda d, g: jax.lax.dynamic_update_index_in_dim(
+                    d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk),
+                d_chunks)
+            d_x = keep((stage == 0) & (bv == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(d_x, g_in, bm, axis=1),
+                       d_x)
+            fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, ahead)
+            bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, back)
+            return (fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x), None
 
         one = jax.lax.index_in_dim(xs, 0, axis=1, keepdims=False)
         zeros = lambda a: varying(jnp.zeros_like(a))  # noqa: E731
         carry = (zeros(one), zeros(one), zeros(jnp.broadcast_to(one, (slots, *one.shape))),
-                 jax.tree.map(jnp.zeros_like, state), jax.tree.map(jnp.zeros_like, head_params),
+                 jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, head_params),
                  varying(jnp.zeros((), jnp.float32)), zeros(xs))
-        (_, _, _, d_state, d_head, loss, d_x), _ = jax.lax.scan(tick, carry, jnp.arange(micro + 2 * stages - 2))
+        (_, _, _, d_chunks, d_head, loss, d_x), _ = jax.lax.scan(tick, carry, jnp.arange(len(order)))
+        # Each stored chunk's gradient back to where it is stored (chunk b V + u = v S + s: the inverse move).
+        d_chunks = _move_chunks(d_chunks, stages, lambda b, u: divmod(b * virtual + u, stages)[::-1])
+        d_state = jax.tree.map(lambda d, a: jnp.reshape(d, a.shape), d_chunks, state)
         total = lambda a: jax.lax.psum(a, STAGE_AXIS)  # noqa: E731  (each is nonzero on one stage, or summed)
         return total(loss), d_state, jax.tree.map(total, d_head), total(d_x)
 
@@ -251,3 +397,31 @@ def pipeline_1f1b_value_and_grad(
                                                   PartitionSpec()),
         axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
     return loss, d_state, d_head, jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
+
+
+def _move_chunks(tree: Any, stages: int, source: Callable[[int, int], tuple[int, int]]) -> Any:
+    """Inside ``shard_map`` over ``stage``: each leaf ``[P, ...]`` (``P`` chunks per stage) rearranged so that
+    stage ``d``'s position ``p`` holds what stage ``source(d, p) = (stage, position)`` held. One ``ppermute`` per
+    (destination position, source position) pair that some stage uses (a permutation: each stage receives one
+    chunk per position), so every chunk travels once; where the source is the stage itself nothing moves.
+    The identity (one position, each stage its own) costs nothing."""
+    positions = jax.tree.leaves(tree)[0].shape[0]
+    if positions == 1 and all(source(d, 0) == (d, 0) for d in range(stages)):
+        return tree
+    stage = jax.lax.axis_index(STAGE_AXIS)
+
+    def move(a: jax.Array) -> jax.Array:
+        out = []
+        for p in range(positions):
+            got = None
+            for q in range(positions):
+                pairs = [(source(d, p)[0], d) for d in range(stages) if source(d, p)[1] == q]
+                if not pairs:
+                    continue
+                received = jax.lax.ppermute(a[q], STAGE_AXIS, pairs)
+                mine = jnp.asarray(np.isin(np.arange(stages), [d for _, d in pairs]))[stage]
+                got = received if got is None else jnp.where(mine, received, got)
+            out.append(got)
+        return jnp.stack(out)
+
+    return jax.tree.map(move, tree)

@@ -42,7 +42,7 @@ from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, stage_count
+from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
@@ -443,19 +443,21 @@ class CausalLM(CausalLMBase):
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
                 with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
-                pipeline_schedule: str = "gpipe", loss_targets: tuple[jax.Array, jax.Array] | None = None
-                ) -> CausalLMOutput:
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``): ``logits`` (None with
         ``with_logits=False``), ``final_hidden``, and ``hidden_states`` with ``with_hidden_states``. A dense model
         has no experts (``expert_load``, ``dropped_tokens``, ``expert_indices`` stay None) and no aux loss;
         ``with_mtp`` is an error (no MTP heads).
 
         On a mesh with a ``stage`` axis the layers run pipelined (``nnx_zoo.layers.pipeline.pipeline_stack``):
-        ``pipeline_microbatches`` micro-batches through the stages in ``pipeline_schedule`` order. GPipe: the
-        embedding, the final norm and the head run outside the pipeline, replicated over ``stage``. 1F1B needs
-        ``loss_targets=(targets, loss_mask)`` (``[batch, seq]`` each): the final norm, head and cross-entropy run on
-        the last stage, each micro-batch's backward right after its forward, and the output carries only
-        ``loss_sum`` (its gradient computed in the same program). Without a ``stage`` axis these are ignored.
+        ``pipeline_microbatches`` micro-batches through the stages in ``pipeline_schedule`` order
+        (``nnx_zoo.layers.pipeline.SCHEDULES``). GPipe: the embedding, the final norm and the head run outside the
+        pipeline, replicated over ``stage``. The schedules that run the loss inside (``1f1b``, and ``interleaved``
+        with ``pipeline_virtual_stages`` chunks per stage, default 2) need ``loss_targets=(targets, loss_mask)``
+        (``[batch, seq]`` each): the final norm, head and cross-entropy run on the last stage, each micro-batch's
+        backward right after its forward, and the output carries only ``loss_sum`` (its gradient computed in the
+        same program). Without a ``stage`` axis these are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
@@ -483,11 +485,13 @@ class CausalLM(CausalLMBase):
                 if with_hidden_states:
                     raise ValueError("with_hidden_states=True is not supported on a mesh with a 'stage' axis (the "
                                      "pipeline hands on only the last layer's output); run it without 'stage'")
-                if pipeline_schedule == "1f1b":
+                schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                if schedule.loss_inside:
                     if loss_targets is None:
-                        raise ValueError("pipeline_schedule='1f1b' runs the loss on the last stage: pass "
-                                         "loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
-                    loss = self._one_f_one_b_loss(h, ropes, mask, loss_targets, pipeline_microbatches)
+                        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
+                                         "pass loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
+                    loss = self._one_f_one_b_loss(h, ropes, mask, loss_targets, pipeline_microbatches,
+                                                  schedule.virtual_stages)
                     return CausalLMOutput(logits=None, loss_sum=loss)
                 h = self._pipelined_layers(h, ropes, mask, pipeline_microbatches, pipeline_schedule)
             for segment in self.layer_segments() if stage_count() == 1 else ():
@@ -523,10 +527,12 @@ class CausalLM(CausalLMBase):
                               schedule=schedule, scan=self.config.scan_layers, remat_policy=self.config.remat_policy)
 
     def _one_f_one_b_loss(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
-                          loss_targets: tuple[jax.Array, jax.Array], microbatches: int) -> jax.Array:
-        """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order
-        (``pipeline_1f1b_value_and_grad``), as a function autodiff can differentiate: its gradients (layers, norm
-        and head, ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged."""
+                          loss_targets: tuple[jax.Array, jax.Array], microbatches: int,
+                          virtual_stages: int = 1) -> jax.Array:
+        """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order (interleaved
+        with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``), as a function autodiff can differentiate:
+        its gradients (layers, norm and head, ``h``) come from the same program, so the trainer's
+        ``value_and_grad`` works unchanged."""
         parts = self.layer_segments()
         stacks = self.layer_stacks()
         if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
@@ -554,7 +560,7 @@ class CausalLM(CausalLMBase):
         def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
             loss, d_stack, d_head, d_h = pipeline_1f1b_value_and_grad(
                 nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, loss_targets, ropes, mask,
-                microbatches=microbatches)
+                microbatches=microbatches, virtual_stages=virtual_stages)
             return loss, (d_stack, d_head, d_h)
 
         @jax.custom_vjp

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from nnx_zoo.layers.pipeline import SCHEDULES
 from nnx_zoo.sharding import shard_mode_of
 from nnx_zoo.train.loss import chunked_head_cross_entropy, token_cross_entropy
 
@@ -108,7 +109,8 @@ def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, 
     output_head = getattr(model, "output_head", None)
     if output_head is not None:
         model_kwargs = (*model_kwargs, ("with_logits", False))
-    if dict(model_kwargs).get("pipeline_schedule") == "1f1b":
+    schedule = dict(model_kwargs).get("pipeline_schedule")
+    if schedule is not None and SCHEDULES[schedule].loss_inside:
         # A pipeline that runs the head and loss on its last stage (each micro-batch's backward right after its
         # forward) gets the targets and returns the summed loss; without stages the model runs as usual.
         model_kwargs = (*model_kwargs, ("loss_targets", (batch["targets"], batch["loss_mask"])))

@@ -1,11 +1,14 @@
-"""``pipeline_1f1b_value_and_grad``: the 1F1B schedule over the ``stage`` axis gives the loss and every gradient
-(stacked layers, head, input) of ``jax.value_and_grad`` of the un-pipelined stack + head, under Auto and Explicit
-meshes, with FSDP beside the stages, a per-row argument split with the micro-batches, and more micro-batches than
-a stage keeps inputs for (the ring of ``2S - 1`` slots wraps). The compiled 1F1B program's temporaries stay flat as
-the micro-batches grow, where GPipe's (autodiff of ``pipeline_stack``) grow with them.
+"""``pipeline_1f1b_value_and_grad``: the 1F1B schedule over the ``stage`` axis, and interleaved 1F1B (virtual
+stages, ``V > 1``), give the loss and every gradient (stacked layers, head, input) of ``jax.value_and_grad`` of the
+un-pipelined stack + head, under Auto and Explicit meshes, with FSDP beside the stages, a per-row argument split
+with the micro-batches, and more items than a stage keeps inputs for (its ``(V + 1) S - 1`` slots are reused). The
+schedule's table (``pipeline_order``) runs each item one tick after the one it needs and keeps at most
+``(V + 1) S - 1 <= 2VS - 1`` stage inputs; the compiled 1F1B programs' temporaries shrink with the micro-batch,
+where GPipe's (autodiff of ``pipeline_stack``) stay those of the whole batch.
 
 A toy stack (4 tanh(Linear) layers of width 16, a linear + squared-error head) keeps each compile to a second or
-two; CI runs the ring's wrap, ``NNX_ZOO_FULL_MATRIX=1`` four more meshes (with FSDP, stage 2 and 4, both modes).
+two; CI runs 1F1B's ring wrap and interleaved on stage 2 (alone, and with FSDP 4 under Explicit),
+``NNX_ZOO_FULL_MATRIX=1`` more meshes (with FSDP, stage 2 and 4, both modes; interleaved on 8 layers for stage 4).
 """
 
 from __future__ import annotations
@@ -21,15 +24,27 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_zoo.layers.linear import Linear
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack
+from nnx_zoo.layers.pipeline import (
+    B_CHUNK,
+    B_MICRO,
+    B_OK,
+    B_SLOT,
+    F_CHUNK,
+    F_MICRO,
+    F_OK,
+    F_SLOT,
+    pipeline_1f1b_value_and_grad,
+    pipeline_order,
+    pipeline_stack,
+)
 from nnx_zoo.layers.scan import create_stack, run_stack
 from nnx_zoo.sharding import create_sharded, make_mesh, use_rules
 
 WIDTH, LAYERS, BATCH, SEQ = 16, 4, 8, 4
 
 
-def _stack() -> nnx.Module:
-    return create_stack(lambda r: Linear(WIDTH, WIDTH, kernel_names=("embed", "mlp"), rngs=r), LAYERS, nnx.Rngs(0),
+def _stack(layers: int = LAYERS) -> nnx.Module:
+    return create_stack(lambda r: Linear(WIDTH, WIDTH, kernel_names=("embed", "mlp"), rngs=r), layers, nnx.Rngs(0),
                         "layers")
 
 
@@ -50,9 +65,9 @@ def _inputs(seq: int = SEQ) -> tuple[np.ndarray, ...]:
 
 
 @functools.cache
-def _want():
+def _want(layers: int = LAYERS):
     x, target, scale, w = _inputs()
-    graphdef, state = nnx.split(_stack())
+    graphdef, state = nnx.split(_stack(layers))
 
     def loss(state, w, x):
         h = run_stack(nnx.merge(graphdef, state), lambda layer, h, _: (_layer(layer, h, scale), None), x)[0]
@@ -62,33 +77,42 @@ def _want():
     return value, jax.tree.leaves(grads)
 
 
-def _on_mesh(mesh, microbatches):
+def _on_mesh(mesh, microbatches, virtual_stages=1, layers=LAYERS):
     x, target, scale, w = _inputs()
-    stack = create_sharded(_stack, mesh, "default")
+    stack = create_sharded(functools.partial(_stack, layers), mesh, "default")
     graphdef, state = nnx.split(stack)
     rows = NamedSharding(mesh, PartitionSpec("fsdp"))
     with jax.set_mesh(mesh), use_rules("default"):
         @jax.jit
         def run(state, w, x, target, scale):
             return pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), _layer, _head, w, x, target, scale,
-                                                microbatches=microbatches)
+                                                microbatches=microbatches, virtual_stages=virtual_stages)
 
         return run(state, jnp.asarray(w), *(jax.device_put(a, rows) for a in (x, target, scale)))
 
 
-# The trainer's cases (tests/models/test_pipeline.py) run 1F1B with FSDP under both modes; CI here adds the ring's wrap.
-CASES = [({"stage": 2}, 2, "auto", 8)]  # 8 micro-batches through a ring of 3 slots per stage
+# (mesh sizes, devices, mode, micro-batches, virtual stages, layers). The trainer's cases
+# (tests/models/test_pipeline.py) run 1F1B with FSDP under both modes; CI here adds the ring's wrap, and
+# interleaved (V = 2: chunk 1 on stage 0, so every chunk moves) alone with the wrap and beside FSDP 4, Explicit.
+CASES = [({"stage": 2}, 2, "auto", 8, 1, LAYERS),  # 8 micro-batches through a ring of 3 slots per stage
+         ({"stage": 2}, 2, "auto", 4, 2, LAYERS),  # 8 items through 5 slots
+         ({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 2, LAYERS)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2), ({"stage": 4, "fsdp": 2}, 8, "auto", 4),
-              ({"stage": 4, "fsdp": 2}, 8, "explicit", 4),
-              ({"stage": 2}, 2, "explicit", 8), ({"stage": 4}, 4, "auto", 8)]
+    CASES += [({"stage": 2, "fsdp": 4}, 8, "explicit", 2, 1, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 1, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "explicit", 4, 1, LAYERS),
+              ({"stage": 2}, 2, "explicit", 8, 1, LAYERS), ({"stage": 4}, 4, "auto", 8, 1, LAYERS),
+              ({"stage": 2}, 2, "explicit", 8, 2, LAYERS), ({"stage": 2, "fsdp": 4}, 8, "auto", 2, 2, LAYERS),
+              ({"stage": 4, "fsdp": 2}, 8, "auto", 4, 2, 8), ({"stage": 4}, 4, "explicit", 8, 2, 8),
+              ({"stage": 2}, 2, "auto", 2, 4, 8)]
 
 
-@pytest.mark.parametrize(("sizes", "devices", "mode", "microbatches"), CASES)
-def test_1f1b_gives_the_loss_and_gradients_of_the_unpipelined_stack(sizes, devices, mode, microbatches):
+@pytest.mark.parametrize(("sizes", "devices", "mode", "microbatches", "virtual_stages", "layers"), CASES)
+def test_1f1b_gives_the_loss_and_gradients_of_the_unpipelined_stack(sizes, devices, mode, microbatches,
+                                                                     virtual_stages, layers):
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    loss, d_state, d_head, d_x = _on_mesh(mesh, microbatches)
-    want_loss, want_grads = _want()
+    loss, d_state, d_head, d_x = _on_mesh(mesh, microbatches, virtual_stages, layers)
+    want_loss, want_grads = _want(layers)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves((d_state, d_head, d_x)), want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -99,7 +123,8 @@ def test_1f1b_keeps_a_bounded_window_where_gpipe_keeps_every_micro_batch():
     """Temp bytes of the compiled programs on stage 2 (2 devices), 512 positions so that activations dominate, with
     2 micro-batches of 4 rows and 8 of 1: GPipe's backward keeps what every micro-batch's layers saved (the whole
     batch's, whatever the count); 1F1B keeps the stage inputs of at most 2S - 1 = 3 micro-batches and recomputes the
-    stage in its backward, so its temporaries shrink with the micro-batch."""
+    stage in its backward, so its temporaries shrink with the micro-batch; so does interleaved 1F1B (V = 2, at most
+    (V + 1) S - 1 = 5 inputs)."""
     mesh = make_mesh({"stage": 2}, devices=jax.devices()[:2])
     x, target, scale, w = _inputs(512)
     graphdef, state = nnx.split(create_sharded(_stack, mesh, "default"))
@@ -110,16 +135,87 @@ def test_1f1b_keeps_a_bounded_window_where_gpipe_keeps_every_micro_batch():
             return _head(w, h, target)
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(state, w, x)
 
-    def one_f_one_b(state, w, x, target, scale, microbatches):
+    def one_f_one_b(state, w, x, target, scale, microbatches, virtual_stages=1):
         return pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), _layer, _head, w, x, target, scale,
-                                            microbatches=microbatches)
+                                            microbatches=microbatches, virtual_stages=virtual_stages)
 
-    def temp_bytes(fn, microbatches):
+    def temp_bytes(fn, microbatches, *static):
         with jax.set_mesh(mesh), use_rules("default"):
-            compiled = jax.jit(fn, static_argnums=5).lower(state, w, x, target, scale, microbatches).compile()
+            compiled = jax.jit(fn, static_argnums=(5, 6)[:1 + len(static)]).lower(
+                state, w, x, target, scale, microbatches, *static).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    # Measured: GPipe 2.85 MB, 1F1B 0.66 MB with 8 micro-batches (1.97 MB with 2).
+    # Measured: GPipe 2.85 MB, 1F1B 0.66 MB with 8 micro-batches (1.84 MB with 2); interleaved (V = 2: 5 saved
+    # inputs, each tick half a stage's layers) 0.56 MB with 8 (1.71 MB with 2).
     f1b_temp = {m: temp_bytes(one_f_one_b, m) for m in (2, 8)}
-    assert f1b_temp[8] < temp_bytes(gpipe, 8) / 2
+    gpipe_temp = temp_bytes(gpipe, 8)
+    assert f1b_temp[8] < gpipe_temp / 2
     assert f1b_temp[8] < f1b_temp[2] / 2
+    interleaved_temp = {m: temp_bytes(one_f_one_b, m, 2) for m in (2, 8)}
+    assert interleaved_temp[8] < gpipe_temp / 2
+    assert interleaved_temp[8] < interleaved_temp[2] / 2
+
+
+@pytest.mark.parametrize(("stages", "virtual", "micro"), [(2, 1, 3), (4, 1, 9), (2, 2, 4), (4, 2, 8), (3, 3, 9),
+                                                          (2, 4, 6)])
+def test_the_order_runs_each_item_after_what_it_needs_and_keeps_at_most_2vs_minus_1_inputs(stages, virtual, micro):
+    """The table the program runs (``pipeline_order``): every (micro-batch, virtual stage) forward and backward
+    once, each forward one tick after the previous virtual stage's (stage ``S - 1``'s chunk ``v`` feeding stage 0's
+    chunk ``v + 1``), each backward one tick after the next virtual stage's (the last one's in its forward's tick),
+    ``M V + V S + S - 2`` ticks; and the saved inputs: each backward finds its own input in its slot, never
+    overwritten, with ``(V + 1) S - 1`` alive on stage 0 at the most (within the ``2 V S - 1`` bound), and the
+    slots the program allocates are exactly that many."""
+    order = pipeline_order(stages, virtual, micro)
+    chunks = virtual * stages
+    assert order.shape == (micro * virtual + virtual * stages + stages - 2, stages, 8)
+    forward, backward = {}, {}
+    for t, row in enumerate(order):
+        for s, item in enumerate(row):
+            if item[F_OK]:
+                key = (int(item[F_MICRO]), int(item[F_CHUNK]) * stages + s)
+                assert key not in forward
+                forward[key] = t
+            if item[B_OK]:
+                key = (int(item[B_MICRO]), int(item[B_CHUNK]) * stages + s)
+                assert key not in backward
+                backward[key] = t
+    every = {(m, k) for m in range(micro) for k in range(chunks)}
+    assert set(forward) == every and set(backward) == every
+    for (m, k), t in forward.items():
+        assert k == 0 or forward[m, k - 1] == t - 1
+    for (m, k), t in backward.items():
+        assert backward.get((m, k + 1), forward[m, k] - 1) == t - 1  # the last chunk: in its forward's tick
+    most = []
+    for s in range(stages):
+        held: dict[int, tuple[int, int]] = {}
+        peak = 0
+        for row in order[:, s]:
+            if row[F_OK]:  # this tick's input is saved before this tick's backward reads it (as the program does)
+                assert int(row[F_SLOT]) not in held
+                held[int(row[F_SLOT])] = (int(row[F_MICRO]), int(row[F_CHUNK]))
+            peak = max(peak, len(held))
+            if row[B_OK]:
+                assert held.pop(int(row[B_SLOT])) == (int(row[B_MICRO]), int(row[B_CHUNK]))
+        most.append(peak)
+    assert most == [(virtual + 1) * stages - 1 - 2 * s for s in range(stages)]
+    assert order[..., F_SLOT].max() + 1 == most[0] <= 2 * virtual * stages - 1
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_stages_and_layers_in_equal_chunks():
+    mesh = make_mesh({"stage": 2}, devices=jax.devices()[:2])
+    x, target, scale, w = _inputs()
+    graphdef, state = nnx.split(create_sharded(_stack, mesh, "default"))
+
+    def trace(microbatches, virtual_stages):
+        with jax.set_mesh(mesh), use_rules("default"):
+            jax.eval_shape(lambda state: pipeline_1f1b_value_and_grad(
+                nnx.merge(graphdef, state), _layer, _head, w, x, target, scale, microbatches=microbatches,
+                virtual_stages=virtual_stages), state)
+
+    with pytest.raises(ValueError, match=r"groups of the 2 stages: 1 micro-batches is not a multiple of 2; use a "
+                                         r"multiple of 2 that divides the batch of 8 \(one of \[2, 4, 8\]\)"):
+        trace(1, 2)
+    with pytest.raises(ValueError, match=r"4 layers, which do not split into 3 virtual stages on each of 2 pipeline "
+                                         r"stages \(6 equal chunks\); use --virtual-stages one of \[1, 2\]"):
+        trace(2, 3)
+    trace(1, 1)  # plain 1F1B takes any micro-batch count

@@ -5,13 +5,15 @@ the losses, gradient norms, Adam moments and updated parameters of the un-pipeli
 the parameters and moments stay on their resolved shardings (the layer dim on ``stage``). Gradient accumulation
 composes with the pipeline's micro-batches (each accumulation step is pipelined in turn).
 
-Both schedules: GPipe (``pipeline_stack`` differentiated by the trainer) and 1F1B (the head and loss on the last
-stage, ``loss_targets`` -> ``loss_sum``, gradients from the 1F1B program).
+Every schedule: GPipe (``pipeline_stack`` differentiated by the trainer), 1F1B and interleaved 1F1B (2 virtual
+stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss on the last stage,
+``loss_targets`` -> ``loss_sum``, gradients from the 1F1B program).
 
-Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs three:
+Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs four:
 GPipe on stage 2 x FSDP 4, Explicit, no accumulation, and on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on
-stage 4 x FSDP 2, Explicit. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices) and with FSDP
-(on 8), Auto and Explicit, with and without accumulation, both schedules (32 cases).
+stage 4 x FSDP 2, Explicit; interleaved on stage 2 x FSDP 4, Auto. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4,
+alone (on 2 and 4 devices) and with FSDP (on 8), Auto and Explicit, with and without accumulation, every schedule
+(interleaved where the 4 layers split into 2 chunks per stage and the micro-batches into groups of the stages).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ MESHES = {"stage2": ({"stage": 2}, 2), "stage4": ({"stage": 4}, 4),
 # (mesh, mode, accumulation steps, pipeline micro-batches): each micro-batch's rows still divide over fsdp.
 CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
          for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4}[m] // accum]
-         for schedule in ("gpipe", "1f1b")]
+         for schedule in ("gpipe", "1f1b", "interleaved")
+         if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
     CASES = [("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage4-fsdp2", "auto", 2, 2, "gpipe"),
-             ("stage4-fsdp2", "explicit", 1, 4, "1f1b")]
+             ("stage4-fsdp2", "explicit", 1, 4, "1f1b"), ("stage2-fsdp4", "auto", 1, 2, "interleaved")]
 
 
 @functools.cache

@@ -57,6 +57,13 @@ def _fake_run_dir(tmp_path: Path) -> Path:
      "without 'stage'", ["--model", "qwen3-moe-tiny"]),
     (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"],
      "--microbatches 3 must be >= 1 and divide the 8 rows of each accumulation step", None),
+    (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--virtual-stages", "2"],
+     "2 virtual stages need the 'interleaved' schedule (--pipeline-schedule interleaved)",
+     ["--model.num_hidden_layers", "4", "--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "interleaved",
+      "--virtual-stages", "2"]),
+    (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "interleaved", "--microbatches", "1"],
+     "--pipeline-schedule interleaved runs micro-batches in groups of the 2 stages: --microbatches 1 must be a "
+     "multiple of 2", None),
     (["--steps", "2", "--profile-steps", "3:5"],
      "profile_steps 3:5 ends past the run's last step 2, so the trace would never be written whole; profile steps "
      "within 1:2 (recipes: --profile-steps 2:2)", ["--steps", "2", "--profile-steps", "2:2"]),
