@@ -349,9 +349,41 @@ def get_rules(name_or_rules: str | Iterable[Sequence[object]]) -> Rules:
                 f"unknown rule set {name_or_rules!r}; choose one of {sorted(RULE_SETS)} or pass your own "
                 "sequence of (logical_name, mesh_axes) pairs"
             ) from None
-    if any(name_or_rules is named for named in RULE_SETS.values()):
+    if any(name_or_rules is named for named in RULE_SETS.values()) or any(
+            name_or_rules is derived for _, derived in _OUTSIDE.values()):
         return name_or_rules  # already valid (and this is the hot path: one call per resolved array)
     return validate_rules(name_or_rules)
+
+
+_OUTSIDE: dict[int, tuple[Rules, Rules]] = {}  # id(rules) -> (rules, outside_pipeline(rules))
+
+
+def outside_pipeline(rules: Rules) -> Rules:
+    """``rules`` for layers that run outside the pipeline (DeepSeek's dense prefix before it, its MTP heads after):
+    ``activation_batch`` placed as ``activation_embed_and_logits_batch`` (the batch over ``stage`` too) and
+    ``activation_tokens`` ([batch, seq] flattened) as those axes then its own, so that those layers, like the
+    embedding and the head, split the batch over the stages instead of each stage running them whole. Rules put
+    first (Linen's first match wins); without a ``stage`` axis they resolve as ``rules`` do.
+
+    >>> outside_pipeline(get_rules("pure-fsdp"))[:2]
+    (('activation_batch', ('data', 'fsdp', 'stage')), ('activation_tokens', ('data', 'fsdp', 'stage')))
+    """
+    cached = _OUTSIDE.get(id(rules))
+    if cached is not None and cached[0] is rules:
+        return cached[1]
+    first = {}
+    for name, axes in expand_rules(rules):
+        first.setdefault(name, () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes))
+    batch = first.get("activation_embed_and_logits_batch")
+    if batch is None:  # the batch outside is not placed (replicated): so are these layers' activations
+        out = rules
+    else:
+        tokens = (*batch, *(a for a in first.get("activation_tokens", ()) if a not in batch))
+        out = (("activation_batch", batch), ("activation_tokens", tokens), *rules)
+    if len(_OUTSIDE) > 64:
+        _OUTSIDE.clear()
+    _OUTSIDE[id(rules)] = (rules, out)
+    return out
 
 
 def context_axes(rules: Rules) -> tuple[str, ...]:
