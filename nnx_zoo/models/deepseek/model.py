@@ -300,13 +300,13 @@ class DeepSeekV3(CausalLMBase):
         never on ``stage``: 3 of V3's 61 layers, little memory) and their batch split over ``stage`` too (each stage
         computes its share: ``outside_pipeline``'s rules); the pipeline's input is gathered whole over ``stage`` and
         its output split again. GPipe (``_pipelined_moe``): the final norm, the MTP heads and the output head run
-        after it on each stage's share of the batch as well (the trainer's chunked head + loss stays its one path). 1F1B (``_one_f_one_b``; ``loss_targets=(targets,
-        loss_mask)`` and the trainer's ``loss_scale=(mtp_weight, counts)``): the final norm, the MTP heads (their
-        shifted tokens handed through the pipeline with each micro-batch, embedded there) and the head run on the
-        last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the whole
-        loss: the MTP and balance terms weighted as ``nnx_zoo.train.step.loss_terms`` weighs them),
-        ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens``. Without a ``stage`` axis the
-        pipeline arguments are ignored.
+        after it on each stage's share of the batch as well (the trainer's chunked head + loss stays its one path).
+        1F1B (``_one_f_one_b``; ``loss_targets=(targets, loss_mask)`` and the trainer's ``loss_scale=(mtp_weight,
+        counts)``): the final norm, the MTP heads (their shifted tokens handed through the pipeline with each
+        micro-batch, embedded there) and the head run on the last stage, and the output carries ``loss_sum`` (valued
+        as the cross-entropy, with the gradient of the whole loss: the MTP and balance terms weighted as
+        ``nnx_zoo.train.step.loss_terms`` weighs them), ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and
+        ``dropped_tokens``. Without a ``stage`` axis the pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
@@ -363,8 +363,9 @@ class DeepSeekV3(CausalLMBase):
                 if pipelined and LAYER_STACKS[name][0] and resolve_schedule(
                         pipeline_schedule, pipeline_virtual_stages).loss_inside:
                     return self._one_f_one_b(  # its input whole over stage, as GPipe's
-                        stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask, segment_ids,
-                        positions, depth, loss_targets, loss_scale, with_expert_load, pipeline_microbatches,
+                        stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask,
+                        segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
+                        pipeline_microbatches,
                         resolve_schedule(pipeline_schedule, pipeline_virtual_stages).virtual_stages)
                 if pipelined and LAYER_STACKS[name][0]:
                     # In whole over stage (the prefix's rows gathered), out split over it again.
