@@ -169,10 +169,12 @@ def pipeline_stack(
         def time_step(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
             held, done = carry
             index = jnp.clip(t - stage, 0, micro - 1)  # the micro-batch this stage works on at step t
+            busy = (t >= stage) & (t - stage < micro)  # idle in the first ``stage`` steps and the last S-1-stage
             first_input = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), axis=1, keepdims=False)
-            h = run_local(jnp.where(stage == 0, first_input, held), index)
-            finished = (stage == stages - 1) & (t >= stages - 1)
-            done = jnp.where(finished, jax.lax.dynamic_update_index_in_dim(done, h, index, axis=1), done)
+            h = _when(busy, run_local, lambda h, _: h, jnp.where(stage == 0, first_input, held), index)
+            finished = busy & (stage == stages - 1)  # written slice by slice: no full-size select per step
+            kept = jax.lax.dynamic_index_in_dim(done, index, axis=1, keepdims=False)
+            done = jax.lax.dynamic_update_index_in_dim(done, jnp.where(finished, h, kept), index, axis=1)
             held = jax.lax.ppermute(h, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
             return (held, done), None
 
@@ -347,8 +349,10 @@ def pipeline_1f1b_value_and_grad(
             return run_stack(nnx.merge(graphdef, chunk), lambda group, h, _: (layer_fn(group, h, *margs), None),
                              h)[0]
 
-        def keep(valid: jax.Array, new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
+        def put(valid: jax.Array, tree: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+            """``tree`` with ``new`` at ``index`` on ``axis`` where ``valid``: one slice read and written."""
+            kept = jax.lax.dynamic_index_in_dim(tree, index, axis, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(tree, jnp.where(valid, new, kept), index, axis)
 
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
             fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x = carry
@@ -356,25 +360,31 @@ def pipeline_1f1b_value_and_grad(
             f_ok, fm, fv, f_slot = row[F_OK] > 0, row[F_MICRO], row[F_CHUNK], row[F_SLOT]
             first_input = jax.lax.dynamic_index_in_dim(xs, fm, axis=1, keepdims=False)
             h_in = jnp.where((stage == 0) & (fv == 0), first_input, fwd_in)
-            saved = keep(f_ok, jax.lax.dynamic_update_index_in_dim(saved, h_in, f_slot, 0), saved)
-            h_out = stage_fn(chunk_of(chunks, fv), h_in, fm)
-            tgt, _ = micro_inputs(fm)
-            mb_loss, (g_head, g_out) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h_out, tgt)
+            saved = put(f_ok, saved, h_in, f_slot, 0)
+            h_out = _when(f_ok, lambda h: stage_fn(chunk_of(chunks, fv), h, fm), lambda h: h, h_in)
+
+            def head(loss: jax.Array, d_head: Any, h: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
+                mb_loss, (g_head, g_out) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h,
+                                                                                       micro_inputs(fm)[0])
+                return loss + mb_loss, jax.tree.map(jnp.add, d_head, g_head), g_out
+
             at_head = last & (fv == last_chunk) & f_ok
-            loss = loss + jnp.where(at_head, mb_loss, 0.0)
-            d_head = keep(at_head, jax.tree.map(jnp.add, d_head, g_head), d_head)
+            loss, d_head, g_out = _when(at_head, head, lambda loss, d_head, h: (loss, d_head, jnp.zeros_like(h)),
+                                        loss, d_head, h_out)
 
             # The last virtual stage's backward is this tick's forward item (pipeline_order), seeded by the head.
             b_ok, bm, bv, b_slot = row[B_OK] > 0, row[B_MICRO], row[B_CHUNK], row[B_SLOT]
-            h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
-            _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm), chunk_of(chunks, bv), h_saved)
-            g_chunk, g_in = pullback(jnp.where(last & (bv == last_chunk), g_out, bwd_in))
-            d_chunks = keep(b_ok, jax.tree.map(
-                lambda d, g: jax.lax.dynamic_update_index_in_dim(
-                    d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk),
-                d_chunks)
-            d_x = keep((stage == 0) & (bv == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(d_x, g_in, bm, axis=1),
-                       d_x)
+
+            def backward(d_chunks: Any, g: jax.Array) -> tuple[Any, jax.Array]:
+                h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
+                _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm), chunk_of(chunks, bv), h_saved)
+                g_chunk, g_in = pullback(g)
+                return jax.tree.map(lambda d, g: jax.lax.dynamic_update_index_in_dim(
+                    d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk), g_in
+
+            d_chunks, g_in = _when(b_ok, backward, lambda d_chunks, g: (d_chunks, jnp.zeros_like(g)), d_chunks,
+                                   jnp.where(last & (bv == last_chunk), g_out, bwd_in))
+            d_x = put((stage == 0) & (bv == 0) & b_ok, d_x, g_in, bm, 1)
             fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, ahead)
             bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, back)
             return (fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x), None
@@ -397,6 +407,24 @@ def pipeline_1f1b_value_and_grad(
                                                   PartitionSpec()),
         axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
     return loss, d_state, d_head, jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
+
+
+# How a stage spends a tick it has no work for. "skip": ``jax.lax.cond`` on the tick's validity, so an idle stage
+# runs none of its layers (nor the head, nor the backward); the predicate depends only on the stage index and the
+# tick, so every device of a stage's fsdp / tensor group takes the same branch and the collectives inside a branch
+# stay matched (the ``ppermute``s over ``stage`` stay outside it). "mask": every stage computes every tick and
+# ``jnp.where`` drops the idle results (the program before idle skipping: what the benchmarks compare against).
+IDLE_TICKS = "skip"
+
+
+def _when(busy: jax.Array, work: Callable[..., Any], idle: Callable[..., Any], *operands: Any) -> Any:
+    """``work(*operands)`` where ``busy``, else ``idle(*operands)`` (same types; ``idle`` does no real work),
+    the one place that picks how (``IDLE_TICKS``)."""
+    if IDLE_TICKS == "skip":
+        return jax.lax.cond(busy, work, idle, *operands)
+    if IDLE_TICKS != "mask":
+        raise ValueError(f"IDLE_TICKS must be 'skip' or 'mask', got {IDLE_TICKS!r}")
+    return jax.tree.map(lambda a, b: jnp.where(busy, a, b), work(*operands), idle(*operands))
 
 
 def _move_chunks(tree: Any, stages: int, source: Callable[[int, int], tuple[int, int]]) -> Any:
