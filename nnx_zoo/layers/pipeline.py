@@ -5,12 +5,20 @@ A rule set places a stack's leading layer dim (``layers`` and the names declared
 program: ``jax.shard_map`` over ``stage`` alone (every other mesh axis stays Auto or Explicit inside, so FSDP,
 tensor and the rest shard each stage's layers as they shard the un-pipelined model), and a scan over the
 ``M + S - 1`` time steps of the circular-shift formulation: at step ``t`` stage 0 takes micro-batch ``t``, every
-stage runs its layers on what it holds, the last stage keeps what it finished (micro-batch ``t - S + 1``), and
-``jax.lax.ppermute`` hands each stage's output to the next.
+stage that holds a micro-batch (stage ``s`` holds ``t - s``) runs its layers on it, the last stage keeps what it
+finished (micro-batch ``t - S + 1``), and ``jax.lax.ppermute`` hands each stage's output to the next.
 
 Its schedule is GPipe's: differentiating the scan runs the time steps backwards, so every micro-batch's forward
 finishes before the first backward starts, and the activations of all ``M`` micro-batches stay alive (as many as
 the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's time, forward and backward.
+
+Idle work costs nothing: a stage with nothing to do in a tick (GPipe's first ``s`` and last ``S - 1 - s`` steps,
+1F1B's warm-up and cool-down halves) takes the idle branch of a ``jax.lax.cond`` on the tick's validity and runs
+none of its layers (``IDLE_TICKS``, ``_when``: the one place that chooses; ``"mask"`` computes and drops instead,
+the program before, kept for measuring). The predicate depends only on the stage and the tick, so all devices of
+a stage's fsdp / tensor group take the same branch and the collectives inside stay matched; the ``ppermute``s
+over ``stage`` run outside every branch, every tick. XLA's ``cost_analysis()`` (and any static count of the
+compiled program) counts both branches, so it reads the same as the masked program: what changes is what runs.
 
 ``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
 stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
@@ -248,20 +256,23 @@ def pipeline_1f1b_value_and_grad(
     layers: chunks ``s, S + s, ..., (V - 1) S + s`` on stage ``s``).
 
     One SPMD program (``shard_map`` over ``stage``) whose ``T = M V + V S + S - 2`` ticks each run, on every
-    stage, one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the last stage
-    runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's forward arrives,
-    and each stage keeps only the inputs of the items between their forward and their backward (at most
-    ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe keeps
-    all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split
-    like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``.
+    stage, at most one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the
+    last stage runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's
+    forward arrives, and each stage keeps only the inputs of the items between their forward and their backward
+    (at most ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe
+    keeps all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args``
+    are split like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in
+    ``pipeline_stack``.
     Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S`` and ``L`` of ``V S``.
 
-    Bubble, exactly: every tick runs a forward and a backward on every stage, valid or not (an SPMD program has
-    no per-stage control flow; the idle ones are masked), so of each stage's ``T`` ticks ``M V`` do useful work
-    and the bubble is ``(V S + S - 2) / (M V + V S + S - 2)`` of its time, forward and backward alike
-    (``(2S - 2) / (M + 2S - 2)`` for 1F1B; ``S = 2, M = 4``: 1/3 for ``V = 1``, 0.3 for ``V = 2``). Were the masked
-    halves free (the warm-up's ``V S - 1`` ticks forward only, the cool-down's backward only), the time would be
-    ``M V + S - 1`` ticks and the bubble Megatron's ``(S - 1) / (M V + S - 1)``.
+    Bubble: each stage runs a chunk's forward only in a tick that has one for it, its backward (and the last
+    stage its head) likewise (``jax.lax.cond`` per stage, see the module's docstring), so with ``f`` and ``b`` a
+    chunk's forward and backward times (``b`` includes the recompute), the ``V S - 1`` warm-up ticks cost ``f``
+    (forwards only), the ``V S - 1`` cool-down ticks ``b``, and the ``M V - V S + S`` between ``f + b`` (the last
+    stage does both in each): ``(M V + S - 1)(f + b)`` for ``M V (f + b)`` of useful work per stage, so the bubble
+    is Megatron's, ``(S - 1) / (M V + S - 1)`` (1F1B: ``(S - 1) / (M + S - 1)``, GPipe's; interleaving divides it
+    by about ``V``). The masked program (``IDLE_TICKS = "mask"``) ran both halves in all ``T`` ticks:
+    ``(V S + S - 2) / (M V + V S + S - 2)``.
 
     Placement of the chunks: the stored stack keeps layer order and the rule set puts it on ``stage`` in
     contiguous blocks (stage ``b`` holds chunks ``b V .. b V + V - 1``; HF load/save and checkpoints rely on that
