@@ -642,32 +642,44 @@ def plan(args: argparse.Namespace, config: Any) -> int:
     """``--plan``: the sharding report of ``config``'s model on the given mesh, from abstract arrays."""
     from nnx_zoo.layers.kernel_choices import describe as describe_kernels
     from nnx_zoo.layers.kernel_choices import kernel_choices
-    from nnx_zoo.sharding import make_abstract_mesh
+    from nnx_zoo.sharding import STACK_AXES, make_abstract_mesh
     from nnx_zoo.train.remat_choice import choose_remat
 
     if any(v == -1 for v in args.mesh.values()):
         raise ValueError("--plan needs every mesh size given explicitly (no -1), e.g. --mesh fsdp=64,expert=8")
     seq_len = args.plan_seq_len or args.seq_len
     kernels = kernel_choices(config, seq_len=seq_len, segments=args.data != "synthetic", platform=args.plan_platform)
-    result = memory_plan_of(args, config, make_abstract_mesh(dict(args.mesh)), seq_len, kernels, args.plan_batch)
+    mesh = make_abstract_mesh(dict(args.mesh))
+    result = memory_plan_of(args, config, mesh, seq_len, kernels, args.plan_batch)
     print(f"kernels on {args.plan_platform}: {describe_kernels(config, kernels)}")
-    print(result.report.table() + "\n\n" + result.table())
+    fallbacks = result.report.fallbacks
+    if args.mesh.get("stage", 1) > 1:  # per stage, by schedule (nnx_zoo/sharding/plan_pipeline.py)
+        staged = memory_plan_of(args, config, mesh, seq_len, kernels, args.plan_batch, pipeline=True)
+        print(result.report.table() + "\n\n" + staged.table())
+        fallbacks = tuple(f for f in fallbacks if f.name not in STACK_AXES)  # the stage table says what to do
+        result = staged  # the fullest stage's step decides the remat policy
+    else:
+        print(result.report.table() + "\n\n" + result.table())
     if args.device_memory:
         print("\n" + choose_remat(result, int(args.device_memory * 2**30), "--device-memory",
                                   args.memory_margin).describe())
-    if result.report.fallbacks:
-        print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(result.report.fallbacks)} "
+    if fallbacks:
+        print(f"\nTraining on this mesh with these rules needs --allow-partial: {len(fallbacks)} "
               "dimension(s) above do not divide over their rule's mesh axes (strict placement refuses them).")
     return 0
 
 
 def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: int, kernels: dict[str, str],
-                   batch_per_device: int | None = None) -> Any:
-    """The memory plan of training ``config`` as the command line describes it on ``mesh`` (abstract or real)."""
+                   batch_per_device: int | None = None, pipeline: bool = False) -> Any:
+    """The memory plan of training ``config`` as the command line describes it on ``mesh`` (abstract or real);
+    ``pipeline``: per stage of the mesh's ``stage`` axis, for ``--microbatches`` and ``--pipeline-schedule``."""
+    import functools
+
     from flax import nnx
 
     from nnx_zoo import AutoModelForCausalLM
     from nnx_zoo.sharding.plan import memory_plan
+    from nnx_zoo.sharding.plan_pipeline import pipeline_memory_plan
     from nnx_zoo.train.loss import default_chunk_tokens
 
     model_cls = AutoModelForCausalLM.model_class(config)
@@ -676,9 +688,13 @@ def memory_plan_of(args: argparse.Namespace, config: Any, mesh: Any, seq_len: in
     if chunk is None:
         chunk = None if args.shard_mode == "auto" and math.prod(mesh.axis_sizes) > 1 else default_chunk_tokens(
             config.vocab_size)
-    return memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
-                       batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
-                       loss_chunk_tokens=chunk or None)
+    planner = memory_plan
+    if pipeline:
+        planner = functools.partial(pipeline_memory_plan, microbatches=args.microbatches,
+                                    schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages or 2)
+    return planner(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, args.rules, seq_len=seq_len,
+                   batch_per_device=batch_per_device, global_batch=args.batch, kernels=kernels,
+                   loss_chunk_tokens=chunk or None)
 
 
 def remat_is_auto(args: argparse.Namespace) -> bool:

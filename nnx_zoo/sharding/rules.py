@@ -211,6 +211,56 @@ SHARD_EXP_ON_FSDP: Rules = (
     *_REPLICATED,
 )
 
+# pipeline-large-moe (MaxText's configs/custom_mesh_and_rule/pipeline-large-moe.yml, for pipelined large MoE runs
+# such as DeepSeek-V3): layer stacks on `stage`; the batch on (data, fsdp, expert); experts on `expert`; the
+# non-expert weights' width on (fsdp, expert) and nothing else (no context, no fsdp_transpose, no fallback ladder);
+# the routed experts' width and the attention latents on fsdp alone (MaxText: embed_moe, q_lora, kv_lora -> fsdp),
+# so a 512-wide latent divides however large fsdp x expert grows; tensor shards heads, MLP widths, the vocabulary
+# and the activations' width. MaxText -> ours: activation_batch(_attn), activation_kv_batch -> activation_batch;
+# activation_batch_moe (data, fsdp) -> activation_tokens, see below; activation_length(_attn), activation_q_length,
+# activation_norm_length(_moe) -> activation_length (context); activation_embed(_attn, _moe) -> activation_embed;
+# activation_mlp(_moe) -> activation_mlp, activation_moe_mlp; activation_heads, activation_kv_heads,
+# activation_vocab, activation_exp alike; embed, embed_vocab -> embed; embed_moe -> embed_no_exp; q_lora, kv_lora
+# -> latent (DeepSeek declares q_lora, kv_lora like it); mlp_moe -> moe_mlp; q_heads -> heads; cache_heads ->
+# cache_kv_heads; layers -> layers (and the stack names declared like it). What differs (README, "Pipeline
+# parallelism"): MaxText's norm -> tensor and activation_kv(_head_dim) -> tensor are replicated here (norm scales
+# are tiny, and a scale sharded on an axis the activation's other dims use fails under Explicit meshes);
+# activation_embed_and_logits_batch (the batch over stage too, outside the pipeline) has no counterpart: our
+# embedding, head and loss run replicated over stage; activation_batch_moe leaves the MoE's tokens unsplit over
+# expert, while ours keep them split as they arrive and the `ep` path all-gathers them over expert itself (the
+# same tokens meet the same experts); exp_with_fsdp, paged_kv_heads, engram_dim name nothing of ours.
+PIPELINE_LARGE_MOE: Rules = (
+    ("activation_batch", ("data", "fsdp", "expert")),
+    ("activation_tokens", ("data", "fsdp", "expert", "context")),
+    ("activation_length", "context"),
+    ("activation_exp", "expert"),
+    ("cache_batch", ("data", "fsdp", "expert")),
+    ("activation_embed", "tensor"),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("cache_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_moe_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    ("activation_kv", None),
+    ("activation_kv_length", None),
+    ("activation_topk", None),
+    ("activation_stack", None),
+    ("activation_microbatch", None),
+    ("cache_length", None),
+    ("cache_kv", None),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("moe_mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("exp", "expert"),
+    ("embed", ("fsdp", "expert")),
+    ("latent", "fsdp"),
+    ("embed_no_exp", "fsdp"),
+    *_REPLICATED,
+)
+
 RULE_SETS: dict[str, Rules] = {
     "default": DEFAULT,
     "pure-fsdp": PURE_FSDP,
@@ -218,6 +268,7 @@ RULE_SETS: dict[str, Rules] = {
     "cp-as-ep": CP_AS_EP,
     "ep-as-dp": EP_AS_DP,
     "shard-exp-on-fsdp": SHARD_EXP_ON_FSDP,
+    "pipeline-large-moe": PIPELINE_LARGE_MOE,
 }
 
 
@@ -265,7 +316,8 @@ def validate_rules(rules: Iterable[Sequence[object]]) -> Rules:
 
 def get_rules(name_or_rules: str | Iterable[Sequence[object]]) -> Rules:
     """A named rule set (``default``, ``pure-fsdp``, ``ep-as-cp``, ``cp-as-ep``, ``ep-as-dp``,
-    ``shard-exp-on-fsdp``), or a user-supplied sequence of ``(logical_name, mesh_axes)`` validated as such.
+    ``shard-exp-on-fsdp``, ``pipeline-large-moe``), or a user-supplied sequence of ``(logical_name, mesh_axes)``
+    validated as such.
 
     >>> get_rules("pure-fsdp")[0]
     ('activation_batch', ('data', 'fsdp'))

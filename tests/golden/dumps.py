@@ -26,6 +26,9 @@ MESHES: dict[str, dict[str, int]] = {
     "cp-as-ep": {"fsdp": 2, "context": 2, "expert": 2},
     "ep-as-dp": {"fsdp": 4, "expert": 2},
     "shard-exp-on-fsdp": {"fsdp": 4, "expert": 2},
+    # tensor, not stage: the un-pipelined forward that records the activations does not run DeepSeek on a stage
+    # axis (tests/sharding/test_pipeline_rules.py resolves the parameters on stage x fsdp x expert).
+    "pipeline-large-moe": {"fsdp": 2, "tensor": 2, "expert": 2},
 }
 # Preset (any family's, by name) -> keyword arguments of the model call whose activations are recorded: the
 # DeepSeek preset also runs its multi-token-prediction heads, so their activations are in its dump. One dense

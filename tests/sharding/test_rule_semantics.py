@@ -89,6 +89,22 @@ def test_shard_exp_on_fsdp_splits_the_expert_dim_over_expert_and_fsdp():
         {"expert", "fsdp"}, {"context"}]
 
 
+
+def test_pipeline_large_moe_as_maxtext_file():
+    """MaxText's pipeline-large-moe.yml: stacks on stage, the batch on (data, fsdp, expert), experts on expert, the
+    width on (fsdp, expert), expert widths and latents on fsdp, tensor for heads, MLP, vocab and activation width;
+    fsdp_transpose and tensor_transpose (not in its mesh) are used by nothing."""
+    mesh = {"stage": 2, "data": 2, "fsdp": 2, "fsdp_transpose": 2, "context": 2, "tensor": 2, "tensor_transpose": 2,
+            "expert": 2}
+    rules = "pipeline-large-moe"
+    assert axes(("layers", *EXPERTS), rules, mesh) == [{"stage"}, {"expert"}, {"fsdp"}, {"tensor"}]
+    assert axes(("layers", *DENSE), rules, mesh) == [{"stage"}, {"fsdp", "expert"}, {"tensor"}]
+    assert axes(EMBEDDING, rules, mesh) == [{"tensor"}, {"fsdp", "expert"}]
+    assert axes(LATENT_UP, rules, mesh) == [{"fsdp"}, {"tensor"}, set()]
+    assert axes(HIDDEN, rules, mesh) == [{"data", "fsdp", "expert"}, {"context"}, {"tensor"}]
+    for names in (EXPERTS, DENSE, ATTN_Q, EMBEDDING, ROUTER, LATENT_UP, HIDDEN):
+        assert not set().union(*axes(names, rules, mesh)) & {"fsdp_transpose", "tensor_transpose", "stage"}, names
+
 # MaxText's q_lora/kv_lora rules per file (e591f30), on a mesh with every axis its file can name: the latent of
 # an up-projection [latent, heads, kv] is FSDP-sharded like the width, but on fewer axes in three sets.
 LATENT_MESH = {"fsdp": 2, "fsdp_transpose": 2, "context": 2, "expert": 2}
@@ -99,6 +115,7 @@ LATENT_PLACEMENT = {
     "ep-as-cp": {"fsdp", "fsdp_transpose", "context"},  # embed's without expert (MaxText's mesh: fsdp only)
     "ep-as-dp": {"fsdp", "context"},  # embed's without fsdp_transpose (MaxText's mesh: fsdp only)
     "shard-exp-on-fsdp": {"fsdp", "fsdp_transpose", "expert"},  # embed's without context (= MaxText)
+    "pipeline-large-moe": {"fsdp"},  # MaxText: q_lora/kv_lora -> [fsdp]
 }
 
 
@@ -123,7 +140,8 @@ def test_latents_divide_at_scale_where_maxtext_keeps_them_off_expert():
 
 
 def test_every_named_set_is_checked_here():
-    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp"}
+    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp",
+                              "pipeline-large-moe"}
 
 
 @pytest.mark.parametrize("rules", sorted(RULE_SETS))

@@ -304,8 +304,9 @@ def test_named_rule_sets_are_valid_and_use_only_the_vocabulary(name):
     assert not undeclared, f"{name} mentions names missing from axes.py: {undeclared}"
 
 
-def test_named_rule_sets_are_the_six_of_the_design():
-    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp"}
+def test_named_rule_sets_are_the_seven_of_the_design():
+    assert set(RULE_SETS) == {"default", "pure-fsdp", "ep-as-cp", "cp-as-ep", "ep-as-dp", "shard-exp-on-fsdp",
+                              "pipeline-large-moe"}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,98 @@
+"""Pipelined plans from abstract arrays: the pipeline-large-moe rule set on DeepSeek-V3 over stage x fsdp x expert,
+and the per-stage memory plan (parameters of the stage's layers over their shards, activations by schedule)."""
+
+from __future__ import annotations
+
+import pytest
+from flax import nnx
+
+from nnx_zoo import AutoConfig, AutoModelForCausalLM, DeepSeekV3, DeepSeekV3Config
+from nnx_zoo.sharding import STACK_AXES, make_abstract_mesh, sharding_report
+from nnx_zoo.sharding.plan_pipeline import pipeline_memory_plan
+
+V3 = DeepSeekV3Config.preset("deepseek3-671b", dtype="bfloat16", param_dtype="bfloat16")
+
+
+def _axes(spec_entry) -> set[str]:
+    return set() if spec_entry is None else {spec_entry} if isinstance(spec_entry, str) else set(spec_entry)
+
+
+def test_pipeline_large_moe_places_deepseek_v3_671b_on_8192_devices():
+    mesh = make_abstract_mesh({"stage": 16, "fsdp": 8, "expert": 64})
+    report = sharding_report(lambda: DeepSeekV3(V3, rngs=nnx.Rngs(0)), mesh, "pipeline-large-moe", allow_partial=True)
+    # Every matrix dim divides (the 7168 width over fsdp x expert = 512, the 512/1536 latents over fsdp alone):
+    # only the stacks fall back, 3 dense, 58 MoE and 1 MTP layer(s) on 16 stages.
+    assert {f.name for f in report.fallbacks} == {"dense_layers", "moe_layers", "mtp_layers"}
+    assert all(f.name in STACK_AXES for f in report.fallbacks)
+    rows = {r.path: r for r in report.rows}
+    experts = rows["moe_layers.mlp.experts.wi_gate"]  # [layers, exp, embed_no_exp, moe_mlp]
+    assert [_axes(a) for a in experts.spec[1:]] == [{"expert"}, {"fsdp"}, set()]  # MaxText: exp, embed_moe
+    assert [_axes(a) for a in rows["moe_layers.attn.q_b_proj.kernel"].spec[1:3]] == [{"fsdp"}, set()]  # q_lora
+    assert _axes(rows["moe_layers.attn.o_proj.kernel"].spec[-1]) == {"fsdp", "expert"}  # embed
+    assert [_axes(a) for a in rows["embed.embedding"].spec] == [set(), {"fsdp", "expert"}]  # embed_vocab
+    assert all(_axes(a) <= {"fsdp", "expert"} for r in report.rows for a in r.spec[1:])  # stage only on stacks
+
+
+def test_pipeline_large_moe_splits_every_deepseek_stack_over_stages_strictly():
+    # DeepSeek-V3's layout with stacks that divide 2 stages: 2 dense, 4 MoE layers, 2 MTP heads.
+    config = AutoConfig.preset("deepseek3-mini", num_hidden_layers=6, first_k_dense_replace=2,
+                               num_nextn_predict_layers=2)
+    mesh = make_abstract_mesh({"stage": 2, "fsdp": 2, "expert": 2})
+    report = sharding_report(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), mesh, "pipeline-large-moe",
+                             allow_partial=False)
+    stacked = [r for r in report.rows if r.names and r.names[0] in STACK_AXES]
+    assert {r.path.split(".")[0] for r in stacked} == {"dense_layers", "moe_layers", "mtp_layers"}
+    assert all(r.spec[0] == "stage" and r.per_device_shape[0] == r.shape[0] // 2 for r in stacked)
+    assert not report.fallbacks
+
+
+TINY = AutoConfig.preset("llama3-tiny")  # 4 layers, width 128, MLP 384, 4 heads + 2 kv heads of 32, vocab 32000
+SEQ = 64
+
+
+def _tiny_plan(microbatches: int, rows: int, schedule: str = "gpipe"):
+    mesh = make_abstract_mesh({"stage": 2, "fsdp": 4})
+    make = lambda: AutoModelForCausalLM.model_class(TINY)(TINY, rngs=nnx.Rngs(0))  # noqa: E731
+    return pipeline_memory_plan(make, TINY, mesh, "default", seq_len=SEQ, batch_per_device=rows,
+                                microbatches=microbatches, schedule=schedule)
+
+
+def test_stage_parameters_are_the_stages_layers_over_their_shards():
+    plan = _tiny_plan(2, 2)
+    e, i, v, q, kv = 128, 384, 32000, 4 * 32, 2 * 32
+    # Per layer: q, k, v, o and gate/up/down, every matrix's width over fsdp 4; two replicated norms.
+    layer = (e * q + 2 * e * kv + q * e + 3 * e * i) // 4 + 2 * e
+    # Stage 0 of 2 holds 2 of the 4 layers; the (tied) embedding over fsdp and the final norm on every stage.
+    elements = 2 * layer + v * e // 4 + e
+    assert plan.stacks == {"layers": (2, 4)} and plan.even
+    assert plan.param_bytes == 4 * elements  # float32
+    assert plan.optimizer_bytes == 8 * elements  # two float32 moments
+    assert plan.total("none") == 2 * plan.param_bytes + plan.optimizer_bytes + plan.activation_bytes("none")
+    assert "parameters" in plan.table() and "1f1b" in plan.table()
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_gpipe_activations_grow_with_microbatches_and_1f1b_stays_bounded(remat):
+    row = SEQ * 128 * 4  # one row's [seq, hidden] in float32
+    plans = {m: _tiny_plan(m, m) for m in (2, 4, 8)}  # micro-batches of one row each
+    keep = {m: p.activations["1f1b"][remat]["one micro-batch's stage recomputed"] for m, p in plans.items()}
+    assert len(set(keep.values())) == 1 and keep[2] > 0  # one micro-batch's stage, whatever M
+    for m, p in plans.items():
+        one_f = p.activations["1f1b"][remat]
+        assert one_f["3 stage inputs in flight"] == 3 * row  # 2S - 1 of them, whatever M
+        # Interleaved, V = 2 chunks of one layer each: (V + 1) S - 1 chunk inputs and one chunk recomputed (a
+        # one-layer chunk is compiled whole: under remat full it keeps its layer's intermediates, not only inputs).
+        assert p.activations["interleaved"][remat]["5 chunk inputs in flight"] == 5 * row
+        chunk = p.activations["interleaved"][remat]["one micro-batch's chunk recomputed"]
+        assert 0 < chunk < keep[m] if remat == "none" else chunk > keep[m]
+        # GPipe's scan keeps every one of its M + S - 1 time steps' residuals of the stage.
+        assert p.activations["gpipe"][remat][f"{m + 1} time steps' saved activations"] == (m + 1) * keep[m]
+        held_1f1b = p.activation_bytes(remat, "1f1b") - one_f["input gradients, whole batch"]
+        assert held_1f1b == plans[2].activation_bytes(remat, "1f1b") - 2 * row  # bounded: only d(input) grows
+    gpipe = [p.activation_bytes(remat, "gpipe") for p in plans.values()]
+    assert gpipe[0] < gpipe[1] < gpipe[2] and gpipe[2] - gpipe[1] >= 4 * keep[2]
+
+
+def test_microbatches_must_divide_the_rows():
+    with pytest.raises(ValueError, match="3 micro-batches do not divide the 4 row"):
+        _tiny_plan(3, 4)
