@@ -161,7 +161,8 @@ def run(a: argparse.Namespace) -> list[dict]:
     cfg = config(a)
     cases = []
     for s in a.stages:
-        mesh = make_mesh({"stage": s, "fsdp": DEVICES // s}, devices=jax.devices()[:DEVICES])
+        fsdp = 1 if a.stage_only else DEVICES // s
+        mesh = make_mesh({"stage": s, "fsdp": fsdp}, devices=jax.devices()[:s * fsdp])
         for factor in a.micro_factors:
             m = factor * s
             timed, group, inputs, losses = {}, [], None, {}
@@ -171,7 +172,7 @@ def run(a: argparse.Namespace) -> list[dict]:
                 for mode in MODES:
                     compiled, (shardings, rows), secs = compile_step(cfg, mesh, a.batch, a.seq, kwargs, mode)
                     mem = compiled.memory_analysis()
-                    case = {"schedule": name, "mode": mode, "stages": s, "fsdp": DEVICES // s, "microbatches": m,
+                    case = {"schedule": name, "mode": mode, "stages": s, "fsdp": fsdp, "microbatches": m,
                             "virtual_stages": v, "compile_s": secs, **program_facts(compiled.as_text()),
                             "temp_bytes": int(mem.temp_size_in_bytes), "bubble": bubble(name, mode, s, m, v)}
                     cases.append(case)
@@ -222,6 +223,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--target-s", type=float, default=0.5, help="seconds per contender per round")
+    p.add_argument("--stage-only", action="store_true",
+                   help="mesh {stage: S} on S devices: no collective inside a stage's branches (see the docstring)")
     p.add_argument("--out", default="pipeline_idle", help="results/<out>.json and .md")
     a = p.parse_args()
     t0 = time.perf_counter()

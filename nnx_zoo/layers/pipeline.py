@@ -14,11 +14,13 @@ the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's
 
 Idle work costs nothing: a stage with nothing to do in a tick (GPipe's first ``s`` and last ``S - 1 - s`` steps,
 1F1B's warm-up and cool-down halves) takes the idle branch of a ``jax.lax.cond`` on the tick's validity and runs
-none of its layers (``IDLE_TICKS``, ``_when``: the one place that chooses; ``"mask"`` computes and drops instead,
-the program before, kept for measuring). The predicate depends only on the stage and the tick, so all devices of
-a stage's fsdp / tensor group take the same branch and the collectives inside stay matched; the ``ppermute``s
-over ``stage`` run outside every branch, every tick. XLA's ``cost_analysis()`` (and any static count of the
-compiled program) counts both branches, so it reads the same as the masked program: what changes is what runs.
+none of its layers. The predicate depends only on the stage and the tick, so all devices of a stage's fsdp /
+tensor group take the same branch and the collectives inside stay matched; the ``ppermute``s over ``stage`` run
+outside every branch, every tick. One exception, decided in one place (``skips_idle_ticks``, ``IDLE_TICKS``): on
+the CPU backend with another mesh axis > 1, XLA:CPU's in-process collectives can deadlock on collectives inside a
+branch, so there the idle work is computed and masked (``jnp.where``), the program before. XLA's
+``cost_analysis()`` (and any static count of the compiled program) counts both branches of a conditional, so it
+reads the same as the masked program: what changes is what runs.
 
 ``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
 stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
@@ -271,7 +273,7 @@ def pipeline_1f1b_value_and_grad(
     (forwards only), the ``V S - 1`` cool-down ticks ``b``, and the ``M V - V S + S`` between ``f + b`` (the last
     stage does both in each): ``(M V + S - 1)(f + b)`` for ``M V (f + b)`` of useful work per stage, so the bubble
     is Megatron's, ``(S - 1) / (M V + S - 1)`` (1F1B: ``(S - 1) / (M + S - 1)``, GPipe's; interleaving divides it
-    by about ``V``). The masked program (``IDLE_TICKS = "mask"``) ran both halves in all ``T`` ticks:
+    by about ``V``). The masked program (``skips_idle_ticks()`` False) runs both halves in all ``T`` ticks:
     ``(V S + S - 2) / (M V + V S + S - 2)``.
 
     Placement of the chunks: the stored stack keeps layer order and the rule set puts it on ``stage`` in
@@ -425,16 +427,32 @@ def pipeline_1f1b_value_and_grad(
 # tick, so every device of a stage's fsdp / tensor group takes the same branch and the collectives inside a branch
 # stay matched (the ``ppermute``s over ``stage`` stay outside it). "mask": every stage computes every tick and
 # ``jnp.where`` drops the idle results (the program before idle skipping: what the benchmarks compare against).
-IDLE_TICKS = "skip"
+# "auto" (the default): "skip", except on the CPU backend when a mesh axis other than ``stage`` is larger than 1.
+# There the branches hold that group's collectives (FSDP's all-gathers, ...), and XLA:CPU's in-process collectives
+# (jax 0.10.2) intermittently deadlock on them: two devices of one stage's fsdp pair wait in different collectives
+# (an all-gather and an all-to-all) until the 40 s rendezvous timeout aborts the process. Seen with 1F1B and
+# interleaved train steps of an 8-layer Llama on stage 4 x fsdp 2 when compiled steps alternate (within 15 rounds),
+# never with a stage-only mesh (no collective in a branch) nor with the masked program.
+IDLE_TICKS = "auto"
+
+
+def skips_idle_ticks() -> bool:
+    """Whether the pipelines run idle ticks' work under ``jax.lax.cond`` (skipped) rather than masked, on the
+    ambient mesh: the one place that decides (``IDLE_TICKS``)."""
+    if IDLE_TICKS not in ("auto", "skip", "mask"):
+        raise ValueError(f"IDLE_TICKS must be 'auto', 'skip' or 'mask', got {IDLE_TICKS!r}")
+    if IDLE_TICKS != "auto":
+        return IDLE_TICKS == "skip"
+    mesh = jax.sharding.get_abstract_mesh()
+    grouped = not mesh.empty and any(size > 1 for name, size in mesh.shape.items() if name != STAGE_AXIS)
+    return not (grouped and jax.default_backend() == "cpu")
 
 
 def _when(busy: jax.Array, work: Callable[..., Any], idle: Callable[..., Any], *operands: Any) -> Any:
-    """``work(*operands)`` where ``busy``, else ``idle(*operands)`` (same types; ``idle`` does no real work),
-    the one place that picks how (``IDLE_TICKS``)."""
-    if IDLE_TICKS == "skip":
+    """``work(*operands)`` where ``busy``, else ``idle(*operands)`` (same types; ``idle`` does no real work):
+    skipped under ``jax.lax.cond`` or computed and masked, as ``skips_idle_ticks`` decides."""
+    if skips_idle_ticks():
         return jax.lax.cond(busy, work, idle, *operands)
-    if IDLE_TICKS != "mask":
-        raise ValueError(f"IDLE_TICKS must be 'skip' or 'mask', got {IDLE_TICKS!r}")
     return jax.tree.map(lambda a, b: jnp.where(busy, a, b), work(*operands), idle(*operands))
 
 
