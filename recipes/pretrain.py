@@ -567,6 +567,10 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[
     if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
         raise ValueError(f"--mesh stage={stages}: {model_cls.__name__} does not run pipelined yet (its forward "
                          "takes no pipeline_microbatches); train it on a mesh without 'stage'")
+    schedules = getattr(model_cls, "pipeline_schedules", None)
+    if schedules is not None and args.pipeline_schedule not in schedules:
+        raise ValueError(f"--pipeline-schedule {args.pipeline_schedule}: {model_cls.__name__} pipelines with "
+                         f"{' or '.join(schedules)} only; use --pipeline-schedule {schedules[-1]}")
     micro = stages if args.microbatches is None else args.microbatches
     rows = args.batch // max(args.accum_steps, 1)
     if micro < 1 or rows % micro:

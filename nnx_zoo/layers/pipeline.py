@@ -112,9 +112,17 @@ def pipeline_stack(
     schedule: str = "gpipe",
     scan: bool = True,
     remat_policy: str = "none",
-) -> jax.Array:
+    with_aux: bool = False,
+) -> Any:
     """``layer_fn(layer, h, *args) -> h`` folded over the layers of ``stack`` (as ``run_stack`` would), pipelined
     over the ambient mesh's ``stage`` axis with ``microbatches`` micro-batches of ``x [batch, ...]``.
+
+    ``with_aux=True``: ``layer_fn`` returns ``(h, aux)`` (a pytree of per-layer outputs that are sums over the
+    layer's rows: an MoE layer's expert load, dropped tokens, a balance loss summed over sequences), and the result
+    is ``(h, aux)`` with each leaf stacked per layer (``[layers, ...]``, the layer dim on ``stage``, as the stack's
+    weights) and summed over the micro-batches: for a sum over rows, the whole batch's value (a term that is not
+    one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it). Each aux leaf
+    is whole within a stage (not split over the other mesh axes: sums over the rows are).
 
     ``stack`` is a stacked module (or an ``nnx.List`` of them, one layer of each per step, as a scan segment's
     group). Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in
@@ -130,9 +138,16 @@ def pipeline_stack(
         raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({tuple(SCHEDULES)}: the "
                          "others run the loss inside the pipeline, pipeline_1f1b_value_and_grad)")
     stages = stage_count()
+
+    def body(margs: Any) -> Callable[..., tuple[jax.Array, Any]]:  # run_stack's body: (h, this layer's aux)
+        def fn(group: Any, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
+            out = layer_fn(group, h, *margs)
+            return out if with_aux else (out, None)
+        return fn
+
     if stages == 1:
-        return run_stack(stack, lambda group, h, _: (layer_fn(group, h, *args), None), x, scan=scan,
-                         remat_policy=remat_policy)[0]
+        h, aux = run_stack(stack, body(args), x, scan=scan, remat_policy=remat_policy)
+        return (h, aux) if with_aux else h
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches must be a positive integer, got {microbatches!r}")
     batch = x.shape[0]
@@ -171,32 +186,42 @@ def pipeline_stack(
                 picked[i] = jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False) if b else a
             return jax.tree.unflatten(treedef, picked)
 
-        def run_local(h: jax.Array, index: jax.Array) -> jax.Array:
-            margs = micro_args(index)
-            return run_stack(local, lambda group, h, _: (layer_fn(group, h, *margs), None), h, scan=scan,
-                             remat_policy=remat_policy)[0]
+        def run_local(h: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:
+            return run_stack(local, body(micro_args(index)), h, scan=scan, remat_policy=remat_policy)
 
-        def time_step(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-            held, done = carry
+        def time_step(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array
+                      ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
+            held, done, aux_sum = carry
             index = jnp.clip(t - stage, 0, micro - 1)  # the micro-batch this stage works on at step t
             busy = (t >= stage) & (t - stage < micro)  # idle in the first ``stage`` steps and the last S-1-stage
             first_input = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), axis=1, keepdims=False)
-            h = _when(busy, run_local, lambda h, _: h, jnp.where(stage == 0, first_input, held), index)
+            def work(h: jax.Array, index: jax.Array, aux_sum: Any) -> tuple[jax.Array, Any]:
+                h, aux = run_local(h, index)
+                return h, jax.tree.map(jnp.add, aux_sum, aux)
+
+            # Idle steps (which would repeat a clipped index) run nothing and count nothing.
+            h, aux_sum = _when(busy, work, lambda h, _, aux_sum: (h, aux_sum),
+                               jnp.where(stage == 0, first_input, held), index, aux_sum)
             finished = busy & (stage == stages - 1)  # written slice by slice: no full-size select per step
             kept = jax.lax.dynamic_index_in_dim(done, index, axis=1, keepdims=False)
             done = jax.lax.dynamic_update_index_in_dim(done, jnp.where(finished, h, kept), index, axis=1)
             held = jax.lax.ppermute(h, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
-            return (held, done), None
+            return (held, done, aux_sum), None
 
         varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")  # noqa: E731
         held = varying(jnp.zeros_like(jax.lax.index_in_dim(xs, 0, axis=1, keepdims=False)))
-        (_, done), _ = jax.lax.scan(time_step, (held, varying(jnp.zeros_like(xs))), jnp.arange(micro + stages - 1))
-        return jax.lax.psum(jnp.where(stage == stages - 1, done, 0), STAGE_AXIS)  # the last stage's, to all
+        aux_shapes = jax.eval_shape(run_local, held, jnp.zeros((), jnp.int32))[1]
+        aux_zero = jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), aux_shapes)
+        (_, done, aux_sum), _ = jax.lax.scan(time_step, (held, varying(jnp.zeros_like(xs)), aux_zero),
+                                             jnp.arange(micro + stages - 1))
+        return jax.lax.psum(jnp.where(stage == stages - 1, done, 0), STAGE_AXIS), aux_sum  # the last stage's h
 
     in_specs = (PartitionSpec(STAGE_AXIS), PartitionSpec(), [PartitionSpec()] * len(operands))
-    done = jax.shard_map(stage_program, in_specs=in_specs, out_specs=PartitionSpec(),
-                         axis_names={STAGE_AXIS})(state, split(x), operands)
-    return jnp.reshape(done, x.shape, out_sharding=spec)
+    # Per-layer aux: each stage's layers' sums, joined over stage in layer order (the layer dim on 'stage').
+    done, aux = jax.shard_map(stage_program, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS)),
+                              axis_names={STAGE_AXIS})(state, split(x), operands)
+    done = jnp.reshape(done, x.shape, out_sharding=spec)
+    return (done, aux) if with_aux else done
 
 
 # The columns of ``pipeline_order``'s table: per tick and stage, the forward's and the backward's work item.
@@ -251,7 +276,8 @@ def pipeline_1f1b_value_and_grad(
     *args: Any,
     microbatches: int,
     virtual_stages: int = 1,
-) -> tuple[jax.Array, nnx.State, Any, jax.Array]:
+    with_aux: bool = False,
+) -> tuple[Any, ...]:
     """The summed loss of ``head_fn(head_params, layers(x), targets)`` over ``microbatches`` micro-batches and its
     gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis;
     interleaved 1F1B with ``virtual_stages=V > 1`` (each stage runs ``V`` non-contiguous chunks of ``L / (V S)``
@@ -290,6 +316,13 @@ def pipeline_1f1b_value_and_grad(
 
     The dense causal LM wraps it in a ``custom_vjp`` (``forward(..., pipeline_schedule="1f1b" | "interleaved",
     loss_targets=...)``) so that a trainer's ``value_and_grad`` gets these gradients.
+
+    ``with_aux=True`` (an MoE stack's aux terms): ``layer_fn`` returns ``(h, (loss_part, stats))``, where
+    ``loss_part`` is a scalar that the layer adds to the loss (a weighted balance loss: its gradient flows through
+    the layer's backward) and ``stats`` a pytree the loss does not see (expert load, dropped tokens); ``head_fn``
+    returns ``(loss, head_stats)``. The result is then ``(loss, d stack state, d head_params, d x, stats,
+    head_stats)``: ``loss`` includes every layer's ``loss_part``, ``stats`` is stacked per layer (the layer dim on
+    ``stage``) and summed over the micro-batches, ``head_stats`` summed over them.
 
     >>> loss, d_stack, d_head, d_x = pipeline_1f1b_value_and_grad(stack, layer_fn, head_fn, w, x, targets,
     ...                                                           microbatches=4, virtual_stages=2)
@@ -357,10 +390,22 @@ def pipeline_1f1b_value_and_grad(
         def chunk_of(tree: Any, v: jax.Array) -> Any:
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False), tree)
 
-        def stage_fn(chunk: Any, h: jax.Array, index: jax.Array) -> jax.Array:
+        def stage_fn(chunk: Any, h: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+            """The chunk on ``h``: ``(h, its layers' summed loss_part, their stats [Lc, ...])``."""
             _, margs = micro_inputs(index)
-            return run_stack(nnx.merge(graphdef, chunk), lambda group, h, _: (layer_fn(group, h, *margs), None),
-                             h)[0]
+
+            def body(group: Any, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
+                out = layer_fn(group, h, *margs)
+                return out if with_aux else (out, (jnp.zeros((), jnp.float32), None))
+
+            h, (parts, stats) = run_stack(nnx.merge(graphdef, chunk), body, h)
+            return h, jnp.sum(parts), stats
+
+        def head_value_and_grad(head_params: Any, h: jax.Array, tgt: Any) -> tuple[Any, Any]:
+            if with_aux:
+                return jax.value_and_grad(head_fn, argnums=(0, 1), has_aux=True)(head_params, h, tgt)
+            loss, grads = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h, tgt)
+            return (loss, None), grads
 
         def put(valid: jax.Array, tree: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
             """``tree`` with ``new`` at ``index`` on ``axis`` where ``valid``: one slice read and written."""
@@ -368,30 +413,44 @@ def pipeline_1f1b_value_and_grad(
             return jax.lax.dynamic_update_index_in_dim(tree, jnp.where(valid, new, kept), index, axis)
 
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
-            fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x = carry
+            fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x, stats_acc, head_acc = carry
             row = table[t, stage]
             f_ok, fm, fv, f_slot = row[F_OK] > 0, row[F_MICRO], row[F_CHUNK], row[F_SLOT]
             first_input = jax.lax.dynamic_index_in_dim(xs, fm, axis=1, keepdims=False)
             h_in = jnp.where((stage == 0) & (fv == 0), first_input, fwd_in)
             saved = put(f_ok, saved, h_in, f_slot, 0)
-            h_out = _when(f_ok, lambda h: stage_fn(chunk_of(chunks, fv), h, fm), lambda h: h, h_in)
 
-            def head(loss: jax.Array, d_head: Any, h: jax.Array) -> tuple[jax.Array, Any, jax.Array]:
-                mb_loss, (g_head, g_out) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h,
-                                                                                       micro_inputs(fm)[0])
-                return loss + mb_loss, jax.tree.map(jnp.add, d_head, g_head), g_out
+            def forward(h: jax.Array, loss: jax.Array, stats_acc: Any) -> tuple[jax.Array, jax.Array, Any]:
+                h, part, stats = stage_fn(chunk_of(chunks, fv), h, fm)
+                return h, loss + part, jax.tree.map(  # the layers' own loss terms and stats, once per item
+                    lambda acc, a: jax.lax.dynamic_update_index_in_dim(
+                        acc, jax.lax.dynamic_index_in_dim(acc, fv, 0, keepdims=False) + a, fv, 0), stats_acc, stats)
+
+            h_out, loss, stats_acc = _when(f_ok, forward, lambda h, loss, stats_acc: (h, loss, stats_acc), h_in,
+                                           loss, stats_acc)
+
+            def head(loss: jax.Array, d_head: Any, head_acc: Any, h: jax.Array) -> tuple[jax.Array, Any, Any, Any]:
+                (mb_loss, head_stats), (g_head, g_out) = head_value_and_grad(head_params, h, micro_inputs(fm)[0])
+                return (loss + mb_loss, jax.tree.map(jnp.add, d_head, g_head),
+                        jax.tree.map(jnp.add, head_acc, head_stats), g_out)
 
             at_head = last & (fv == last_chunk) & f_ok
-            loss, d_head, g_out = _when(at_head, head, lambda loss, d_head, h: (loss, d_head, jnp.zeros_like(h)),
-                                        loss, d_head, h_out)
+            loss, d_head, head_acc, g_out = _when(
+                at_head, head, lambda loss, d_head, head_acc, h: (loss, d_head, head_acc, jnp.zeros_like(h)),
+                loss, d_head, head_acc, h_out)
 
             # The last virtual stage's backward is this tick's forward item (pipeline_order), seeded by the head.
             b_ok, bm, bv, b_slot = row[B_OK] > 0, row[B_MICRO], row[B_CHUNK], row[B_SLOT]
 
-            def backward(d_chunks: Any, g: jax.Array) -> tuple[Any, jax.Array]:
+            def backward(d_chunks: Any, g_h: jax.Array) -> tuple[Any, jax.Array]:
                 h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
-                _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm), chunk_of(chunks, bv), h_saved)
-                g_chunk, g_in = pullback(g)
+                if with_aux:  # the layers' loss parts count once each: cotangent 1
+                    (_, b_part), pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[:2], chunk_of(chunks, bv),
+                                                    h_saved)
+                    g_chunk, g_in = pullback((g_h, jnp.ones_like(b_part)))
+                else:
+                    _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[0], chunk_of(chunks, bv), h_saved)
+                    g_chunk, g_in = pullback(g_h)
                 return jax.tree.map(lambda d, g: jax.lax.dynamic_update_index_in_dim(
                     d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk), g_in
 
@@ -400,26 +459,38 @@ def pipeline_1f1b_value_and_grad(
             d_x = put((stage == 0) & (bv == 0) & b_ok, d_x, g_in, bm, 1)
             fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, ahead)
             bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, back)
-            return (fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x), None
+            return (fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x, stats_acc, head_acc), None
 
         one = jax.lax.index_in_dim(xs, 0, axis=1, keepdims=False)
         zeros = lambda a: varying(jnp.zeros_like(a))  # noqa: E731
+        shaped = lambda a: varying(jnp.zeros(a.shape, a.dtype))  # noqa: E731
+        index0 = jnp.zeros((), jnp.int32)
+        stats_shape = jax.eval_shape(stage_fn, chunk_of(chunks, 0), zeros(one), index0)[2]
+        head_shape = jax.eval_shape(head_value_and_grad, head_params, zeros(one), micro_inputs(index0)[0])[0][1]
         carry = (zeros(one), zeros(one), zeros(jnp.broadcast_to(one, (slots, *one.shape))),
                  jax.tree.map(jnp.zeros_like, chunks), jax.tree.map(jnp.zeros_like, head_params),
-                 varying(jnp.zeros((), jnp.float32)), zeros(xs))
-        (_, _, _, d_chunks, d_head, loss, d_x), _ = jax.lax.scan(tick, carry, jnp.arange(len(order)))
-        # Each stored chunk's gradient back to where it is stored (chunk b V + u = v S + s: the inverse move).
-        d_chunks = _move_chunks(d_chunks, stages, lambda b, u: divmod(b * virtual + u, stages)[::-1])
+                 varying(jnp.zeros((), jnp.float32)), zeros(xs),
+                 jax.tree.map(lambda a: shaped(jax.ShapeDtypeStruct((virtual, *a.shape), a.dtype)), stats_shape),
+                 jax.tree.map(shaped, head_shape))
+        (_, _, _, d_chunks, d_head, loss, d_x, stats, head_stats), _ = jax.lax.scan(tick, carry,
+                                                                                  jnp.arange(len(order)))
+        # Each stored chunk's gradient (and stats) back to where it is stored (chunk b V + u = v S + s: the
+        # inverse move).
+        inverse = lambda b, u: divmod(b * virtual + u, stages)[::-1]  # noqa: E731
+        d_chunks = _move_chunks(d_chunks, stages, inverse)
         d_state = jax.tree.map(lambda d, a: jnp.reshape(d, a.shape), d_chunks, state)
+        if jax.tree.leaves(stats):
+            stats = jax.tree.map(lambda a: jnp.reshape(a, (-1, *a.shape[2:])), _move_chunks(stats, stages, inverse))
         total = lambda a: jax.lax.psum(a, STAGE_AXIS)  # noqa: E731  (each is nonzero on one stage, or summed)
-        return total(loss), d_state, jax.tree.map(total, d_head), total(d_x)
+        return total(loss), d_state, jax.tree.map(total, d_head), total(d_x), stats, jax.tree.map(total, head_stats)
 
     specs = (PartitionSpec(STAGE_AXIS), PartitionSpec(), PartitionSpec(), [PartitionSpec()] * len(operands))
-    loss, d_state, d_head, d_x = jax.shard_map(
+    loss, d_state, d_head, d_x, stats, head_stats = jax.shard_map(
         stage_program, in_specs=specs, out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS), PartitionSpec(),
-                                                  PartitionSpec()),
+                                                  PartitionSpec(), PartitionSpec(STAGE_AXIS), PartitionSpec()),
         axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
-    return loss, d_state, d_head, jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
+    d_x = jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
+    return (loss, d_state, d_head, d_x, stats, head_stats) if with_aux else (loss, d_state, d_head, d_x)
 
 
 # How a stage spends a tick it has no work for. "skip": ``jax.lax.cond`` on the tick's validity, so an idle stage

@@ -131,7 +131,10 @@ class CausalLMOutput(NamedTuple):
     (scalar): a sparse-attention indexer's own loss (DeepSeek-V3.2's KL), weighted, a mean over the sequences
     holding a real token like ``aux_loss``; its gradient reaches the indexer alone; computed when the config
     trains the indexer. ``loss_sum`` (scalar, with ``loss_targets``): the masked token cross-entropy summed, which a
-    pipeline schedule that runs the head and loss on its last stage (1F1B) computes inside the model.
+    pipeline schedule that runs the head and loss on its last stage (1F1B) computes inside the model (with MTP
+    heads or a balance loss, given ``loss_scale``: its gradient is the whole loss's, the MTP and aux terms
+    weighted as the trainer weighs them). ``mtp_loss_sums [depth]`` (there, with ``with_mtp``): each MTP depth's
+    summed cross-entropy, a value without gradient (``loss_sum`` carries it).
 
     >>> out = model.forward(ids, mask, with_hidden_states=True)
     >>> out.logits.shape, out.hidden_states.shape, out.mtp_logits
@@ -151,6 +154,7 @@ class CausalLMOutput(NamedTuple):
     mtp_hidden: jax.Array | None = None
     indexer_loss: jax.Array | None = None
     loss_sum: jax.Array | None = None
+    mtp_loss_sums: jax.Array | None = None
 
 
 def _subclasses(cls: type) -> list[type]:

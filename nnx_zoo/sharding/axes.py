@@ -46,6 +46,8 @@ LOGICAL_AXES: dict[str, str] = {
     "bias": "bias vectors",
     "lora_rank": "rank of a LoRA adapter",
     "layers": "leading stack axis of scanned decoder layers (one entry per layer; the pipeline's stage axis splits it)",
+    "unpipelined_layers": "leading stack axis of scanned layers that run outside the pipeline, whole on every stage "
+                          "(a dense prefix, multi-token-prediction heads): never split over 'stage'",
     "hc_streams": "residual streams of a hyper-connection's weights (hc_mult; a handful: replicated)",
     "hc_mix": "a hyper-connection's mixing coefficients (pre, post and the streams x streams matrix)",
     # ---- activations ----
@@ -77,7 +79,8 @@ SHARED_LIKE: Mapping[str, str] = MappingProxyType({"latent": "embed"})
 
 # Shared names that are leading layer-stack axes (one entry per layer, never a matrix dim). A declared name
 # placed like one of them is a stack axis too (``STACK_AXES``).
-_SHARED_STACK_AXES = frozenset({"layers"})
+UNPIPELINED_STACK = "unpipelined_layers"  # the stack axis of layers that run outside the pipeline
+_SHARED_STACK_AXES = frozenset({"layers", UNPIPELINED_STACK})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +174,8 @@ def like_chain(name: str) -> tuple[str, ...]:
     name without one (or at a ``like=None`` name). A rule set places ``name`` by the first of these it mentions.
 
     >>> import nnx_zoo.models.deepseek  # declares DeepSeek's names
-    >>> like_chain("dense_layers")  # declared like 'layers'
-    ('dense_layers', 'layers')
+    >>> like_chain("moe_layers")  # declared like 'layers'
+    ('moe_layers', 'layers')
     >>> like_chain("q_lora")  # declared like 'latent', which a set that does not mention it places like 'embed'
     ('q_lora', 'latent', 'embed')
     """

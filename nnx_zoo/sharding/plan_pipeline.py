@@ -31,7 +31,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
-from nnx_zoo.sharding.axes import STACK_AXES
+from nnx_zoo.sharding.axes import STACK_AXES, UNPIPELINED_STACK, placed_like
 from nnx_zoo.sharding.mesh import make_abstract_mesh
 from nnx_zoo.sharding.plan import (
     PART_PHASES,
@@ -126,13 +126,14 @@ class PipelinePlan:
 
 def stage_parameters(plan: MemoryPlan, stages: int) -> tuple[dict[str, tuple[int, int]], int, int, int]:
     """``(stacks, parameter bytes, buffer bytes, AdamW bytes)`` per device of the fullest stage, from the plan of
-    the mesh without ``stage``: a stacked Variable (leading name a stack axis) keeps ``ceil(L / S)`` of its ``L``
-    layers, every other Variable all of its bytes."""
+    the mesh without ``stage``: a stacked Variable of a pipelined stack (leading name a stack axis other than
+    those placed like ``unpipelined_layers``: DeepSeek's dense prefix and MTP heads run outside the pipeline,
+    whole on every stage) keeps ``ceil(L / S)`` of its ``L`` layers, every other Variable all of its bytes."""
     stacks: dict[str, tuple[int, int]] = {}
     params = buffers = adam = 0
     for row in plan.report.rows:
         share = 1.0
-        if row.names and row.names[0] in STACK_AXES:
+        if row.names and row.names[0] in STACK_AXES and placed_like(row.names[0]) != UNPIPELINED_STACK:
             layers = row.shape[0]
             stacks.setdefault(row.path.split(".")[0], (_fullest(layers, stages), layers))
             share = _fullest(layers, stages) / layers
@@ -150,10 +151,17 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
     m = b // microbatches
     micro = dataclasses.replace(base.local, batch=m)
     fullest = lambda n: _fullest(n, stages)  # noqa: E731
+    # Dense layers outside the pipeline (a dense prefix on unpipelined stacks): run before it on the whole batch.
+    prefix = max(0, s.dense_layers + s.moe_layers - sum(total for _, total in stacks.values()))
 
     def stage_shapes(chunks: int) -> Any:
-        return dataclasses.replace(s, dense_layers=_fullest(fullest(s.dense_layers), chunks),
+        return dataclasses.replace(s, dense_layers=_fullest(fullest(s.dense_layers - prefix), chunks),
                                    moe_layers=_fullest(fullest(s.moe_layers), chunks), mtp_layers=0)
+
+    def prefix_keep(remat: str) -> int:
+        parts = activation_breakdown(dataclasses.replace(s, dense_layers=prefix, moe_layers=0, mtp_layers=0),
+                                     base.local, remat)
+        return sum(v for k, v in parts.items() if PART_PHASES[k] == "held" and k not in _OUTSIDE)
 
     row_input = micro.seq * s.dtype_bytes * s.hidden  # one row's [seq, hidden] in the compute dtype
     out = {}
@@ -185,6 +193,8 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
                          "embeddings and logits": output_bytes(s, micro)}
                 if "mtp heads" in whole:  # per micro-batch, with the head
                     parts["mtp heads"] = whole["mtp heads"] * m // b
+            if prefix:
+                parts[f"dense prefix ({prefix} layers), whole batch"] = prefix_keep(remat)
             by_remat[remat] = {**parts, **one_layer, **weights}
         out[schedule] = by_remat
     return out

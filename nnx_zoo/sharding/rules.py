@@ -69,6 +69,7 @@ _REPLICATED = (
     # Pipeline parallelism: a mesh with a ``stage`` axis gives each stage a contiguous block of every layer stack
     # (stage s holds layers s*L/S .. (s+1)*L/S - 1); without one (size 1) the resolver drops it: replicated.
     ("layers", "stage"),
+    ("unpipelined_layers", None),  # stacks that run outside the pipeline stay whole on every stage
 )
 _ACT_COMMON = (
     ("activation_embed", "tensor_transpose"),

@@ -24,6 +24,7 @@ its warm-up), a notebook may pass ``wrt=LoRAParam``.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -96,7 +97,8 @@ def model_outputs(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str
 
 
 def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, Any], ...] = (),
-                loss_chunk_tokens: int | None = None) -> tuple[Any, list[tuple[jax.Array, jax.Array]]]:
+                loss_chunk_tokens: int | None = None, loss_scale: tuple[float, Any] | None = None
+                ) -> tuple[Any, list[tuple[jax.Array, jax.Array]]]:
     """The model's outputs on ``batch`` and each head's (summed cross-entropy, loss tokens): the main head's
     first, then MTP depth ``k``'s against the targets shifted left by ``k`` (targets and mask are shifted, not the
     logits: the same sum, and only small integer arrays move).
@@ -105,6 +107,10 @@ def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, 
     the loss in chunks (``chunked_head_cross_entropy``; ``loss_chunk_tokens`` as its ``chunk_tokens``): the main
     and MTP hidden states stacked, one head matmul per chunk. Otherwise the model's logits go to
     ``token_cross_entropy``.
+
+    A pipeline that runs the loss on its last stage gets ``loss_targets``, and, when its forward takes it,
+    ``loss_scale = (mtp_weight, counts)`` (``loss_terms``' weights: the MTP and balance losses it differentiates
+    beside the cross-entropy); it returns ``loss_sum`` (and ``mtp_loss_sums`` with MTP heads).
     """
     output_head = getattr(model, "output_head", None)
     if output_head is not None:
@@ -114,9 +120,16 @@ def head_losses(model: nnx.Module, batch: Batch, model_kwargs: tuple[tuple[str, 
         # A pipeline that runs the head and loss on its last stage (each micro-batch's backward right after its
         # forward) gets the targets and returns the summed loss; without stages the model runs as usual.
         model_kwargs = (*model_kwargs, ("loss_targets", (batch["targets"], batch["loss_mask"])))
+        forward = getattr(model, "forward", None)
+        if forward is not None and "loss_scale" in inspect.signature(forward).parameters:
+            model_kwargs = (*model_kwargs, ("loss_scale", loss_scale))
     out = model_outputs(model, batch, model_kwargs)
     if getattr(out, "loss_sum", None) is not None:
-        return out, [(out.loss_sum, jnp.sum(batch["loss_mask"].astype(jnp.float32)))]
+        # Its value is the main cross-entropy; its gradient is the whole loss's (the MTP and aux terms, weighted
+        # by loss_scale, were differentiated in the pipeline; their values below carry no gradient).
+        sums = [] if getattr(out, "mtp_loss_sums", None) is None else list(out.mtp_loss_sums)
+        masks = [shift_left(batch["loss_mask"], k) if k else batch["loss_mask"] for k in range(len(sums) + 1)]
+        return out, [(s, jnp.sum(m.astype(jnp.float32))) for s, m in zip([out.loss_sum, *sums], masks, strict=True)]
     depth_outputs = getattr(out, "mtp_hidden" if output_head is not None else "mtp_logits", None)
     depth = 0 if depth_outputs is None else depth_outputs.shape[0]
     targets = [shift_left(batch["targets"], k) if k else batch["targets"] for k in range(depth + 1)]
@@ -148,7 +161,7 @@ def loss_terms(
     the whole step. Summing the shares of all micro-batches and dividing by ``counts["tokens"]`` gives exactly the
     loss of one step on the whole batch. ``loss_chunk_tokens``: see ``head_losses``.
     """
-    out, losses = head_losses(model, batch, model_kwargs, loss_chunk_tokens)
+    out, losses = head_losses(model, batch, model_kwargs, loss_chunk_tokens, (mtp_weight, counts))
     (ce_sum, tokens), mtp_losses = losses[0], losses[1:]
     step_tokens = tokens if counts is None else counts["tokens"]
     total = ce_sum

@@ -71,17 +71,24 @@ def _batch() -> dict[str, np.ndarray]:
             "attention_mask": mask, "loss_mask": mask}
 
 
-@functools.cache
-def _model_parts() -> tuple[nnx.GraphDef, nnx.State]:
-    """Norm scales 1 + noise, every other weight N(0, 0.1), drawn with numpy (gradients far from Adam's eps)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama3(CONFIG, rngs=nnx.Rngs(0))))
+def drawn_parts(make) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model ``make()`` builds, with norm scales 1 + noise and every other float Variable N(0, 0.1), drawn
+    with numpy (gradients far from Adam's eps); integer Variables stay zero."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return jnp.zeros(leaf.shape, leaf.dtype)
         scale = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
         return jnp.asarray(scale + rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
 
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@functools.cache
+def _model_parts() -> tuple[nnx.GraphDef, nnx.State]:
+    return drawn_parts(lambda: Llama3(CONFIG, rngs=nnx.Rngs(0)))
 
 
 def _step(graphdef, state, batch, **kwargs):
@@ -90,33 +97,36 @@ def _step(graphdef, state, batch, **kwargs):
     return nnx.state((model, optimizer)), metrics
 
 
-def _train(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1, schedule: str = "gpipe"):
-    """Two AdamW steps (one compiled step, called twice): [(loss, grad norm)], the model, the optimizer."""
-    graphdef, state = _model_parts()
+def train_two_steps(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1,
+                    schedule: str = "gpipe", *, parts=None, batch=None, metric_names=("loss", "grad_norm"),
+                    model_kwargs=(), **step_kwargs):
+    """Two AdamW steps (one compiled step, called twice) of the model ``parts`` (``drawn_parts``'s; default this
+    module's Llama) on ``batch`` (default ``_batch()``): [(each of ``metric_names``)], the model, the optimizer."""
+    graphdef, state = _model_parts() if parts is None else parts
     if mesh is not None:
         leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules("default")))
         state = jax.tree.unflatten(jax.tree.structure(state), list(leaves))
-    kwargs = dict(accum_steps=accum_steps, model_kwargs=(("pipeline_microbatches", microbatches),
-                                                         ("pipeline_schedule", schedule)))
+    kwargs = dict(accum_steps=accum_steps, model_kwargs=(*model_kwargs, ("pipeline_microbatches", microbatches),
+                                                         ("pipeline_schedule", schedule)), **step_kwargs)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
         optimizer = make_optimizer(OPTIMIZER, model, total_steps=2)
         both_graph, both = nnx.split((model, optimizer))
-        batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+        batch = {k: jnp.asarray(v) for k, v in (_batch() if batch is None else batch).items()}
         step = functools.partial(_step, **kwargs)
         compiled = jax.jit(step, static_argnums=0).lower(both_graph, both, batch).compile(
             compiler_options={"xla_backend_optimization_level": 0})
         history = []
         for _ in range(2):
             both, metrics = compiled(both, batch)
-            history.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+            history.append(tuple(float(metrics[name]) for name in metric_names))
     model, optimizer = nnx.merge(both_graph, both)
     return history, model, optimizer
 
 
 @functools.cache
 def _one_device():
-    history, model, optimizer = _train(None)
+    history, model, optimizer = train_two_steps(None)
     return history, _arrays(nnx.state(model, nnx.Param)), _arrays(nnx.state(optimizer, nnx.optimizer.OptState))
 
 
@@ -128,7 +138,7 @@ def _arrays(state: nnx.State) -> list[np.ndarray]:
 def test_pipelined_adamw_steps_match_one_device(mesh_name, mode, accum_steps, microbatches, schedule):
     sizes, devices = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    history, model, optimizer = _train(mesh, accum_steps, microbatches, schedule)
+    history, model, optimizer = train_two_steps(mesh, accum_steps, microbatches, schedule)
     want_history, want_params, want_moments = _one_device()
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0]  # it learns
@@ -153,9 +163,13 @@ def test_stage_axis_places_every_layer_stack_in_every_rule_set():
     assert dict(mesh.shape) == {"stage": 2, "data": 1, "fsdp": 4, "fsdp_transpose": 1, "context": 1, "tensor": 1,
                                 "tensor_transpose": 1, "expert": 1}
     for name in RULE_SETS:
-        for stack in ("layers", "dense_layers", "moe_layers"):  # shared and family-declared stack axes
+        for stack in ("layers", "moe_layers"):  # shared and family-declared stack axes
             spec = logical_to_mesh_axes((stack, "norm"), get_rules(name), mesh, shape=(4, 32))
             assert spec == PartitionSpec("stage", None), (name, stack)
+        # DeepSeek's dense prefix and MTP heads run outside the pipeline: whole on every stage, whatever their count.
+        for stack in ("unpipelined_layers", "dense_layers", "mtp_layers"):
+            spec = logical_to_mesh_axes((stack, "norm"), get_rules(name), mesh, shape=(3, 32))
+            assert spec == PartitionSpec(None, None), (name, stack)
     # Without a stage axis the stack stays replicated, as before.
     plain = logical_to_mesh_axes(("layers", "norm"), get_rules("default"), make_mesh({"fsdp": 8}))
     assert plain == PartitionSpec(None, None)

@@ -1,11 +1,13 @@
 """recipes/deepseek_finetune.ipynb runs top to bottom headless (its code cells, in order, in one namespace, in a
 temporary directory) and does what it says: the loss falls, the fine-tuned model answers the training prompts,
-and the merged, saved and reloaded model gives the same logits and the same answers. A Llama checkpoint that
-transformers wrote goes through the same cells (CHECKPOINT_DIR), and its merged output loads in transformers."""
+and the merged, saved and reloaded model gives the same logits and the same answers. A checkpoint that
+transformers wrote goes through the same cells (CHECKPOINT_DIR), and its merged output loads in transformers: in CI
+one family per distinct path (``CI_FAMILIES``), every family with ``NNX_ZOO_FULL_MATRIX=1``."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -130,17 +132,42 @@ QWEN_HYBRIDS = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_
 MLA_ARCHS = {"deepseek_v2": "v2", "deepseek_v32": "v32", "glm_moe_dsa": "glm5", "mistral4": "mistral4"}
 
 
-# LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one adapter per expert (one module path:
-# the stacked layers; GLM-5's MoE layers are two stacks, the one with an indexer and the one reusing its top-k;
-# Qwen3.5-MoE's too, its linear and its full layers), merged.
-@pytest.mark.parametrize("family, adapted_experts", [("llama", 0), ("qwen3_moe", 1), ("mixtral", 1),
-                                                     ("glm4_moe", 1), ("deepseek_v2", 1), ("deepseek_v32", 1),
-                                                     ("glm_moe_dsa", 2), ("mistral4", 1), ("deepseek_v4", 3),
-                                                     ("llama4_text", 1), ("minimax_m2", 1),
-                                                     ("gpt_oss", 2),  # GPT-OSS: both stacks
-                                                     ("gemma3_text", 0), ("gemma4_text", 3),
-                                                     ("qwen3_next", 1), ("qwen3_5_text", 0),
-                                                     ("qwen3_5_moe_text", 2), ("kimi_linear", 1)])
+# model_type -> adapted expert stacks. LoRA on the routed experts too for the MoE families (LORA_ON_EXPERTS): one
+# adapter per expert (one module path: the stacked layers; GLM-5's MoE layers are two stacks, the one with an indexer
+# and the one reusing its top-k; Qwen3.5-MoE's too, its linear and its full layers), merged.
+FAMILIES = {"llama": 0, "qwen3_moe": 1, "mixtral": 1, "glm4_moe": 1, "deepseek_v2": 1, "deepseek_v32": 1,
+            "glm_moe_dsa": 2, "mistral4": 1, "deepseek_v4": 3, "llama4_text": 1, "minimax_m2": 1,
+            "gpt_oss": 2,  # GPT-OSS: both stacks
+            "gemma3_text": 0, "gemma4_text": 3, "qwen3_next": 1, "qwen3_5_text": 0, "qwen3_5_moe_text": 2,
+            "kimi_linear": 1}
+# CI runs one family per distinct path through the notebook (each ~10-40 s of CPU); NNX_ZOO_FULL_MATRIX=1 runs all.
+# The representative covers the families after it, which share its layers, attention and MoE kind:
+CI_FAMILIES = {
+    "llama": (),  # dense GQA + SwiGLU
+    # GQA + routed experts (a dense first layer, shared experts): Qwen3-MoE, Mixtral, MiniMax-M2 (every layer MoE),
+    # Llama 4 (a shared expert; its chunked attention is local attention, as Gemma 4's sliding window)
+    "glm4_moe": ("qwen3_moe", "mixtral", "minimax_m2", "llama4_text"),
+    # MLA with the lightning indexer (sparse path) and a layer reusing its top-k, two MoE stacks (the notebook's own
+    # run is DeepSeek-V3's MLA): V2 (MLA, softmax router), V3.2 (the indexer), Mistral 4 (MLA, every layer MoE)
+    "glm_moe_dsa": ("deepseek_v2", "deepseek_v32", "mistral4"),
+    "deepseek_v4": (),  # V4: sliding hash-routed, CSA and HCA layers
+    # Local attention: a sliding and a global stack with MoE, K/V sharing: Gemma 3 (sliding and global, dense),
+    # GPT-OSS (sliding and full stacks, every layer MoE)
+    "gemma4_text": ("gemma3_text", "gpt_oss"),
+    # Gated DeltaNet linear layers and full ones, two MoE stacks: Qwen3-Next (the same mixers), Qwen3.5 (dense)
+    "qwen3_5_moe_text": ("qwen3_next", "qwen3_5_text"),
+    "kimi_linear": (),  # KDA linear layers, MLA without rope
+}
+FULL = os.environ.get("NNX_ZOO_FULL_MATRIX") == "1"
+
+
+def test_ci_families_cover_every_family():
+    covered = [f for rep, rest in CI_FAMILIES.items() for f in (rep, *rest)]
+    assert sorted(covered) == sorted(FAMILIES), "each family is run or covered by exactly one representative"
+
+
+@pytest.mark.parametrize("family, adapted_experts",
+                         [(f, n) for f, n in FAMILIES.items() if FULL or f in CI_FAMILIES])
 def test_a_transformers_checkpoint_goes_through_load_lora_train_merge_save(tmp_path, family, adapted_experts):
     import torch
 

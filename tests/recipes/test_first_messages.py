@@ -55,6 +55,11 @@ def _fake_run_dir(tmp_path: Path) -> Path:
     (["--model", "qwen3-moe-tiny", "--mesh", "stage=2,fsdp=4"],
      "Qwen3MoE does not run pipelined yet (its forward takes no pipeline_microbatches); train it on a mesh "
      "without 'stage'", ["--model", "qwen3-moe-tiny"]),
+    (["--model", "deepseek3-tiny", "--model.num_hidden_layers", "5", "--mesh", "stage=2,fsdp=4",
+      "--pipeline-schedule", "interleaved"],
+     "--pipeline-schedule interleaved: DeepSeekV3 pipelines with gpipe or 1f1b only; use --pipeline-schedule 1f1b",
+     ["--model", "deepseek3-tiny", "--model.num_hidden_layers", "5", "--mesh", "stage=2,fsdp=4",
+      "--pipeline-schedule", "1f1b"]),
     (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"],
      "--microbatches 3 must be >= 1 and divide the 8 rows of each accumulation step", None),
     (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--virtual-stages", "2"],

@@ -8,6 +8,7 @@ In-process runs call ``recipe.main``; runs that need signals, kills or their own
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +51,20 @@ def state_is_finite(run_dir: Path, step: int) -> bool:
     return all(np.isfinite(x).all() for x in leaves if np.issubdtype(x.dtype, np.floating))
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """A finished two-step run of TINY, made once: the tests that start from one resume a copy (``copy_run``)."""
+    run_dir = tmp_path_factory.mktemp("two-steps") / "run"
+    assert recipe.main([*TINY, "--steps", "2", "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to)
+    assert (to / "run.lock").read_text() == ""  # released: the copy is free to resume
+    return to
+
+
 def main(capsys, *args: str) -> tuple[int, str, str]:
     code = recipe.main([*TINY, *args])
     out, err = capsys.readouterr()
@@ -57,7 +72,8 @@ def main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ divergence
-def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_last_finite_one(tmp_path, capsys):
+def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_last_finite_one(tmp_path, capsys,
+                                                                                              two_steps):
     run_dir = str(tmp_path / "run")
     # The very first update overflows (lr 1e39 is inf in float32): nothing to save, and the message says so.
     first = tmp_path / "first"
@@ -68,7 +84,7 @@ def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_l
     assert not checkpoint_steps(first) and not rows(first)
 
     # Two sane steps, then the same run goes on with an overflowing learning rate: step 3 is not applied.
-    assert main(capsys, "--steps", "2", "--run-dir", run_dir)[0] == 0
+    copy_run(two_steps, tmp_path / "run")
     code, _, err = main(capsys, "--steps", "6", "--override-settings", "--lr", "1e39", "--schedule", "constant",
                         "--warmup-steps", "0", "--run-dir", run_dir)
     assert code == EXIT_DIVERGED, err
@@ -77,12 +93,16 @@ def test_a_diverging_update_is_never_checkpointed_and_the_run_resumes_from_the_l
     assert checkpoint_steps(tmp_path / "run") == [2] and state_is_finite(tmp_path / "run", 2)
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
 
-    # Resuming from it with the run's own learning rate works.
-    code, out, err = main(capsys, "--steps", "4", "--extend", "--run-dir", run_dir)
+    # Resuming from it with the run's own learning rate works. --extend keeps the schedule: the added steps run at
+    # its final learning rate (the floor, lr * min_lr_ratio). How the model computes (here the MoE path) may change
+    # on resume.
+    code, out, err = main(capsys, "--steps", "4", "--extend", "--moe-impl", "dense", "--run-dir", run_dir)
     assert code == 0, err
     assert "steps 2 -> 4 (resumed)" in out
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) for r in rows(tmp_path / "run"))
+    lrs = [r["lr"] for r in rows(tmp_path / "run")]
+    assert lrs[0] == 0.0 and lrs[2:] == pytest.approx([3e-3 * 0.1] * 2)
 
 
 def test_an_exploding_loss_stops_the_run_and_the_advice_resumes_from_a_healthy_checkpoint(tmp_path, capsys):
@@ -114,9 +134,8 @@ def test_an_exploding_loss_stops_the_run_and_the_advice_resumes_from_a_healthy_c
 
 
 # --------------------------------------------------------------------------------------- changed settings
-def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_path, capsys):
-    run_dir = ["--run-dir", str(tmp_path / "run")]
-    assert main(capsys, "--steps", "2", *run_dir)[0] == 0
+def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_path, capsys, two_steps):
+    run_dir = ["--run-dir", str(copy_run(two_steps, tmp_path / "run"))]
 
     code, _, err = main(capsys, "--steps", "2", "--seed", "1", *run_dir)
     assert code == 2 and "seed: 0 -> 1" in err and "data.seed: 0 -> 1" in err and "--override-settings" in err
@@ -134,16 +153,8 @@ def test_a_resume_that_would_change_the_run_stops_and_names_each_difference(tmp_
 
     code, out, _ = main(capsys, "--steps", "2", *run_dir)  # a finished run says how to train further
     assert code == 0 and "already finished" in out and "--steps 4 --extend" in out
-    code, _, err = main(capsys, "--steps", "1", *run_dir)  # fewer steps than done: the same advice, which the
-    assert code == 2 and "nothing left to train" in err and "--steps 4 --extend" in err  # next call follows
-
-    # --extend keeps the schedule: the added steps run at its final learning rate (the floor, lr * min_lr_ratio).
-    # How the model computes (here the MoE path) may change on resume.
-    code, out, err = main(capsys, "--steps", "4", "--extend", "--moe-impl", "dense", *run_dir)
-    assert code == 0, err
-    assert "steps 2 -> 4 (resumed)" in out
-    lrs = [r["lr"] for r in rows(tmp_path / "run")]
-    assert lrs[0] == 0.0 and lrs[2:] == pytest.approx([3e-3 * 0.1] * 2)
+    code, _, err = main(capsys, "--steps", "1", *run_dir)  # fewer steps than done: the same advice (the divergence
+    assert code == 2 and "nothing left to train" in err and "--steps 4 --extend" in err  # test follows it)
 
 
 # ------------------------------------------------------------------------------------- subprocess helpers
@@ -306,11 +317,8 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_is_one_clear_line_and_keeps_the_previous_checkpoint(small_disk):
-    run_dir = small_disk / "run"
-    proc = launch(run_dir, "--steps", "2")
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+def test_a_full_disk_is_one_clear_line_and_keeps_the_previous_checkpoint(small_disk, two_steps):
+    run_dir = copy_run(two_steps, small_disk / "run")  # written on 8 devices, resumed below on 1
     size = sum(f.stat().st_size for f in (run_dir / "checkpoints" / "2").rglob("*") if f.is_file())
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler = small_disk / "filler"

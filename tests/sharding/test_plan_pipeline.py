@@ -21,8 +21,9 @@ def test_pipeline_large_moe_places_deepseek_v3_671b_on_8192_devices():
     mesh = make_abstract_mesh({"stage": 16, "fsdp": 8, "expert": 64})
     report = sharding_report(lambda: DeepSeekV3(V3, rngs=nnx.Rngs(0)), mesh, "pipeline-large-moe", allow_partial=True)
     # Every matrix dim divides (the 7168 width over fsdp x expert = 512, the 512/1536 latents over fsdp alone):
-    # only the stacks fall back, 3 dense, 58 MoE and 1 MTP layer(s) on 16 stages.
-    assert {f.name for f in report.fallbacks} == {"dense_layers", "moe_layers", "mtp_layers"}
+    # only the pipelined stack falls back, 58 MoE layers on 16 stages (the 3 dense layers and the MTP head run
+    # outside the pipeline, whole on every stage: nothing to divide).
+    assert {f.name for f in report.fallbacks} == {"moe_layers"}
     assert all(f.name in STACK_AXES for f in report.fallbacks)
     rows = {r.path: r for r in report.rows}
     experts = rows["moe_layers.mlp.experts.wi_gate"]  # [layers, exp, embed_no_exp, moe_mlp]
@@ -33,8 +34,9 @@ def test_pipeline_large_moe_places_deepseek_v3_671b_on_8192_devices():
     assert all(_axes(a) <= {"fsdp", "expert"} for r in report.rows for a in r.spec[1:])  # stage only on stacks
 
 
-def test_pipeline_large_moe_splits_every_deepseek_stack_over_stages_strictly():
-    # DeepSeek-V3's layout with stacks that divide 2 stages: 2 dense, 4 MoE layers, 2 MTP heads.
+def test_pipeline_large_moe_splits_deepseeks_moe_stack_over_stages_strictly():
+    # DeepSeek-V3's layout: 2 dense, 4 MoE layers, 2 MTP heads; the MoE stack is pipelined, the dense prefix and
+    # the MTP heads run outside the pipeline, whole on every stage.
     config = AutoConfig.preset("deepseek3-mini", num_hidden_layers=6, first_k_dense_replace=2,
                                num_nextn_predict_layers=2)
     mesh = make_abstract_mesh({"stage": 2, "fsdp": 2, "expert": 2})
@@ -42,8 +44,15 @@ def test_pipeline_large_moe_splits_every_deepseek_stack_over_stages_strictly():
                              allow_partial=False)
     stacked = [r for r in report.rows if r.names and r.names[0] in STACK_AXES]
     assert {r.path.split(".")[0] for r in stacked} == {"dense_layers", "moe_layers", "mtp_layers"}
-    assert all(r.spec[0] == "stage" and r.per_device_shape[0] == r.shape[0] // 2 for r in stacked)
+    for r in stacked:
+        on_stage = r.path.startswith("moe_layers.")
+        assert r.spec[0] == ("stage" if on_stage else None), r.path
+        assert r.per_device_shape[0] == r.shape[0] // (2 if on_stage else 1), r.path
     assert not report.fallbacks
+    plan = pipeline_memory_plan(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), config, mesh, "pipeline-large-moe",
+                                seq_len=32, batch_per_device=2)
+    assert plan.stacks == {"moe_layers": (2, 4)}  # the dense and MTP stacks count whole on the stage
+    assert plan.activations["1f1b"]["none"]["dense prefix (2 layers), whole batch"] > 0
 
 
 TINY = AutoConfig.preset("llama3-tiny")  # 4 layers, width 128, MLP 384, 4 heads + 2 kv heads of 32, vocab 32000

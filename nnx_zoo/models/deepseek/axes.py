@@ -21,10 +21,15 @@ MTP_EMBED = declare_axis(
 # The latents of activations are small (512-1536 wide) and feed a per-head up-projection: kept whole.
 ACTIVATION_Q_LORA = declare_axis("activation_q_lora", like=None, doc="query latent dim of MLA activations")
 ACTIVATION_KV_LORA = declare_axis("activation_kv_lora", like=None, doc="key/value latent dim of MLA activations")
-# Layer stacks: one entry per layer (stack axes for the optimizer), replicated like the shared 'layers'.
-DENSE_LAYERS = declare_axis("dense_layers", like="layers", doc="stack axis of the first_k_dense_replace dense layers")
+# Layer stacks: one entry per layer (stack axes for the optimizer). The MoE layers are the pipelined stack (placed
+# like the shared 'layers': split over 'stage'); the dense prefix (first_k_dense_replace, 3 of V3's 61 layers) and
+# the MTP heads run outside the pipeline, whole on every stage (DeepSeekV3.forward), so they never go on 'stage'
+# (3 dense layers would not split over 2 stages anyway).
+DENSE_LAYERS = declare_axis("dense_layers", like="unpipelined_layers",
+                            doc="stack axis of the first_k_dense_replace dense layers")
 MOE_LAYERS = declare_axis("moe_layers", like="layers", doc="stack axis of the MoE decoder layers")
-MTP_LAYERS = declare_axis("mtp_layers", like="layers", doc="stack axis of the multi-token-prediction heads")
+MTP_LAYERS = declare_axis("mtp_layers", like="unpipelined_layers",
+                          doc="stack axis of the multi-token-prediction heads")
 # DeepSeek-V3.2's lightning indexer: its heads are few and narrow (64 x 128); placed like attention heads.
 INDEX_HEADS = declare_axis("index_heads", like="heads", doc="lightning indexer heads (index_n_heads, DeepSeek-V3.2)")
 INDEX_KV = declare_axis("index_kv", like="kv", doc="lightning indexer head width (index_head_dim, DeepSeek-V3.2)")

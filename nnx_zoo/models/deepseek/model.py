@@ -26,6 +26,7 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
 from nnx_zoo.models.causal_lm import (
@@ -210,6 +211,8 @@ class DeepSeekV3(CausalLMBase):
     # MLA's projections (queries, the key/value down- and up-projections, the output) in every decoder layer,
     # multi-token-prediction heads included; add ``nnx_zoo.layers.lora.EXPERTS_PATTERN`` for the routed experts.
     lora_targets: ClassVar[str] = r"(^|/)attn/(q|q_a|q_b|kv_a|kv_b|o)_proj$"
+    # The pipeline schedules ``forward`` runs on a mesh with a 'stage' axis (the recipe checks --pipeline-schedule).
+    pipeline_schedules: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b")
 
     def __init__(self, config: DeepSeekV3Config, *, rngs: nnx.Rngs, rules: Rules | str = "default",
                  allow_partial: bool | None = None):
@@ -274,7 +277,10 @@ class DeepSeekV3(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None, loss_scale: tuple[float, Any] | None = None
+                ) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``; generation passes
         ``position_ids = cumsum(attention_mask) - 1``, as HF's ``generate`` does).
 
@@ -285,11 +291,28 @@ class DeepSeekV3(CausalLMBase):
         over the MoE layers (MTP heads excluded), averaged over the sequences holding a real token.
         ``with_logits=False``: no output head; ``final_hidden`` (and with ``with_mtp`` ``mtp_hidden``) are its
         inputs, for ``output_head()``.
+
+        On a mesh with a ``stage`` axis the MoE layers run pipelined: ``pipeline_microbatches`` micro-batches in
+        ``pipeline_schedule`` order. The embedding and the dense prefix (``first_k_dense_replace`` layers) run
+        before the pipeline, whole on every stage (their stacks' axes are ``unpipelined_layers``, never on
+        ``stage``: 3 of V3's 61 layers, little memory). GPipe (``_pipelined_moe``): the final norm, the MTP heads
+        and the output head run after it, whole on every stage too (the trainer's chunked head + loss stays its one
+        path; the price is that every stage computes them). 1F1B (``_one_f_one_b``; ``loss_targets=(targets,
+        loss_mask)`` and the trainer's ``loss_scale=(mtp_weight, counts)``): the final norm, the MTP heads (their
+        shifted tokens handed through the pipeline with each micro-batch, embedded there) and the head run on the
+        last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the whole
+        loss: the MTP and balance terms weighted as ``nnx_zoo.train.step.loss_terms`` weighs them),
+        ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens``. Without a ``stage`` axis the
+        pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            pipelined = stage_count() > 1  # the ambient mesh's, or the one the parameters live on
+            if pipelined:
+                self._check_pipelined(pipeline_schedule, with_hidden_states=with_hidden_states,
+                                      with_routing=with_routing)
             c = self.config
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
@@ -326,7 +349,22 @@ class DeepSeekV3(CausalLMBase):
 
             carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
             records, moe_records = [], []
+            balance_sum = None  # pipelined: the balance loss summed over MoE layers and real sequences
             for name, stack, _ in self.layer_runs():
+                if pipelined and LAYER_STACKS[name][0] and resolve_schedule(
+                        pipeline_schedule, pipeline_virtual_stages).loss_inside:
+                    return self._one_f_one_b(
+                        stack, carry[0], (cos, sin, mask, query_scale), input_ids, attention_mask, segment_ids,
+                        positions, depth, loss_targets, loss_scale, with_expert_load, pipeline_microbatches,
+                        resolve_schedule(pipeline_schedule, pipeline_virtual_stages).virtual_stages)
+                if pipelined and LAYER_STACKS[name][0]:
+                    h, record, balance_sum = self._pipelined_moe(
+                        stack, carry[0], cos, sin, mask, query_scale, attention_mask, with_expert_load,
+                        pipeline_microbatches)
+                    carry = (h, None)
+                    records.append(record)
+                    moe_records.append(record)
+                    continue
                 carry, record = run_stack(stack, layer_body, carry, **run)
                 records.append(record)
                 if LAYER_STACKS[name][0]:
@@ -340,7 +378,8 @@ class DeepSeekV3(CausalLMBase):
             mtp_hidden = logits = mtp_logits = None
             indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
             if with_mtp:
-                mtp_hidden, mtp_indexer = self._mtp(token_embeddings[1:], masks, segment_ids, final_hidden, run,
+                mtp_hidden, mtp_indexer = self._mtp(token_embeddings[1:], None if masks is None else masks[1:],
+                                                    segment_ids, final_hidden, run,
                                                     positions)
                 indexer += [] if mtp_indexer is None else [mtp_indexer]
             indexer_loss = None
@@ -352,12 +391,174 @@ class DeepSeekV3(CausalLMBase):
                 logits, mtp_logits = logits[0], logits[1:]
             elif with_logits:
                 logits = self._logits(final_hidden)
+            aux_loss = None
+            if moe.balance_loss is not None:
+                aux_loss = _mean_over_sequences(moe.balance_loss, attention_mask)
+            elif balance_sum is not None:
+                aux_loss = balance_sum / jnp.maximum(jnp.sum(_real_rows(input_ids, attention_mask)), 1.0)
             return CausalLMOutput(
                 logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
-                aux_loss=None if moe.balance_loss is None else _mean_over_sequences(moe.balance_loss,
-                                                                                     attention_mask),
+                aux_loss=aux_loss,
                 final_hidden=final_hidden, mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
+
+    # ---- pipeline parallelism over the mesh's 'stage' axis ----
+    def _check_pipelined(self, schedule: str, *, with_hidden_states: bool, with_routing: bool) -> None:
+        """Clear errors for what the pipelined forward does not run."""
+        c = self.config
+        if schedule not in self.pipeline_schedules:
+            raise ValueError(f"{type(self).__name__} runs pipelined with pipeline_schedule in "
+                             f"{self.pipeline_schedules} (got {schedule!r}: interleaved virtual stages are not built "
+                             "for it yet); use --pipeline-schedule 1f1b")
+        if with_hidden_states or with_routing:
+            raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
+                             "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
+        moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0]]
+        if c.index_topk or moe_runs not in ([], ["moe_layers"]):
+            raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix; this "
+                             f"config's MoE layers run as {moe_runs} (sparse attention's top-k handed between layers "
+                             "or its indexer loss are not pipelined yet). Train it on a mesh without 'stage'")
+
+    def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+                       query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
+                       microbatches: int) -> tuple[jax.Array, _LayerRecord, jax.Array | None]:
+        """The MoE stack on ``h``, pipelined over ``stage`` (``pipeline_stack``, GPipe): ``(h, record,
+        balance_sum)``. Each layer's aux terms leave the pipeline summed over the micro-batches: ``expert_load
+        [layers, experts]`` and ``dropped_tokens [layers]`` (what the whole batch gives; dropping over a capacity
+        is per forward, so with a capacity factor it counts per micro-batch, as gradient accumulation does), and
+        the sequence-wise balance loss as its sum over the real sequences (each sequence's loss is its own, so the
+        micro-batches' sums add up to the whole batch's), divided by the real sequence count by the caller."""
+        c = self.config
+        token_rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
+
+        def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+                     query_scale: jax.Array | None, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            if c.batch_split_factor > 1:
+                out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
+            else:
+                out = layer(h, cos, sin, mask, query_scale=query_scale)
+            aux = {}
+            if with_expert_load:
+                aux["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                      axis=(0, 1, 2))
+                aux["dropped"] = out.dropped_tokens
+            if out.balance_loss is not None:
+                aux["balance"] = jnp.sum(out.balance_loss * rows)
+            return out.hidden, aux
+
+        h, aux = pipeline_stack(stack, layer_fn, h, cos, sin, mask, query_scale, token_rows,
+                                microbatches=microbatches, scan=c.scan_layers, remat_policy=c.remat_policy,
+                                with_aux=True)
+        record = _LayerRecord(hidden=None, expert_indices=None, expert_load=aux.get("load"),
+                              dropped_tokens=aux.get("dropped"), balance_loss=None)
+        balance = aux.get("balance")
+        return h, record, None if balance is None else jnp.sum(balance)
+
+    def _one_f_one_b(self, stack: nnx.Module, h: jax.Array, layer_inputs: tuple[Any, ...], input_ids: jax.Array,
+                     attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,
+                     depth: int, loss_targets: tuple[jax.Array, jax.Array] | None,
+                     loss_scale: tuple[float, Any] | None, with_expert_load: bool, microbatches: int,
+                     virtual_stages: int) -> CausalLMOutput:
+        """The MoE stack, final norm, MTP heads, head and losses on ``h`` (the dense prefix's output) in 1F1B order
+        (``pipeline_1f1b_value_and_grad(..., with_aux=True)``), as a function autodiff differentiates: a
+        ``custom_vjp`` whose gradients (MoE stack, head modules, ``h``) come from the same program.
+
+        The loss it differentiates is the trainer's (``loss_terms``) share of this micro-batch: the cross-entropy
+        sum, plus ``w_k`` times each MTP depth's sum (``w_k = mtp_weight / depth * step tokens / depth k's step
+        tokens``), plus ``w_b`` times each MoE layer's balance loss summed over the real sequences (``w_b = step
+        tokens / step real sequences``): the MoE layers add theirs in their stage's backward, the head the rest.
+        ``loss_scale = (mtp_weight, counts)`` gives them (``counts`` None: this micro-batch is the step). The
+        returned ``loss_sum`` is valued as the cross-entropy alone and carries that whole gradient; the trainer adds
+        the MTP and aux values (``mtp_loss_sums``, ``aux_loss``, without gradient) with the same weights."""
+        c = self.config
+        if loss_targets is None:
+            raise ValueError("pipeline_schedule='1f1b' runs the loss on the last stage: pass loss_targets=(targets, "
+                             "loss_mask) (and loss_scale=(mtp_weight, counts), as nnx_zoo.train.step does), or use "
+                             "pipeline_schedule='gpipe'")
+        balance_on = c.seq_aux_loss_alpha > 0
+        if loss_scale is None and (depth or balance_on):
+            raise ValueError("pipeline_schedule='1f1b' with MTP heads or a balance loss needs loss_scale=(mtp_weight, "
+                             "counts) to weigh them inside the pipeline (nnx_zoo.train.step.loss_terms passes it)")
+        mtp_weight, counts = (0.0, None) if loss_scale is None else loss_scale
+        targets, loss_mask = loss_targets
+        rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
+        shifted_targets, shifted_masks = shifted_by_depth(targets, loss_mask, depth)  # [1 + depth, batch, seq]
+        tokens_k = [jnp.sum(m.astype(jnp.float32)) for m in shifted_masks]
+        if counts is None:
+            step_tokens, step_sequences, head_tokens = tokens_k[0], jnp.sum(rows), tokens_k[1:]
+        else:
+            step_tokens, step_sequences = counts["tokens"], counts["sequences"]
+            head_tokens = [counts[f"mtp{k}_tokens"] for k in range(1, depth + 1)]
+        w_mtp = tuple(mtp_weight / depth * step_tokens / jnp.maximum(n, 1.0) for n in head_tokens)
+        w_bal = step_tokens / jnp.maximum(step_sequences, 1.0)
+        ids, id_masks = shifted_by_depth(input_ids, attention_mask, depth)
+        batch_first = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)  # noqa: E731  (split by rows)
+        head_inputs = (batch_first(shifted_targets), batch_first(shifted_masks), batch_first(ids[1:]),
+                       None if id_masks is None else batch_first(id_masks[1:]), segment_ids, positions, w_mtp)
+        modules = [self.norm, self.embed if self.lm_head is None else self.lm_head]
+        head_graph, head_state = nnx.split(nnx.List(modules + ([self.embed, self.mtp_layers] if depth else [])))
+        stack_graph, stack_state = nnx.split(stack)
+        run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
+
+        def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+                     query_scale: jax.Array | None, rows: jax.Array, w_bal: jax.Array) -> tuple[jax.Array, Any]:
+            if c.batch_split_factor > 1:
+                out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
+            else:
+                out = layer(h, cos, sin, mask, query_scale=query_scale)
+            stats = {}
+            if with_expert_load:
+                stats["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                        axis=(0, 1, 2))
+                stats["dropped"] = out.dropped_tokens
+            part = jnp.zeros((), jnp.float32)
+            if out.balance_loss is not None:
+                stats["balance"] = jnp.sum(out.balance_loss * rows)
+                part = w_bal * stats["balance"]
+            return out.hidden, (part, stats)
+
+        def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+            logits = logits.astype(jnp.float32)  # a comparison, not a gather: vocab-sharded logits stay sharded
+            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+            target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+            return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target_logit) * mask.astype(jnp.float32))
+
+        def head_fn(head_state: Any, h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
+            norm, head, *mtp = nnx.merge(head_graph, head_state)
+            targets, masks, ids, id_masks, segments, positions, w_mtp = inputs
+            final = norm(h)
+            ce = cross_entropy(self._logits(final, head=head), targets[:, 0], masks[:, 0])
+            if not depth:
+                return ce, (ce, None)
+            embed, heads = mtp
+            hidden, _ = self._mtp(embed(jnp.swapaxes(ids, 0, 1)), batch_first(id_masks), segments, final, run,
+                                  positions, heads=heads)
+            sums = [cross_entropy(self._logits(hidden[k], head=head), targets[:, k + 1], masks[:, k + 1])
+                    for k in range(depth)]
+            return ce + sum(w * s for w, s in zip(w_mtp, sums)), (ce, jnp.stack(sums))
+
+        def program(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
+            total, d_stack, d_head, d_h, stats, head_stats = pipeline_1f1b_value_and_grad(
+                nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, head_inputs,
+                *layer_inputs, rows, w_bal, microbatches=microbatches, virtual_stages=virtual_stages, with_aux=True)
+            return (total, stats, head_stats), (d_stack, d_head, d_h)
+
+        @jax.custom_vjp
+        def loss_of(stack_state: Any, head_state: Any, h: jax.Array) -> Any:
+            return program(stack_state, head_state, h)[0]
+
+        def backward(grads: Any, g: Any) -> Any:
+            return jax.tree.map(lambda d: (g[0] * d).astype(d.dtype), grads)  # only the total is differentiated
+
+        loss_of.defvjp(program, backward)
+        total, stats, (ce, mtp_sums) = loss_of(stack_state, head_state, h)
+        stats, ce, mtp_sums = jax.lax.stop_gradient((stats, ce, mtp_sums))
+        aux_loss = None
+        if balance_on:
+            aux_loss = jnp.sum(stats["balance"]) / jnp.maximum(jnp.sum(rows), 1.0)
+        return CausalLMOutput(logits=None, loss_sum=total - jax.lax.stop_gradient(total - ce),
+                              mtp_loss_sums=mtp_sums, expert_load=stats.get("load"),
+                              dropped_tokens=stats.get("dropped"), aux_loss=aux_loss)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
@@ -430,19 +631,20 @@ class DeepSeekV3(CausalLMBase):
         return shard(jnp.zeros((batch, seq, self.config.index_topk), jnp.int32), _BL_TOPK)
 
     def _mtp(self, token_embeddings: jax.Array, masks: jax.Array | None, segment_ids: jax.Array | None,
-             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array
+             final_hidden: jax.Array, run: dict[str, Any], positions: jax.Array, heads: nnx.Module | None = None
              ) -> tuple[jax.Array, jax.Array | None]:
         """Hidden states ``[depth, batch, seq, embed]`` of every MTP depth, and their indexers' KL ``[depth, batch]``
         (None unless the indexers train). Depth ``k`` reads the embeddings of the
-        tokens shifted left by ``k`` (``token_embeddings[k - 1]``, at their own positions; ``masks[k]`` their
+        tokens shifted left by ``k`` (``token_embeddings[k - 1]``, at their own positions; ``masks[k - 1]`` their
         padding mask) and the previous depth's hidden state (depth 1: the main model's final, normed one). With
-        packed documents, position ``i`` attends within the document of position ``i``."""
+        packed documents, position ``i`` attends within the document of position ``i``. ``heads``: the MTP heads
+        to run (default ``self.mtp_layers``; the 1F1B head passes its differentiated copy)."""
         seq_len = token_embeddings.shape[2]
         depth = token_embeddings.shape[0]
         cos_sin = [self._rope(positions + k) for k in range(1, depth + 1)]
         scales = [self.config.query_scale(positions + k) for k in range(1, depth + 1)]
         xs = (token_embeddings, jax.tree.map(lambda *a: jnp.stack(a), *cos_sin),
-              None if masks is None else masks[1:], None if scales[0] is None else jnp.stack(scales))
+              masks, None if scales[0] is None else jnp.stack(scales))
 
         def head_body(head: MTPHead, h: jax.Array, x: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
             embedded, (cos, sin), pad_mask, query_scale = x
@@ -450,8 +652,16 @@ class DeepSeekV3(CausalLMBase):
                                    query_scale=query_scale)
             return h, (h, indexer_loss)
 
-        _, (hidden, indexer_loss) = run_stack(self.mtp_layers, head_body, final_hidden, xs, **run)
+        _, (hidden, indexer_loss) = run_stack(self.mtp_layers if heads is None else heads, head_body, final_hidden,
+                                              xs, **run)
         return hidden, indexer_loss
+
+
+def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+    """``[batch]`` float32: 1 for a row holding a real token, 0 for an all-padding row (every row without a mask)."""
+    if attention_mask is None:
+        return jnp.ones(x.shape[:1], jnp.float32)
+    return jnp.any(attention_mask.astype(bool), axis=-1).astype(jnp.float32)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:

@@ -122,11 +122,11 @@ def test_expert_parallel_training_equals_one_device(case):
 
     The issue asks every MoE family for FSDP 8 and FSDP 4 x EP 2 under ``default``, ``ep-as-cp`` and
     ``shard-exp-on-fsdp``, Auto and Explicit. CI runs the five distinct (mesh, rule set) pairs once each, both
-    modes on each mesh (``V2_CI_CASES``; ``NNX_ZOO_FULL_MATRIX=1``: all 12), at no added compiles: four of them
-    have the mode, mesh, rule set and MoE path of a V3 CI case of test_mesh_matrix.py, which ``plan()`` then
-    leaves out (the model differs only in its router; V3's tiny one has a single group, so V2's is the stricter
-    test of routing under a mesh), and the fifth, Explicit FSDP 4 x EP 2 under ``ep-as-cp`` (experts and the
-    sequence split over 'expert'), takes the place of this test's former single case (Explicit, ``default``).
+    modes on each mesh (``V2_CI_CASES``; ``NNX_ZOO_FULL_MATRIX=1``: all 12). They count towards the coverage of
+    test_mesh_matrix.py's CI plan (``plan()`` picks V3 cases only for the meshes, rule sets and paths they leave;
+    the model differs only in its router, and V3's tiny one has a single group, so V2's is the stricter test of
+    routing under a mesh); Explicit FSDP 4 x EP 2 under ``ep-as-cp`` splits the experts and the sequence over
+    'expert'.
     """
     want = run(Setup(config=V2_ROUTER))
     assert_same(run(Setup.of(case, config=V2_ROUTER)), want, f"V2 router, {case.id}")
