@@ -1,11 +1,12 @@
 """Idle pipeline ticks: skipped (``lax.cond``) against masked (``jnp.where``), per schedule, in one process.
 
-``nnx_zoo.layers.pipeline.IDLE_TICKS`` picks how a stage spends a tick it has no work for: ``"skip"`` (the default)
-runs its layers (and 1F1B's head and backward) under ``jax.lax.cond`` on the tick's validity, ``"mask"`` computes
-them and drops the result (the program before idle skipping). For a small Llama (8 layers, hidden 128, seq 128,
-batch 32, vocab 1000) on 8 CPU devices, meshes ``{"stage": S, "fsdp": 8 / S}`` (S = 4, 2; Auto) and M = S, 4S
-pipeline micro-batches, every schedule (gpipe, 1f1b, interleaved V = 2) is compiled both ways (the trainer's
-``train_step``: forward, backward, AdamW) and reported:
+``nnx_zoo.layers.pipeline.IDLE_TICKS`` forces how a stage spends a tick it has no work for: ``"skip"`` runs its
+layers (and 1F1B's head and backward) under ``jax.lax.cond`` on the tick's validity, ``"mask"`` computes them and
+drops the result (the program before idle skipping; what ``"auto"`` picks on the CPU with FSDP inside a stage,
+where XLA:CPU's collectives deadlock inside branches: so ``--stage-only``, a mesh ``{"stage": S}`` on S devices, is
+the comparison that runs here). For a small Llama (8 layers, hidden 128, seq 128, batch 32, vocab 1000), meshes
+``{"stage": S, "fsdp": 8 / S}`` (S = 4, 2; Auto) and M = S, 4S pipeline micro-batches, every schedule (gpipe, 1f1b,
+interleaved V = 2) is compiled both ways (the trainer's ``train_step``: forward, backward, AdamW) and reported:
 
 - **the compiled program**: how many ``conditional`` instructions it holds, its matmul FLOPs per device counted
   statically (every ``dot`` times the trip counts of the loops around it, and *both* branches of every
@@ -17,10 +18,11 @@ pipeline micro-batches, every schedule (gpipe, 1f1b, interleaved V = 2) is compi
   (median of per-round ratios), and each against GPipe skipped.
 
 The compute bubble each schedule should show (skip): GPipe ``(S-1)/(M+S-1)``; 1F1B ``(S-1)/(M+S-1)``;
-interleaved ``(S-1)/(VM+S-1)`` (plus a tick's worth of one chunk's forward or backward, see the pipeline module);
-masked: GPipe the same (its idle ticks still ran), 1F1B ``(2S-2)/(M+2S-2)``, interleaved ``(VS+S-2)/(VM+VS+S-2)``.
+interleaved ``(S-1)/(VM+S-1)``; masked: GPipe the same (its idle ticks still ran), 1F1B ``(2S-2)/(M+2S-2)``,
+interleaved ``(VS+S-2)/(VM+VS+S-2)``. On this box's 2 shared cores the step time follows the work executed (an idle
+fake device frees the cores), not the critical path.
 
-    python benchmarks/pipeline_idle.py [--stages 4 2] [--micro-factors 1 4] [--rounds 5]
+    python benchmarks/pipeline_idle.py --stage-only [--stages 4 2] [--micro-factors 1 4] [--rounds 3]
 """
 
 from __future__ import annotations
