@@ -202,9 +202,8 @@ def pipeline_stack(
             # Idle steps (which would repeat a clipped index) run nothing and count nothing.
             h, aux_sum = _when(busy, work, lambda h, _, aux_sum: (h, aux_sum),
                                jnp.where(stage == 0, first_input, held), index, aux_sum)
-            finished = busy & (stage == stages - 1)  # written slice by slice: no full-size select per step
-            kept = jax.lax.dynamic_index_in_dim(done, index, axis=1, keepdims=False)
-            done = jax.lax.dynamic_update_index_in_dim(done, jnp.where(finished, h, kept), index, axis=1)
+            finished = busy & (stage == stages - 1)
+            done = jnp.where(finished, jax.lax.dynamic_update_index_in_dim(done, h, index, axis=1), done)
             held = jax.lax.ppermute(h, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
             return (held, done, aux_sum), None
 
@@ -408,9 +407,8 @@ def pipeline_1f1b_value_and_grad(
             return (loss, None), grads
 
         def put(valid: jax.Array, tree: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
-            """``tree`` with ``new`` at ``index`` on ``axis`` where ``valid``: one slice read and written."""
-            kept = jax.lax.dynamic_index_in_dim(tree, index, axis, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(tree, jnp.where(valid, new, kept), index, axis)
+            """``tree`` with ``new`` at ``index`` on ``axis`` where ``valid``."""
+            return jnp.where(valid, jax.lax.dynamic_update_index_in_dim(tree, new, index, axis), tree)
 
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
             fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x, stats_acc, head_acc = carry
