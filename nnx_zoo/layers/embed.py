@@ -12,8 +12,10 @@ from nnx_zoo.layers.spec import ambient_mesh_or_none, explicit_spec, resolve_act
 from nnx_zoo.sharding import axes_tuple, current_rules, logical_to_mesh_axes, shard, shard_mode_of
 from nnx_zoo.sharding.constrain import shard_to_spec
 
-_OUT_NAMES = ("activation_batch", "activation_length", "activation_embed")
-_LOGIT_NAMES = ("activation_batch", "activation_length", "activation_vocab")
+# The embedding's output and the tied head's logits are outside any pipeline: their batch is split over 'stage'
+# too (``activation_embed_and_logits_batch``; without a 'stage' axis it is ``activation_batch``'s).
+_OUT_NAMES = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
+_LOGIT_NAMES = ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
 
 
 class Embed(nnx.Module):

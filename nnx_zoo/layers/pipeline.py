@@ -119,7 +119,8 @@ def pipeline_stack(
     ``batch_split``); arguments (and pytree leaves, such as an ``AttentionMask``'s) with a leading batch dim are
     split the same way, others go to every micro-batch. Returns ``[batch, ...]`` like ``x``, in ``x``'s layout,
     whole on every stage: what follows the stack (the final norm, the head and the loss) runs outside the
-    pipeline, replicated over ``stage``. With no ``stage`` axis (size 1) this is ``run_stack``.
+    pipeline, where the models split its batch over ``stage`` again (``activation_embed_and_logits_batch``). With
+    no ``stage`` axis (size 1) this is ``run_stack``.
 
     >>> h = pipeline_stack(model.layers, lambda layer, h, cos, sin: layer(h, cos, sin, None), h, cos, sin,
     ...                    microbatches=4)

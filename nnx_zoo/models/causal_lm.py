@@ -52,7 +52,10 @@ from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, 
 from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
-_BLV = ("activation_batch", "activation_length", "activation_vocab")
+# Outside the pipeline (the embedding's output, the final hidden state, the logits): the batch split over 'stage'
+# too, so the stages share that work rather than each doing it whole; the same as _BLE / _BLV without 'stage'.
+_OUT_BLE = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
+_BLV = ("activation_embed_and_logits_batch", "activation_length", "activation_vocab")
 STACK_AXIS = "layers"  # logical name of the decoder stack's leading (layer) dim
 
 M = TypeVar("M", bound="CausalLMBase")
@@ -457,8 +460,10 @@ class CausalLM(CausalLMBase):
         On a mesh with a ``stage`` axis the layers run pipelined (``nnx_zoo.layers.pipeline.pipeline_stack``):
         ``pipeline_microbatches`` micro-batches through the stages in ``pipeline_schedule`` order
         (``nnx_zoo.layers.pipeline.SCHEDULES``). GPipe: the embedding, the final norm and the head run outside the
-        pipeline, replicated over ``stage``. The schedules that run the loss inside (``1f1b``, and ``interleaved``
-        with ``pipeline_virtual_stages`` chunks per stage, default 2) need ``loss_targets=(targets, loss_mask)``
+        pipeline on each stage's share of the batch (``activation_embed_and_logits_batch``: the batch split over
+        ``stage`` too), the pipeline's input gathered whole over ``stage`` and its output split again. The
+        schedules that run the loss inside (``1f1b``, and ``interleaved`` with ``pipeline_virtual_stages`` chunks
+        per stage, default 2; the embedding split over ``stage`` as GPipe's) need ``loss_targets=(targets, loss_mask)``
         (``[batch, seq]`` each): the final norm, head and cross-entropy run on the last stage, each micro-batch's
         backward right after its forward, and the output carries only ``loss_sum`` (its gradient computed in the
         same program). Without a ``stage`` axis these are ignored.
@@ -494,10 +499,14 @@ class CausalLM(CausalLMBase):
                     if loss_targets is None:
                         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
                                          "pass loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
-                    loss = self._one_f_one_b_loss(h, ropes, mask, loss_targets, pipeline_microbatches,
+                    # The pipeline's input whole over stage (each stage holds the micro-batches it may take).
+                    loss = self._one_f_one_b_loss(shard(h, _BLE), ropes, mask, loss_targets, pipeline_microbatches,
                                                   schedule.virtual_stages)
                     return CausalLMOutput(logits=None, loss_sum=loss)
-                h = self._pipelined_layers(h, ropes, mask, pipeline_microbatches, pipeline_schedule)
+                # In whole over stage (the embedding's rows gathered), out split over it again: the final norm
+                # and the head run on each stage's share of the batch.
+                h = self._pipelined_layers(shard(h, _BLE), ropes, mask, pipeline_microbatches, pipeline_schedule)
+                h = shard(h, _OUT_BLE)
             for segment in self.layer_segments() if stage_count() == 1 else ():
                 h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
                                        remat_policy=c.remat_policy)

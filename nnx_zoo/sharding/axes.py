@@ -52,6 +52,10 @@ LOGICAL_AXES: dict[str, str] = {
     "hc_mix": "a hyper-connection's mixing coefficients (pre, post and the streams x streams matrix)",
     # ---- activations ----
     "activation_batch": "batch dim of activations",
+    "activation_embed_and_logits_batch": "batch dim of the activations outside the pipeline (the embedding's output, "
+                                         "the final hidden state, logits and loss inputs, a dense prefix's and the "
+                                         "MTP heads' activations): the batch's axes plus 'stage', so no stage repeats "
+                                         "another's work (MaxText's name)",
     "activation_length": "sequence dim of activations (the context-parallel dim)",
     "activation_kv_length": "key/value sequence dim inside attention",
     "activation_embed": "model-width dim of activations",
@@ -75,7 +79,9 @@ LOGICAL_AXES: dict[str, str] = {
 
 # Shared names that a rule set which does not mention them places like another shared name (as a declared name's
 # ``like``): a user's own rule set written before ``latent`` existed still FSDP-shards latents like the width.
-SHARED_LIKE: Mapping[str, str] = MappingProxyType({"latent": "embed"})
+# A set that does not mention the batch outside the pipeline splits it as the batch inside (as before the name).
+SHARED_LIKE: Mapping[str, str] = MappingProxyType({"latent": "embed",
+                                                   "activation_embed_and_logits_batch": "activation_batch"})
 
 # Shared names that are leading layer-stack axes (one entry per layer, never a matrix dim). A declared name
 # placed like one of them is a stack axis too (``STACK_AXES``).

@@ -18,6 +18,7 @@ from nnx_zoo.sharding.mesh import shard_mode_of
 from nnx_zoo.sharding.resolve import ShardingError, logical_to_mesh_axes
 from nnx_zoo.sharding.rules import DEFAULT, Rules, get_rules
 
+OUTSIDE_PIPELINE_BATCH = "activation_embed_and_logits_batch"  # the batch of activations outside the pipeline
 _ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("nnx_zoo_rules", default=None)
 _ALLOW_PARTIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("nnx_zoo_allow_partial", default=False)
 _RECORDING: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar(
@@ -93,6 +94,12 @@ def activation_spec(names: Sequence[str | None], shape: Sequence[int] | None = N
     rules = current_rules() if rules is None else get_rules(rules)
     checked = tuple(shape) if shape is not None and shard_mode_of(mesh) == "explicit" else None
     allow_partial = current_allow_partial()
+    if checked is not None and not allow_partial and OUTSIDE_PIPELINE_BATCH in names:
+        # The batch outside the pipeline ends in 'stage': a batch that divides its batch axes (checked strictly,
+        # as activation_batch) but not 'stage' too stays whole over stage, as before the name existed.
+        inside = tuple("activation_batch" if n == OUTSIDE_PIPELINE_BATCH else n for n in names)
+        activation_spec(inside, shape, rules=rules)
+        return logical_to_mesh_axes(names, rules, mesh, shape=checked, path="activation", allow_partial=True)
     try:
         return logical_to_mesh_axes(names, rules, mesh, shape=checked, path="activation",
                                     allow_partial=allow_partial)

@@ -12,7 +12,8 @@ micro-batch (``plan.activation_breakdown``, remat ``none``: every intermediate, 
 one-layer phase (one layer's recomputation, its weights gathered) at ``m`` rows:
 - ``gpipe`` (``nnx_zoo.layers.pipeline.pipeline_stack`` differentiated): a scan over ``M + S - 1`` time steps
   keeps every step's residuals, the bubble's too: ``(M + S - 1) * keep(m)``; the micro-batched input and the
-  finished outputs of the whole batch; the embedding, head and loss outside the pipeline on the whole batch.
+  finished outputs of the whole batch; the embedding, head and loss outside the pipeline on the stage's share
+  of the batch (``1 / S`` of its rows: ``activation_embed_and_logits_batch``), as a dense prefix before it.
 - ``1f1b``: a ring of ``2S - 1`` stage inputs ``[m, seq, hidden]`` whatever ``M``, one micro-batch's stage
   recomputed for its backward (``keep(m)``), the input gradients of the whole batch; head and loss per micro-batch.
 - ``interleaved`` (``V`` chunks of ``ceil(layers / V)`` layers per stage): ``(V + 1) S - 1`` chunk inputs (the
@@ -150,8 +151,11 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
     s, b = base.shapes, base.local.batch
     m = b // microbatches
     micro = dataclasses.replace(base.local, batch=m)
+    # Outside the pipeline (embedding, dense prefix, GPipe's head, loss and MTP heads) each stage runs its share of
+    # the rows (activation_embed_and_logits_batch: the batch over 'stage' too; rows that do not divide stay whole).
+    share = dataclasses.replace(base.local, batch=b // stages if b % stages == 0 else b)
     fullest = lambda n: _fullest(n, stages)  # noqa: E731
-    # Dense layers outside the pipeline (a dense prefix on unpipelined stacks): run before it on the whole batch.
+    # Dense layers outside the pipeline (a dense prefix on unpipelined stacks): run before it on this stage's rows.
     prefix = max(0, s.dense_layers + s.moe_layers - sum(total for _, total in stacks.values()))
 
     def stage_shapes(chunks: int) -> Any:
@@ -160,7 +164,7 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
 
     def prefix_keep(remat: str) -> int:
         parts = activation_breakdown(dataclasses.replace(s, dense_layers=prefix, moe_layers=0, mtp_layers=0),
-                                     base.local, remat)
+                                     share, remat)
         return sum(v for k, v in parts.items() if PART_PHASES[k] == "held" and k not in _OUTSIDE)
 
     row_input = micro.seq * s.dtype_bytes * s.hidden  # one row's [seq, hidden] in the compute dtype
@@ -177,13 +181,13 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
             if remat == "full":  # as memory_plan: the MLP's cotangents take the down projection's two buffers
                 one_layer["cotangents, one layer"] = max(0, one_layer.get("cotangents, one layer", 0)
                                                          - 2 * weights["gathered gradient, one weight"])
-            whole = base.activations[remat]  # the un-pipelined plan's outside parts: the whole batch
+            whole = base.activations[remat]  # the un-pipelined plan's outside parts: the whole batch shard
             if schedule == "gpipe":
                 parts = {f"{microbatches + stages - 1} time steps' saved activations": (
                              (microbatches + stages - 1) * keep),
                          "micro-batched input, finished outputs": 2 * b * row_input,
-                         "embeddings and logits": whole["embeddings and logits"],
-                         **({"mtp heads": whole["mtp heads"]} if "mtp heads" in whole else {})}
+                         "embeddings and logits": output_bytes(s, share),
+                         **({"mtp heads": whole["mtp heads"] * share.batch // b} if "mtp heads" in whole else {})}
             else:
                 ring = (chunks + 1) * stages - 1  # pipeline_order's saved-input slots (2S - 1 for 1F1B)
                 unit = "chunk" if chunks > 1 else "stage"
@@ -194,7 +198,8 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
                 if "mtp heads" in whole:  # per micro-batch, with the head
                     parts["mtp heads"] = whole["mtp heads"] * m // b
             if prefix:
-                parts[f"dense prefix ({prefix} layers), whole batch"] = prefix_keep(remat)
+                rows = "whole batch" if share.batch == b else f"1/{stages} rows"
+                parts[f"dense prefix ({prefix} layers), {rows}"] = prefix_keep(remat)
             by_remat[remat] = {**parts, **one_layer, **weights}
         out[schedule] = by_remat
     return out

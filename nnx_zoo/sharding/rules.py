@@ -92,6 +92,17 @@ _ACT_COMMON = (
     ("cache_kv", None),
 )
 
+
+
+def _outside_pipeline(batch_axes: tuple[str, ...]) -> Rules:
+    """The batch outside the pipeline (``activation_embed_and_logits_batch``, MaxText's name): the batch's axes,
+    then ``stage``, so the embedding, the final norm, the head and the loss (a dense prefix, MTP heads) split the
+    batch over the stages instead of every stage computing them whole. ``stage`` last: a mesh without it (or at
+    size 1) resolves exactly as ``activation_batch``; a batch that divides the batch's axes but not ``stage`` too
+    falls back (``allow_partial``) to them."""
+    return (("activation_embed_and_logits_batch", (*batch_axes, "stage")),)
+
+
 # default: FSDP over data-like axes, TP over tensor axes, EP over expert (expert also acts as extra FSDP for the
 # non-expert weights and as data parallelism for activations outside the MoE core), CP over context.
 # In every set activation_tokens ([batch, seq] flattened, for the MoE block) takes the batch's axes, then the
@@ -99,6 +110,7 @@ _ACT_COMMON = (
 # out again (dense MoE on fsdp 2 x context 2 x expert 2: 10.07 -> 9.82 MiB of collectives per step, Explicit).
 DEFAULT: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_outside_pipeline(("data", "fsdp", "fsdp_transpose", "expert")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", "expert"),
@@ -115,6 +127,7 @@ DEFAULT: Rules = (
 # pure-fsdp: only data/fsdp are used; every other mesh axis (if present) replicates.
 PURE_FSDP: Rules = (
     ("activation_batch", ("data", "fsdp")),
+    *_outside_pipeline(("data", "fsdp")),
     ("activation_tokens", ("data", "fsdp")),
     ("cache_batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -133,6 +146,7 @@ PURE_FSDP: Rules = (
 # where it shards experts. The batch no longer uses it.
 EP_AS_CP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose")),
+    *_outside_pipeline(("data", "fsdp", "fsdp_transpose")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "context", "expert")),
     ("activation_length", ("context", "expert")),
     ("activation_exp", "expert"),
@@ -150,6 +164,7 @@ EP_AS_CP: Rules = (
 # cp-as-ep: the context axis shards the sequence outside the MoE core and also shards experts inside it.
 CP_AS_EP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_outside_pipeline(("data", "fsdp", "fsdp_transpose", "expert")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", ("context", "expert")),  # MaxText's order (no byte difference measured either way)
@@ -173,6 +188,7 @@ CP_AS_EP: Rules = (
 # by specific model dimensions"). Inside the MoE core the routed experts stay split over expert.
 EP_AS_DP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_outside_pipeline(("data", "fsdp", "fsdp_transpose", "expert")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", "expert"),
@@ -192,6 +208,7 @@ EP_AS_DP: Rules = (
 # width, so each device holds whole expert matrices (what non-elementwise optimizers such as Muon want).
 SHARD_EXP_ON_FSDP: Rules = (
     ("activation_batch", ("data", "fsdp", "fsdp_transpose", "expert")),
+    *_outside_pipeline(("data", "fsdp", "fsdp_transpose", "expert")),
     ("activation_tokens", ("data", "fsdp", "fsdp_transpose", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", ("expert", "fsdp")),
@@ -226,12 +243,13 @@ SHARD_EXP_ON_FSDP: Rules = (
 # cache_kv_heads; layers -> layers (and the stack names declared like it). What differs (README, "Pipeline
 # parallelism"): MaxText's norm -> tensor and activation_kv(_head_dim) -> tensor are replicated here (norm scales
 # are tiny, and a scale sharded on an axis the activation's other dims use fails under Explicit meshes);
-# activation_embed_and_logits_batch (the batch over stage too, outside the pipeline) has no counterpart: our
-# embedding, head and loss run replicated over stage; activation_batch_moe leaves the MoE's tokens unsplit over
+# activation_embed_and_logits_batch -> the same name (every set has it: the batch over stage too, outside the
+# pipeline); activation_batch_moe leaves the MoE's tokens unsplit over
 # expert, while ours keep them split as they arrive and the `ep` path all-gathers them over expert itself (the
 # same tokens meet the same experts); exp_with_fsdp, paged_kv_heads, engram_dim name nothing of ours.
 PIPELINE_LARGE_MOE: Rules = (
     ("activation_batch", ("data", "fsdp", "expert")),
+    *_outside_pipeline(("data", "fsdp", "expert")),
     ("activation_tokens", ("data", "fsdp", "expert", "context")),
     ("activation_length", "context"),
     ("activation_exp", "expert"),
@@ -331,9 +349,41 @@ def get_rules(name_or_rules: str | Iterable[Sequence[object]]) -> Rules:
                 f"unknown rule set {name_or_rules!r}; choose one of {sorted(RULE_SETS)} or pass your own "
                 "sequence of (logical_name, mesh_axes) pairs"
             ) from None
-    if any(name_or_rules is named for named in RULE_SETS.values()):
+    if any(name_or_rules is named for named in RULE_SETS.values()) or any(
+            name_or_rules is derived for _, derived in _OUTSIDE.values()):
         return name_or_rules  # already valid (and this is the hot path: one call per resolved array)
     return validate_rules(name_or_rules)
+
+
+_OUTSIDE: dict[int, tuple[Rules, Rules]] = {}  # id(rules) -> (rules, outside_pipeline(rules))
+
+
+def outside_pipeline(rules: Rules) -> Rules:
+    """``rules`` for layers that run outside the pipeline (DeepSeek's dense prefix before it, its MTP heads after):
+    ``activation_batch`` placed as ``activation_embed_and_logits_batch`` (the batch over ``stage`` too) and
+    ``activation_tokens`` ([batch, seq] flattened) as those axes then its own, so that those layers, like the
+    embedding and the head, split the batch over the stages instead of each stage running them whole. Rules put
+    first (Linen's first match wins); without a ``stage`` axis they resolve as ``rules`` do.
+
+    >>> outside_pipeline(get_rules("pure-fsdp"))[:2]
+    (('activation_batch', ('data', 'fsdp', 'stage')), ('activation_tokens', ('data', 'fsdp', 'stage')))
+    """
+    cached = _OUTSIDE.get(id(rules))
+    if cached is not None and cached[0] is rules:
+        return cached[1]
+    first = {}
+    for name, axes in expand_rules(rules):
+        first.setdefault(name, () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes))
+    batch = first.get("activation_embed_and_logits_batch")
+    if batch is None:  # the batch outside is not placed (replicated): so are these layers' activations
+        out = rules
+    else:
+        tokens = (*batch, *(a for a in first.get("activation_tokens", ()) if a not in batch))
+        out = (("activation_batch", batch), ("activation_tokens", tokens), *rules)
+    if len(_OUTSIDE) > 64:
+        _OUTSIDE.clear()
+    _OUTSIDE[id(rules)] = (rules, out)
+    return out
 
 
 def context_axes(rules: Rules) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ from nnx_zoo.sharding import axes_tuple, restore_sharding, shard, shard_mode_of,
 # recomputed in the backward) for holding one chunk's logits instead of all of them. 512 MiB: Llama 3's vocab at
 # 1,024 tokens a chunk, a head matmul still large enough to run at full speed on an accelerator.
 DEFAULT_CHUNK_BYTES = 512 * 2**20
+# The head's input, outside any pipeline: its batch split over 'stage' too (activation_batch's axes without one).
+_HIDDEN = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +131,9 @@ def chunked_head_cross_entropy(
         raise ValueError(f"chunked_head_cross_entropy needs hidden [..., batch, seq, embed] with targets and mask of "
                          f"its leading shape; got hidden {hidden.shape}, targets {targets.shape}, mask {mask.shape}")
     lead_shape = hidden.shape[:-3]
-    mask = mask.astype(jnp.float32)
+    # The targets and mask laid out like the hidden states' tokens (the batch over 'stage' too, as the head's).
+    token_names = (None,) * len(lead_shape) + _HIDDEN[:2]
+    targets, mask = shard(targets, token_names), shard(mask.astype(jnp.float32), token_names)
     counts = jnp.sum(mask, axis=(-2, -1))
     vocab = jax.eval_shape(head, hidden).shape[-1]
     batch_shards, seq_shards = _token_shards(hidden)
@@ -166,7 +170,7 @@ def chunked_head_cross_entropy(
         def join(x: jax.Array) -> jax.Array:  # [lead, batch, seq_shards, positions, ...] -> [lead, batch, tokens, ...]
             return x.reshape(lead, batch, seq_shards * positions, *x.shape[4:])
 
-        h = shard(join(h), (None, "activation_batch", "activation_length", "activation_embed"))
+        h = shard(join(h), (None, *_HIDDEN))
         return _per_lead_cross_entropy(head(h), join(t), join(m), (lead,))
 
     def body(total: jax.Array, x: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
@@ -197,7 +201,7 @@ def _token_shards(hidden: jax.Array) -> tuple[int, int]:
     if shard_mode_of(mesh) == "explicit":
         spec = tuple(jax.typeof(hidden).sharding.spec)
     else:
-        names = (None,) * (hidden.ndim - 3) + ("activation_batch", "activation_length", "activation_embed")
+        names = (None,) * (hidden.ndim - 3) + _HIDDEN
         spec = tuple(resolve_activation(names, hidden.shape))
     spec = spec + (None,) * (hidden.ndim - len(spec))
     sizes = dict(mesh.shape)

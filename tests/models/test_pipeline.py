@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +172,14 @@ def test_stage_axis_places_every_layer_stack_in_every_rule_set():
         for stack in ("unpipelined_layers", "dense_layers", "mtp_layers"):
             spec = logical_to_mesh_axes((stack, "norm"), get_rules(name), mesh, shape=(3, 32))
             assert spec == PartitionSpec(None, None), (name, stack)
+        # The batch outside the pipeline (embedding, head, loss; DeepSeek's dense prefix and MTP heads): the
+        # batch's axes, then stage; without a stage axis exactly the batch's.
+        outside = ("activation_embed_and_logits_batch", None)
+        inside = logical_to_mesh_axes(("activation_batch", None), get_rules(name), mesh, shape=(8, 4))[0]
+        assert logical_to_mesh_axes(outside, get_rules(name), mesh, shape=(8, 4))[0] == (inside, "stage"), name
+        plain = make_mesh({"fsdp": 4, "expert": 2})
+        assert (logical_to_mesh_axes(outside, get_rules(name), plain)
+                == logical_to_mesh_axes(("activation_batch", None), get_rules(name), plain)), name
     # Without a stage axis the stack stays replicated, as before.
     plain = logical_to_mesh_axes(("layers", "norm"), get_rules("default"), make_mesh({"fsdp": 8}))
     assert plain == PartitionSpec(None, None)
@@ -191,3 +201,34 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused():
         nnx.eval_shape(lambda m, x: m.forward(x, pipeline_microbatches=3), model, ids)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="micro-batch of 2 rows cannot be split over the 4"):
         nnx.eval_shape(lambda m, x: m.forward(x, pipeline_microbatches=4), model, ids)
+
+
+def _head_flops_per_device(rules) -> float:
+    """Per-device FLOPs of the head's dots (those with the vocab dim) in the compiled pipelined forward of this
+    module's Llama on stage 2 x fsdp 4 (Explicit), read as ``benchmarks/pipeline_schedules.py`` reads them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import pipeline_schedules as ps
+
+    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode="explicit")
+    config = CONFIG.with_overrides(num_hidden_layers=2)  # one layer a stage
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama3(config, rngs=nnx.Rngs(0), rules=rules)))
+    state = jax.tree.unflatten(jax.tree.structure(state), [  # abstract parameters on their shardings: no init
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        for a, s in zip(jax.tree.leaves(state), state_shardings(state, mesh, get_rules(rules)))])
+    ids = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x, pipeline_microbatches=2).logits).lower(
+            state, ids).compile(compiler_options={"xla_backend_optimization_level": 0})
+    return ps.dot_flops(compiled.as_text(), VOCAB)["head"]
+
+
+def test_the_head_runs_on_each_stages_share_of_the_batch():
+    # The batch outside the pipeline (embedding, final norm, head, loss) is split over 'stage' too, so the head's
+    # per-device FLOPs are 1/S of those of the same rules with that batch placed without 'stage' (every stage
+    # computing the whole batch's head, as before the name existed).
+    replicated = tuple((name, ("data", "fsdp", "fsdp_transpose", "expert"))
+                       if name == "activation_embed_and_logits_batch" else (name, axes)
+                       for name, axes in get_rules("default"))
+    split, whole = _head_flops_per_device("default"), _head_flops_per_device(replicated)
+    assert whole == 2 * (BATCH // 4) * SEQ * CONFIG.hidden_size * VOCAB  # fsdp 4 splits the rows, stage does not
+    assert split == whole / 2

@@ -36,7 +36,7 @@ def test_pipeline_large_moe_places_deepseek_v3_671b_on_8192_devices():
 
 def test_pipeline_large_moe_splits_deepseeks_moe_stack_over_stages_strictly():
     # DeepSeek-V3's layout: 2 dense, 4 MoE layers, 2 MTP heads; the MoE stack is pipelined, the dense prefix and
-    # the MTP heads run outside the pipeline, whole on every stage.
+    # the MTP heads run outside the pipeline, their weights whole on every stage.
     config = AutoConfig.preset("deepseek3-mini", num_hidden_layers=6, first_k_dense_replace=2,
                                num_nextn_predict_layers=2)
     mesh = make_abstract_mesh({"stage": 2, "fsdp": 2, "expert": 2})
@@ -52,7 +52,11 @@ def test_pipeline_large_moe_splits_deepseeks_moe_stack_over_stages_strictly():
     plan = pipeline_memory_plan(lambda: DeepSeekV3(config, rngs=nnx.Rngs(0)), config, mesh, "pipeline-large-moe",
                                 seq_len=32, batch_per_device=2)
     assert plan.stacks == {"moe_layers": (2, 4)}  # the dense and MTP stacks count whole on the stage
-    assert plan.activations["1f1b"]["none"]["dense prefix (2 layers), whole batch"] > 0
+    # The prefix, the embedding and GPipe's head, loss and MTP heads run on each stage's half of the rows.
+    assert plan.activations["1f1b"]["none"]["dense prefix (2 layers), 1/2 rows"] > 0
+    whole, gpipe = plan.base.activations["none"], plan.activations["gpipe"]["none"]
+    assert gpipe["mtp heads"] == whole["mtp heads"] // 2
+    assert gpipe["embeddings and logits"] < whole["embeddings and logits"]
 
 
 TINY = AutoConfig.preset("llama3-tiny")  # 4 layers, width 128, MLP 384, 4 heads + 2 kv heads of 32, vocab 32000

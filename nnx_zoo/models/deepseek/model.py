@@ -26,9 +26,16 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
+from nnx_zoo.layers.pipeline import (
+    STAGE_AXIS,
+    pipeline_1f1b_value_and_grad,
+    pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
+from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.causal_lm import (
     CausalLMBase,
     CausalLMOutput,
@@ -41,10 +48,12 @@ from nnx_zoo.models.deepseek.config import LAYER_STACKS, DeepSeekV3Config
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput
-from nnx_zoo.sharding import get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules
+from nnx_zoo.sharding import axes_tuple, get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules, outside_pipeline
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
+# The pipeline's output, and what runs after it: the batch split over 'stage' too (activation_batch's without it).
+_OUT_BLE = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 _BL_TOPK = ("activation_batch", "activation_length", None)  # each query's chosen keys [batch, seq, index_topk]
 
 
@@ -294,16 +303,17 @@ class DeepSeekV3(CausalLMBase):
 
         On a mesh with a ``stage`` axis the MoE layers run pipelined: ``pipeline_microbatches`` micro-batches in
         ``pipeline_schedule`` order. The embedding and the dense prefix (``first_k_dense_replace`` layers) run
-        before the pipeline, whole on every stage (their stacks' axes are ``unpipelined_layers``, never on
-        ``stage``: 3 of V3's 61 layers, little memory). GPipe (``_pipelined_moe``): the final norm, the MTP heads
-        and the output head run after it, whole on every stage too (the trainer's chunked head + loss stays its one
-        path; the price is that every stage computes them). 1F1B (``_one_f_one_b``; ``loss_targets=(targets,
-        loss_mask)`` and the trainer's ``loss_scale=(mtp_weight, counts)``): the final norm, the MTP heads (their
-        shifted tokens handed through the pipeline with each micro-batch, embedded there) and the head run on the
-        last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the whole
-        loss: the MTP and balance terms weighted as ``nnx_zoo.train.step.loss_terms`` weighs them),
-        ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens``. Without a ``stage`` axis the
-        pipeline arguments are ignored.
+        before the pipeline, their weights whole on every stage (their stacks' axes are ``unpipelined_layers``,
+        never on ``stage``: 3 of V3's 61 layers, little memory) and their batch split over ``stage`` too (each stage
+        computes its share: ``outside_pipeline``'s rules); the pipeline's input is gathered whole over ``stage`` and
+        its output split again. GPipe (``_pipelined_moe``): the final norm, the MTP heads and the output head run
+        after it on each stage's share of the batch as well (the trainer's chunked head + loss stays its one path).
+        1F1B (``_one_f_one_b``; ``loss_targets=(targets, loss_mask)`` and the trainer's ``loss_scale=(mtp_weight,
+        counts)``): the final norm, the MTP heads (their shifted tokens handed through the pipeline with each
+        micro-batch, embedded there) and the head run on the last stage, and the output carries ``loss_sum`` (valued
+        as the cross-entropy, with the gradient of the whole loss: the MTP and balance terms weighted as
+        ``nnx_zoo.train.step.loss_terms`` weighs them), ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and
+        ``dropped_tokens``. Without a ``stage`` axis the pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
@@ -328,6 +338,16 @@ class DeepSeekV3(CausalLMBase):
             token_embeddings = self.embed(ids)
             embeddings = token_embeddings[0]
             run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
+            # Pipelined: the dense prefix and the MTP heads run outside the pipeline, on each stage's share of the
+            # batch (``outside_pipeline``: activation_batch over 'stage' too), as the embedding and the head do.
+            # (Only where the batch splits over 'stage': a batch that does not stays whole over it, as the embedding's.)
+            outside_rules = self.rules
+            if pipelined and STAGE_AXIS in axes_tuple(resolve_activation(
+                    ("activation_embed_and_logits_batch",), input_ids.shape[:1])[0]):
+                outside_rules = outside_pipeline(self.rules)
+
+            def outside() -> Any:
+                return use_rules(outside_rules, allow_partial=self.allow_partial)
 
             def layer_body(layer: DecoderLayer, carry: Any, _: Any) -> tuple[Any, _LayerRecord]:
                 h, topk = carry
@@ -353,19 +373,22 @@ class DeepSeekV3(CausalLMBase):
             for name, stack, _ in self.layer_runs():
                 if pipelined and LAYER_STACKS[name][0] and resolve_schedule(
                         pipeline_schedule, pipeline_virtual_stages).loss_inside:
-                    return self._one_f_one_b(
-                        stack, carry[0], (cos, sin, mask, query_scale), input_ids, attention_mask, segment_ids,
-                        positions, depth, loss_targets, loss_scale, with_expert_load, pipeline_microbatches,
+                    return self._one_f_one_b(  # its input whole over stage, as GPipe's
+                        stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask,
+                        segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
+                        pipeline_microbatches,
                         resolve_schedule(pipeline_schedule, pipeline_virtual_stages).virtual_stages)
                 if pipelined and LAYER_STACKS[name][0]:
+                    # In whole over stage (the prefix's rows gathered), out split over it again.
                     h, record, balance_sum = self._pipelined_moe(
-                        stack, carry[0], cos, sin, mask, query_scale, attention_mask, with_expert_load,
+                        stack, shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
                         pipeline_microbatches)
-                    carry = (h, None)
+                    carry = (shard(h, _OUT_BLE), None)
                     records.append(record)
                     moe_records.append(record)
                     continue
-                carry, record = run_stack(stack, layer_body, carry, **run)
+                with outside():
+                    carry, record = run_stack(stack, layer_body, carry, **run)
                 records.append(record)
                 if LAYER_STACKS[name][0]:
                     moe_records.append(record)
@@ -378,9 +401,9 @@ class DeepSeekV3(CausalLMBase):
             mtp_hidden = logits = mtp_logits = None
             indexer = [r.indexer_loss for r in records if r.indexer_loss is not None]
             if with_mtp:
-                mtp_hidden, mtp_indexer = self._mtp(token_embeddings[1:], None if masks is None else masks[1:],
-                                                    segment_ids, final_hidden, run,
-                                                    positions)
+                with outside():
+                    mtp_hidden, mtp_indexer = self._mtp(token_embeddings[1:], None if masks is None else masks[1:],
+                                                        segment_ids, final_hidden, run, positions)
                 indexer += [] if mtp_indexer is None else [mtp_indexer]
             indexer_loss = None
             if indexer:  # summed over the layers (MTP heads' too), a mean over the sequences holding a real token
