@@ -137,7 +137,8 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of ``entry``: a while loop's body and condition run
-    ``known_trip_count`` times per execution of the computation holding the loop."""
+    ``known_trip_count`` times per execution of the computation holding the loop; every branch of a conditional
+    counts as if it ran each time (a static bound, as XLA's ``cost_analysis()`` counts them)."""
     mult: dict[str, int] = {entry: 1}
     order = [entry]
     for name in order:
@@ -148,7 +149,10 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
                 if m is None:
                     raise ValueError(f"while loop without a known trip count: {line[:200]}")
                 trip = int(m.group(1))
-            for callee in re.findall(r"(?:body|condition|calls|to_apply|branch_computations)=\{?%?([\w.\-]+)", line):
+            callees = re.findall(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", line)
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)  # every branch, as if it ran
+            callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+            for callee in callees:
                 if callee in comps:
                     if callee not in mult:
                         order.append(callee)

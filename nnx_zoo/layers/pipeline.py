@@ -5,12 +5,22 @@ A rule set places a stack's leading layer dim (``layers`` and the names declared
 program: ``jax.shard_map`` over ``stage`` alone (every other mesh axis stays Auto or Explicit inside, so FSDP,
 tensor and the rest shard each stage's layers as they shard the un-pipelined model), and a scan over the
 ``M + S - 1`` time steps of the circular-shift formulation: at step ``t`` stage 0 takes micro-batch ``t``, every
-stage runs its layers on what it holds, the last stage keeps what it finished (micro-batch ``t - S + 1``), and
-``jax.lax.ppermute`` hands each stage's output to the next.
+stage that holds a micro-batch (stage ``s`` holds ``t - s``) runs its layers on it, the last stage keeps what it
+finished (micro-batch ``t - S + 1``), and ``jax.lax.ppermute`` hands each stage's output to the next.
 
 Its schedule is GPipe's: differentiating the scan runs the time steps backwards, so every micro-batch's forward
 finishes before the first backward starts, and the activations of all ``M`` micro-batches stay alive (as many as
 the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's time, forward and backward.
+
+Idle work costs nothing: a stage with nothing to do in a tick (GPipe's first ``s`` and last ``S - 1 - s`` steps,
+1F1B's warm-up and cool-down halves) takes the idle branch of a ``jax.lax.cond`` on the tick's validity and runs
+none of its layers. The predicate depends only on the stage and the tick, so all devices of a stage's fsdp /
+tensor group take the same branch and the collectives inside stay matched; the ``ppermute``s over ``stage`` run
+outside every branch, every tick. One exception, decided in one place (``skips_idle_ticks``, ``IDLE_TICKS``): on
+the CPU backend with another mesh axis > 1, XLA:CPU's in-process collectives can deadlock on collectives inside a
+branch, so there the idle work is computed and masked (``jnp.where``), the program before. XLA's
+``cost_analysis()`` (and any static count of the compiled program) counts both branches of a conditional, so it
+reads the same as the masked program: what changes is what runs.
 
 ``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
 stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
@@ -184,13 +194,17 @@ def pipeline_stack(
                       ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
             held, done, aux_sum = carry
             index = jnp.clip(t - stage, 0, micro - 1)  # the micro-batch this stage works on at step t
+            busy = (t >= stage) & (t - stage < micro)  # idle in the first ``stage`` steps and the last S-1-stage
             first_input = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), axis=1, keepdims=False)
-            h, aux = run_local(jnp.where(stage == 0, first_input, held), index)
-            finished = (stage == stages - 1) & (t >= stages - 1)
+            def work(h: jax.Array, index: jax.Array, aux_sum: Any) -> tuple[jax.Array, Any]:
+                h, aux = run_local(h, index)
+                return h, jax.tree.map(jnp.add, aux_sum, aux)
+
+            # Idle steps (which would repeat a clipped index) run nothing and count nothing.
+            h, aux_sum = _when(busy, work, lambda h, _, aux_sum: (h, aux_sum),
+                               jnp.where(stage == 0, first_input, held), index, aux_sum)
+            finished = busy & (stage == stages - 1)
             done = jnp.where(finished, jax.lax.dynamic_update_index_in_dim(done, h, index, axis=1), done)
-            # Only the steps that run a real micro-batch on this stage count (the others repeat a clipped index).
-            working = (t >= stage) & (t - stage < micro)
-            aux_sum = jax.tree.map(lambda acc, a: acc + jnp.where(working, a, jnp.zeros_like(a)), aux_sum, aux)
             held = jax.lax.ppermute(h, STAGE_AXIS, [(s, s + 1) for s in range(stages - 1)])
             return (held, done, aux_sum), None
 
@@ -270,20 +284,23 @@ def pipeline_1f1b_value_and_grad(
     layers: chunks ``s, S + s, ..., (V - 1) S + s`` on stage ``s``).
 
     One SPMD program (``shard_map`` over ``stage``) whose ``T = M V + V S + S - 2`` ticks each run, on every
-    stage, one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the last stage
-    runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's forward arrives,
-    and each stage keeps only the inputs of the items between their forward and their backward (at most
-    ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe keeps
-    all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args`` are split
-    like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in ``pipeline_stack``.
+    stage, at most one chunk's forward and one chunk's backward, in the order ``pipeline_order`` tabulates: the
+    last stage runs the head and the loss and starts a micro-batch's backward in the tick its last chunk's
+    forward arrives, and each stage keeps only the inputs of the items between their forward and their backward
+    (at most ``(V + 1) S - 1``, whatever ``M``; the backward recomputes the chunk's layers from them), where GPipe
+    keeps all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args``
+    are split like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in
+    ``pipeline_stack``.
     Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S`` and ``L`` of ``V S``.
 
-    Bubble, exactly: every tick runs a forward and a backward on every stage, valid or not (an SPMD program has
-    no per-stage control flow; the idle ones are masked), so of each stage's ``T`` ticks ``M V`` do useful work
-    and the bubble is ``(V S + S - 2) / (M V + V S + S - 2)`` of its time, forward and backward alike
-    (``(2S - 2) / (M + 2S - 2)`` for 1F1B; ``S = 2, M = 4``: 1/3 for ``V = 1``, 0.3 for ``V = 2``). Were the masked
-    halves free (the warm-up's ``V S - 1`` ticks forward only, the cool-down's backward only), the time would be
-    ``M V + S - 1`` ticks and the bubble Megatron's ``(S - 1) / (M V + S - 1)``.
+    Bubble: each stage runs a chunk's forward only in a tick that has one for it, its backward (and the last
+    stage its head) likewise (``jax.lax.cond`` per stage, see the module's docstring), so with ``f`` and ``b`` a
+    chunk's forward and backward times (``b`` includes the recompute), the ``V S - 1`` warm-up ticks cost ``f``
+    (forwards only), the ``V S - 1`` cool-down ticks ``b``, and the ``M V - V S + S`` between ``f + b`` (the last
+    stage does both in each): ``(M V + S - 1)(f + b)`` for ``M V (f + b)`` of useful work per stage, so the bubble
+    is Megatron's, ``(S - 1) / (M V + S - 1)`` (1F1B: ``(S - 1) / (M + S - 1)``, GPipe's; interleaving divides it
+    by about ``V``). The masked program (``skips_idle_ticks()`` False) runs both halves in all ``T`` ticks:
+    ``(V S + S - 2) / (M V + V S + S - 2)``.
 
     Placement of the chunks: the stored stack keeps layer order and the rule set puts it on ``stage`` in
     contiguous blocks (stage ``b`` holds chunks ``b V .. b V + V - 1``; HF load/save and checkpoints rely on that
@@ -390,8 +407,9 @@ def pipeline_1f1b_value_and_grad(
             loss, grads = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, h, tgt)
             return (loss, None), grads
 
-        def keep(valid: jax.Array, new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(valid, n, o), new, old)
+        def put(valid: jax.Array, tree: jax.Array, new: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+            """``tree`` with ``new`` at ``index`` on ``axis`` where ``valid``."""
+            return jnp.where(valid, jax.lax.dynamic_update_index_in_dim(tree, new, index, axis), tree)
 
         def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
             fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x, stats_acc, head_acc = carry
@@ -399,36 +417,45 @@ def pipeline_1f1b_value_and_grad(
             f_ok, fm, fv, f_slot = row[F_OK] > 0, row[F_MICRO], row[F_CHUNK], row[F_SLOT]
             first_input = jax.lax.dynamic_index_in_dim(xs, fm, axis=1, keepdims=False)
             h_in = jnp.where((stage == 0) & (fv == 0), first_input, fwd_in)
-            saved = keep(f_ok, jax.lax.dynamic_update_index_in_dim(saved, h_in, f_slot, 0), saved)
-            h_out, part, stats = stage_fn(chunk_of(chunks, fv), h_in, fm)
-            loss = loss + jnp.where(f_ok, part, 0.0)  # the layers' own loss terms, once per forward item
-            stats_acc = keep(f_ok, jax.tree.map(
-                lambda acc, a: jax.lax.dynamic_update_index_in_dim(
-                    acc, jax.lax.dynamic_index_in_dim(acc, fv, 0, keepdims=False) + a, fv, 0), stats_acc, stats),
-                stats_acc)
-            tgt, _ = micro_inputs(fm)
-            (mb_loss, head_stats), (g_head, g_out) = head_value_and_grad(head_params, h_out, tgt)
+            saved = put(f_ok, saved, h_in, f_slot, 0)
+
+            def forward(h: jax.Array, loss: jax.Array, stats_acc: Any) -> tuple[jax.Array, jax.Array, Any]:
+                h, part, stats = stage_fn(chunk_of(chunks, fv), h, fm)
+                return h, loss + part, jax.tree.map(  # the layers' own loss terms and stats, once per item
+                    lambda acc, a: jax.lax.dynamic_update_index_in_dim(
+                        acc, jax.lax.dynamic_index_in_dim(acc, fv, 0, keepdims=False) + a, fv, 0), stats_acc, stats)
+
+            h_out, loss, stats_acc = _when(f_ok, forward, lambda h, loss, stats_acc: (h, loss, stats_acc), h_in,
+                                           loss, stats_acc)
+
+            def head(loss: jax.Array, d_head: Any, head_acc: Any, h: jax.Array) -> tuple[jax.Array, Any, Any, Any]:
+                (mb_loss, head_stats), (g_head, g_out) = head_value_and_grad(head_params, h, micro_inputs(fm)[0])
+                return (loss + mb_loss, jax.tree.map(jnp.add, d_head, g_head),
+                        jax.tree.map(jnp.add, head_acc, head_stats), g_out)
+
             at_head = last & (fv == last_chunk) & f_ok
-            loss = loss + jnp.where(at_head, mb_loss, 0.0)
-            d_head = keep(at_head, jax.tree.map(jnp.add, d_head, g_head), d_head)
-            head_acc = keep(at_head, jax.tree.map(jnp.add, head_acc, head_stats), head_acc)
+            loss, d_head, head_acc, g_out = _when(
+                at_head, head, lambda loss, d_head, head_acc, h: (loss, d_head, head_acc, jnp.zeros_like(h)),
+                loss, d_head, head_acc, h_out)
 
             # The last virtual stage's backward is this tick's forward item (pipeline_order), seeded by the head.
             b_ok, bm, bv, b_slot = row[B_OK] > 0, row[B_MICRO], row[B_CHUNK], row[B_SLOT]
-            h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
-            g_h = jnp.where(last & (bv == last_chunk), g_out, bwd_in)
-            if with_aux:  # the layers' loss parts count once each: cotangent 1
-                (_, b_part), pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[:2], chunk_of(chunks, bv), h_saved)
-                g_chunk, g_in = pullback((g_h, jnp.ones_like(b_part)))
-            else:
-                _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[0], chunk_of(chunks, bv), h_saved)
-                g_chunk, g_in = pullback(g_h)
-            d_chunks = keep(b_ok, jax.tree.map(
-                lambda d, g: jax.lax.dynamic_update_index_in_dim(
-                    d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk),
-                d_chunks)
-            d_x = keep((stage == 0) & (bv == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(d_x, g_in, bm, axis=1),
-                       d_x)
+
+            def backward(d_chunks: Any, g_h: jax.Array) -> tuple[Any, jax.Array]:
+                h_saved = jax.lax.dynamic_index_in_dim(saved, b_slot, 0, keepdims=False)
+                if with_aux:  # the layers' loss parts count once each: cotangent 1
+                    (_, b_part), pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[:2], chunk_of(chunks, bv),
+                                                    h_saved)
+                    g_chunk, g_in = pullback((g_h, jnp.ones_like(b_part)))
+                else:
+                    _, pullback = jax.vjp(lambda c, h: stage_fn(c, h, bm)[0], chunk_of(chunks, bv), h_saved)
+                    g_chunk, g_in = pullback(g_h)
+                return jax.tree.map(lambda d, g: jax.lax.dynamic_update_index_in_dim(
+                    d, jax.lax.dynamic_index_in_dim(d, bv, 0, keepdims=False) + g, bv, 0), d_chunks, g_chunk), g_in
+
+            d_chunks, g_in = _when(b_ok, backward, lambda d_chunks, g: (d_chunks, jnp.zeros_like(g)), d_chunks,
+                                   jnp.where(last & (bv == last_chunk), g_out, bwd_in))
+            d_x = put((stage == 0) & (bv == 0) & b_ok, d_x, g_in, bm, 1)
             fwd_in = jax.lax.ppermute(h_out, STAGE_AXIS, ahead)
             bwd_in = jax.lax.ppermute(g_in, STAGE_AXIS, back)
             return (fwd_in, bwd_in, saved, d_chunks, d_head, loss, d_x, stats_acc, head_acc), None
@@ -463,6 +490,40 @@ def pipeline_1f1b_value_and_grad(
         axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
     d_x = jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
     return (loss, d_state, d_head, d_x, stats, head_stats) if with_aux else (loss, d_state, d_head, d_x)
+
+
+# How a stage spends a tick it has no work for. "skip": ``jax.lax.cond`` on the tick's validity, so an idle stage
+# runs none of its layers (nor the head, nor the backward); the predicate depends only on the stage index and the
+# tick, so every device of a stage's fsdp / tensor group takes the same branch and the collectives inside a branch
+# stay matched (the ``ppermute``s over ``stage`` stay outside it). "mask": every stage computes every tick and
+# ``jnp.where`` drops the idle results (the program before idle skipping: what the benchmarks compare against).
+# "auto" (the default): "skip", except on the CPU backend when a mesh axis other than ``stage`` is larger than 1.
+# There the branches hold that group's collectives (FSDP's all-gathers, ...), and XLA:CPU's in-process collectives
+# (jax 0.10.2) intermittently deadlock on them: two devices of one stage's fsdp pair wait in different collectives
+# (an all-gather and an all-to-all) until the 40 s rendezvous timeout aborts the process. Seen with 1F1B and
+# interleaved train steps of an 8-layer Llama on stage 4 x fsdp 2 when compiled steps alternate (within 15 rounds),
+# never with a stage-only mesh (no collective in a branch) nor with the masked program.
+IDLE_TICKS = "auto"
+
+
+def skips_idle_ticks() -> bool:
+    """Whether the pipelines run idle ticks' work under ``jax.lax.cond`` (skipped) rather than masked, on the
+    ambient mesh: the one place that decides (``IDLE_TICKS``)."""
+    if IDLE_TICKS not in ("auto", "skip", "mask"):
+        raise ValueError(f"IDLE_TICKS must be 'auto', 'skip' or 'mask', got {IDLE_TICKS!r}")
+    if IDLE_TICKS != "auto":
+        return IDLE_TICKS == "skip"
+    mesh = jax.sharding.get_abstract_mesh()
+    grouped = not mesh.empty and any(size > 1 for name, size in mesh.shape.items() if name != STAGE_AXIS)
+    return not (grouped and jax.default_backend() == "cpu")
+
+
+def _when(busy: jax.Array, work: Callable[..., Any], idle: Callable[..., Any], *operands: Any) -> Any:
+    """``work(*operands)`` where ``busy``, else ``idle(*operands)`` (same types; ``idle`` does no real work):
+    skipped under ``jax.lax.cond`` or computed and masked, as ``skips_idle_ticks`` decides."""
+    if skips_idle_ticks():
+        return jax.lax.cond(busy, work, idle, *operands)
+    return jax.tree.map(lambda a, b: jnp.where(busy, a, b), work(*operands), idle(*operands))
 
 
 def _move_chunks(tree: Any, stages: int, source: Callable[[int, int], tuple[int, int]]) -> Any:

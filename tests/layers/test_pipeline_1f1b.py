@@ -36,6 +36,7 @@ from nnx_zoo.layers.pipeline import (
     pipeline_1f1b_value_and_grad,
     pipeline_order,
     pipeline_stack,
+    skips_idle_ticks,
 )
 from nnx_zoo.layers.scan import create_stack, run_stack
 from nnx_zoo.sharding import create_sharded, make_mesh, use_rules
@@ -219,3 +220,52 @@ def test_interleaving_needs_micro_batches_in_groups_of_stages_and_layers_in_equa
                                          r"stages \(6 equal chunks\); use --virtual-stages one of \[1, 2\]"):
         trace(2, 3)
     trace(1, 1)  # plain 1F1B takes any micro-batch count
+
+
+def test_an_idle_stage_runs_no_layer_and_no_head():
+    """Counted as they run (a host callback in each layer and in the head; stage 2, 4 layers, 4 micro-batches):
+    GPipe runs each micro-batch's layers once in its forward (``M L`` calls; the masked program ran every stage in
+    each of its ``M + S - 1`` steps), interleaved 1F1B (``V = 2``; 1F1B is the same program) twice (the forward and
+    the backward's recompute: exactly the valid items of ``pipeline_order``, ``2 M L``, where every tick's forward
+    and backward on every stage would be ``2 T L / V``) and the head once per micro-batch (where every stage's tick
+    would be ``T S``). The branch is taken per stage: skipped work, not masked results. (A mesh of the stage axis
+    alone: a host callback inside a ``shard_map`` that leaves several axes Auto fails to lower in jax 0.10; and on
+    the CPU only a stage-only mesh skips: ``skips_idle_ticks``, asserted below.)"""
+    mesh = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    x, target, scale, w = map(jnp.asarray, _inputs())
+    graphdef, state = nnx.split(create_sharded(_stack, mesh, "default"))
+    calls = {"layer": 0, "head": 0}
+
+    def counted(name, fn):
+        def run(first, h, *args):  # takes the activation: a callback that reads nothing is hoisted out of loops
+            jax.debug.callback(lambda h: calls.__setitem__(name, calls[name] + 1), h, partitioned=True)
+            return fn(first, h, *args)
+        return run
+
+    def gpipe(state, w, x):
+        return _head(w, pipeline_stack(nnx.merge(graphdef, state), counted("layer", _layer), x, scale,
+                                       microbatches=4), target)
+
+    def one_f_one_b(state, x):  # interleaved (V = 2): the 1F1B program, with the ring and chunk moves
+        return pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), counted("layer", _layer),
+                                            counted("head", _head), w, x, target, scale, microbatches=4,
+                                            virtual_stages=2)
+
+    with jax.set_mesh(mesh), use_rules("default"):
+        assert skips_idle_ticks()
+        loss, grads = jax.jit(jax.value_and_grad(gpipe, argnums=(0, 1, 2)))(state, w, x)
+        jax.effects_barrier()
+        assert calls == {"layer": 4 * LAYERS, "head": 0}  # masked: (M + S - 1) S L / S = 5 * 4
+    want_loss, want_grads = _want()  # the skipped GPipe, differentiated through its conds, is exact
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with jax.set_mesh(mesh), use_rules("default"):
+        calls.update(layer=0, head=0)
+        jax.block_until_ready(jax.jit(one_f_one_b)(state, x))
+        jax.effects_barrier()
+    order = pipeline_order(2, 2, 4)  # 12 ticks; masked: 2 T S L / (V S) = 48 layer calls, T S = 24 heads
+    assert int(order[..., F_OK].sum() + order[..., B_OK].sum()) * LAYERS // 4 == calls["layer"] == 2 * 4 * LAYERS
+    assert calls["head"] == 4
+    with jax.set_mesh(make_mesh({"stage": 2, "fsdp": 4})):  # XLA:CPU: collectives in a branch can deadlock
+        assert not skips_idle_ticks()

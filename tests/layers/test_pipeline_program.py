@@ -1,10 +1,12 @@
-"""The pipeline schedules' bubble, read from the compiled program as ``benchmarks/pipeline_schedules.py`` reads it:
-the matmul FLOPs each device executes (every ``dot``, times the trip counts of the loops around it) against the
-un-pipelined program's divided by the stages. The SPMD pipeline runs every stage on every tick and masks the idle
-ones, so the excess is the tick count: GPipe runs ``M + S - 1`` forward and as many backward ticks; 1F1B and
-interleaved 1F1B (V chunks per stage) run ``M V + V S + S - 2`` ticks of a chunk's forward and a backward that
-recomputes the chunk (4 matmul passes for 3 useful ones), and run the head on every stage in every tick. A
-schedule that grew an idle tick, or a recompute, fails here.
+"""The pipeline schedules' bubble, read from the compiled program as ``benchmarks/pipeline_schedules.py`` reads it: the
+matmul FLOPs in each device's program (every ``dot``, times the trip counts of the loops around it, and every branch
+of a conditional as if taken, as XLA's ``cost_analysis()`` counts them) against the un-pipelined program's divided
+by the stages. The SPMD pipeline puts every stage's work on every tick, in ``jax.lax.cond`` branches that an idle
+stage skips (``test_pipeline_1f1b.py`` counts what runs: the valid items only), or masked where ``skips_idle_ticks``
+says so; either way this static count is the tick count: GPipe runs ``M + S - 1`` forward and as many backward
+ticks; 1F1B and interleaved 1F1B (V chunks per stage) run ``M V + V S + S - 2`` ticks of a chunk's forward and a
+backward that recomputes the chunk (4 matmul passes for 3 useful ones), and run the head on every stage in every
+tick. A schedule that grew an idle tick, or a recompute, fails here.
 
 A toy stack (4 tanh(Linear) layers of width 16, a linear head to 5 outputs: the dim that tells the head's dots
 apart) on stage 2 with 4 micro-batches (V = 2 for interleaved); four compiles of a second or so.

@@ -5,6 +5,7 @@ buffer assignment on configurations that compile here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -31,6 +32,7 @@ from nnx_zoo.sharding import (
     sharding_report,
     use_rules,
 )
+from nnx_zoo.sharding.create import abstract_module
 from nnx_zoo.sharding.plan import (
     KIND_MAX_PERIOD,
     PART_PHASES,
@@ -325,6 +327,14 @@ def test_moe_families_estimate_within_tolerance_of_xla(preset, sizes, layers, re
                                                                plan.activations[remat])
 
 
+@functools.cache
+def _abstract_preset(name: str) -> nnx.Module:
+    """The preset's model, shapes only, traced once for both platforms' plans (what ``memory_plan`` does with a
+    factory)."""
+    config = AutoConfig.preset(name)
+    return abstract_module(lambda: AutoModelForCausalLM.model_class(config)(config, rngs=nnx.Rngs(0)))
+
+
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
 def test_every_preset_plans(platform):
     """``--plan`` on every preset of every family (abstract, nothing allocated), on each platform's kernels: the MoE
@@ -334,8 +344,7 @@ def test_every_preset_plans(platform):
     mesh = make_abstract_mesh({"fsdp": 8})
     for name in [n for names in preset_names().values() for n in names]:
         config = AutoConfig.preset(name)
-        plan = memory_plan(lambda c=config: AutoModelForCausalLM.model_class(c)(c, rngs=nnx.Rngs(0)), config, mesh,
-                           "default", seq_len=4096, batch_per_device=1,
+        plan = memory_plan(_abstract_preset(name), config, mesh, "default", seq_len=4096, batch_per_device=1,
                            kernels=kernel_choices(config, seq_len=4096, platform=platform))
         shapes = plan.shapes
         assert shapes.moe_layers == getattr(config, "num_moe_layers", 0), name

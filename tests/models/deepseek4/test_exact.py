@@ -113,10 +113,10 @@ def test_cached_greedy_decoding_equals_the_uncached_continuation_and_transformer
 
 # ---------------------------------------------------------------------------------- every part acts in the configs
 def _with_config(model: DeepSeekV4, **changes):
-    """The same weights under a config with ``changes`` (shapes unchanged)."""
-    other = DeepSeekV4(model.config.with_overrides(**changes), rngs=nnx.Rngs(0))
-    nnx.update(other, nnx.state(model))
-    return other
+    """The same weights under a config with ``changes`` (shapes unchanged): the new config's modules, traced (no
+    weights drawn), holding ``model``'s Variables."""
+    config = model.config.with_overrides(**changes)
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: DeepSeekV4(config, rngs=nnx.Rngs(0)))), nnx.state(model))
 
 
 def _with_state(model: DeepSeekV4, path_part: str, change):
