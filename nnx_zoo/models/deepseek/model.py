@@ -450,6 +450,26 @@ class DeepSeekV3(CausalLMBase):
                              f"stages); use {fix}, or num_hidden_layers with a multiple of {stages * virtual} MoE "
                              "layers")
 
+    def _pipelined_layer(self, layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                         mask: AttentionMask, query_scale: jax.Array | None, rows: jax.Array,
+                         with_expert_load: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One MoE layer inside a pipeline (any schedule): its output and its per-micro-batch stats, each a sum
+        the micro-batches add up: ``load`` (tokens per expert) and ``dropped`` with ``with_expert_load``, and
+        ``balance`` (the sequence-wise balance loss summed over the real rows ``rows``) where it is on."""
+        c = self.config
+        if c.batch_split_factor > 1:
+            out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
+        else:
+            out = layer(h, cos, sin, mask, query_scale=query_scale)
+        stats = {}
+        if with_expert_load:
+            stats["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                    axis=(0, 1, 2))
+            stats["dropped"] = out.dropped_tokens
+        if out.balance_loss is not None:
+            stats["balance"] = jnp.sum(out.balance_loss * rows)
+        return out.hidden, stats
+
     def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                        query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
                        microbatches: int) -> tuple[jax.Array, _LayerRecord, jax.Array | None]:
@@ -464,18 +484,7 @@ class DeepSeekV3(CausalLMBase):
 
         def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                      query_scale: jax.Array | None, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-            if c.batch_split_factor > 1:
-                out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
-            else:
-                out = layer(h, cos, sin, mask, query_scale=query_scale)
-            aux = {}
-            if with_expert_load:
-                aux["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
-                                      axis=(0, 1, 2))
-                aux["dropped"] = out.dropped_tokens
-            if out.balance_loss is not None:
-                aux["balance"] = jnp.sum(out.balance_loss * rows)
-            return out.hidden, aux
+            return self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
 
         h, aux = pipeline_stack(stack, layer_fn, h, cos, sin, mask, query_scale, token_rows,
                                 microbatches=microbatches, scan=c.scan_layers, remat_policy=c.remat_policy,
@@ -539,20 +548,9 @@ class DeepSeekV3(CausalLMBase):
 
         def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                      query_scale: jax.Array | None, rows: jax.Array, w_bal: jax.Array) -> tuple[jax.Array, Any]:
-            if c.batch_split_factor > 1:
-                out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
-            else:
-                out = layer(h, cos, sin, mask, query_scale=query_scale)
-            stats = {}
-            if with_expert_load:
-                stats["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
-                                        axis=(0, 1, 2))
-                stats["dropped"] = out.dropped_tokens
-            part = jnp.zeros((), jnp.float32)
-            if out.balance_loss is not None:
-                stats["balance"] = jnp.sum(out.balance_loss * rows)
-                part = w_bal * stats["balance"]
-            return out.hidden, (part, stats)
+            hidden, stats = self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
+            part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
+            return hidden, (part, stats)
 
         def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
             logits = logits.astype(jnp.float32)  # a comparison, not a gather: vocab-sharded logits stay sharded
