@@ -43,16 +43,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import _harness as h  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from compiled_programs import _SHAPE, _computations  # noqa: E402
-from flax import nnx  # noqa: E402
+from pipeline_schedules import compile_on, config, real_inputs  # noqa: E402
 
-from nnx_zoo import Llama3, Llama3Config  # noqa: E402
+from nnx_zoo import Llama3Config  # noqa: E402
 from nnx_zoo.layers import pipeline  # noqa: E402
-from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_shardings  # noqa: E402
-from nnx_zoo.train import OptimizerConfig, make_optimizer  # noqa: E402
-from nnx_zoo.train.step import train_step  # noqa: E402
+from nnx_zoo.sharding import make_mesh  # noqa: E402
 
 DEVICES = 8
 MODES = ("mask", "skip")
@@ -111,52 +107,14 @@ def program_facts(hlo: str) -> dict:
             "dot_flops_static": flops["all"], "dot_flops_in_branches": flops["in_branches"]}
 
 
-def config(a: argparse.Namespace) -> Llama3Config:
-    return Llama3Config.preset("llama3-tiny", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                               num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=a.hidden // 4, max_position_embeddings=a.seq, remat_policy="none")
-
-
-def _make(cfg: Llama3Config):
-    model = Llama3(cfg, rngs=nnx.Rngs(0))
-    return model, make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=0), model, total_steps=100)
-
-
 def compile_step(cfg: Llama3Config, mesh, batch: int, seq: int, kwargs: tuple, mode: str):
-    """The trainer's step (not donated, so it can run again on the same state), ``IDLE_TICKS = mode`` while it is
-    traced; returns ``(compiled, input shardings, compile seconds)``."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: _make(cfg)))
-    shardings = state_shardings(state, mesh, get_rules("default"))
-    state = jax.tree.unflatten(jax.tree.structure(state), [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(jax.tree.leaves(state), shardings)])
-    rows = jax.NamedSharding(mesh, logical_to_mesh_axes(("activation_batch", None), "default", mesh))
-    data = {k: jax.ShapeDtypeStruct((batch, seq), d, sharding=rows)
-            for k, d in (("input_ids", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
-
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        metrics = train_step(model, optimizer, batch, model_kwargs=kwargs)
-        return nnx.state((model, optimizer)), metrics["loss"]
-
+    """``pipeline_schedules.compile_on`` with ``IDLE_TICKS = mode`` while the step is traced; returns
+    ``(compiled, input shardings, compile seconds)``."""
     before, pipeline.IDLE_TICKS = pipeline.IDLE_TICKS, mode
-    t0 = time.perf_counter()
     try:
-        with jax.set_mesh(mesh):
-            compiled = jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None)).lower(
-                state, data).compile()
+        return compile_on(cfg, mesh, batch, seq, kwargs)
     finally:
         pipeline.IDLE_TICKS = before
-    return compiled, (shardings, rows), time.perf_counter() - t0
-
-
-def real_inputs(cfg: Llama3Config, shardings, rows, batch: int, seq: int):
-    graphdef, state = nnx.split(_make(cfg))
-    state = jax.tree.unflatten(jax.tree.structure(state),
-                               [jax.device_put(x, s) for x, s in zip(jax.tree.leaves(state), shardings)])
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1))
-    data = {"input_ids": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32),
-            "loss_mask": np.ones((batch, seq), np.float32)}
-    return state, {k: jax.device_put(v, rows) for k, v in data.items()}
 
 
 def run(a: argparse.Namespace) -> list[dict]:

@@ -232,6 +232,12 @@ def compile_step(cfg: Llama3Config, sizes: dict[str, int], batch: int, seq: int,
     """The trainer's step (not donated, so it can be called again on the same state) on ``sizes``' Auto mesh,
     compiled from abstract inputs; returns ``(compiled, mesh, input shardings, compile seconds)``."""
     mesh = make_mesh(sizes, devices=jax.devices()[:math.prod(sizes.values())])
+    return (lambda compiled, shardings, seconds: (compiled, mesh, shardings, seconds))(
+        *compile_on(cfg, mesh, batch, seq, kwargs))
+
+
+def compile_on(cfg: Llama3Config, mesh, batch: int, seq: int, kwargs: tuple):
+    """``compile_step`` on a given mesh; returns ``(compiled, input shardings, compile seconds)``."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _make(cfg)))
     shardings = state_shardings(state, mesh, get_rules("default"))
     state = jax.tree.unflatten(jax.tree.structure(state), [
@@ -249,7 +255,7 @@ def compile_step(cfg: Llama3Config, sizes: dict[str, int], batch: int, seq: int,
     with jax.set_mesh(mesh):
         compiled = jax.jit(step, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None)).lower(
             state, batch_arrays).compile()
-    return compiled, mesh, (shardings, rows), time.perf_counter() - t0
+    return compiled, (shardings, rows), time.perf_counter() - t0
 
 
 def real_inputs(cfg: Llama3Config, shardings, rows, batch: int, seq: int):
