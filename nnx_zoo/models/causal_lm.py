@@ -517,49 +517,41 @@ class CausalLM(CausalLMBase):
             return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
                                   hidden_states=hidden_states, final_hidden=final_hidden)
 
+    def _pipeline_parts(self) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., jax.Array]]:
+        """What the pipeline runs: the layer stacks by name, the stack name of each layer in model order (the
+        pipeline splits that sequence into identical chunks, one per stage and virtual stage, or says which chunk
+        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> h``, one layer of stack ``name``."""
+        c = self.config
+        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
+
+        def layer_fn(name: str, layer: nnx.Module, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
+                     ) -> jax.Array:
+            return layer(h, *ropes[name], mask)
+
+        return self.layer_stacks(), tuple(name_of[kind] for kind in c.layer_kinds()), layer_fn
+
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
                           schedule: str) -> jax.Array:
-        """Every layer on ``h``, pipelined over the ``stage`` axis: one scan segment of whole stacks (Llama's one
-        ``layers``; a repeating pattern such as GPT-OSS's sliding/full pair, each stage holding a block of its
-        repeats), else a clear error."""
-        parts = self.layer_segments()
-        stacks = self.layer_stacks()
-        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
-            raise ValueError(
-                f"{type(self).__name__}'s layers run as {len(parts)} scan segments of parts of its stacks "
-                f"{[seg.pattern for seg in parts]}; the pipeline ('stage' mesh axis) needs one segment that repeats "
-                "one pattern over whole stacks. Train this model on a mesh without 'stage'")
-        segment = parts[0]
-
-        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
-            for name, layer in zip(segment.pattern, group):
-                h = layer(h, *ropes[name], mask)
-            return h
-
-        return pipeline_stack(segment.group, layer_fn, h, ropes, mask, microbatches=microbatches,
-                              schedule=schedule, scan=self.config.scan_layers, remat_policy=self.config.remat_policy)
+        """Every layer on ``h``, pipelined over the ``stage`` axis (``pipeline_stack``): stage ``s`` runs the
+        ``s``-th of ``S`` identical chunks of the layer sequence, its own block of every stack, as that chunk's scan
+        segments (Llama's one stack: one segment; Gemma 3's five sliding layers and a global one: two)."""
+        stacks, layer_stacks, layer_fn = self._pipeline_parts()
+        return pipeline_stack(stacks, layer_fn, h, ropes, mask, microbatches=microbatches, schedule=schedule,
+                              scan=self.config.scan_layers, remat_policy=self.config.remat_policy,
+                              layer_stacks=layer_stacks)
 
     def _one_f_one_b_loss(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
                           loss_targets: tuple[jax.Array, jax.Array], microbatches: int,
                           virtual_stages: int = 1) -> jax.Array:
         """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order (interleaved
-        with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``), as a function autodiff can differentiate:
-        its gradients (layers, norm and head, ``h``) come from the same program, so the trainer's
-        ``value_and_grad`` works unchanged."""
-        parts = self.layer_segments()
-        stacks = self.layer_stacks()
-        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
-            raise ValueError(f"{type(self).__name__}'s layers are not one scan over whole stacks; the pipeline "
-                             "('stage' mesh axis) cannot split them. Train this model on a mesh without 'stage'")
-        segment = parts[0]
+        with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``, the layers split into chunks as in
+        ``_pipelined_layers``), as a function autodiff can differentiate: its gradients (layers, norm and head,
+        ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged."""
+        stacks, layer_stacks, layer_fn = self._pipeline_parts()
         head_module = nnx.List([self.norm, self.embed if self.lm_head is None else self.lm_head])
         head_graph, head_state = nnx.split(head_module)
-        stack_graph, stack_state = nnx.split(segment.group)
-
-        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
-            for name, layer in zip(segment.pattern, group):
-                h = layer(h, *ropes[name], mask)
-            return h
+        stack_graphs = {name: nnx.graphdef(stack) for name, stack in stacks.items()}
+        stack_state = {name: nnx.state(stack) for name, stack in stacks.items()}
 
         def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> jax.Array:
             norm, head = nnx.merge(head_graph, head_state)
@@ -572,8 +564,9 @@ class CausalLM(CausalLMBase):
 
         def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
             loss, d_stack, d_head, d_h = pipeline_1f1b_value_and_grad(
-                nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, loss_targets, ropes, mask,
-                microbatches=microbatches, virtual_stages=virtual_stages)
+                {name: nnx.merge(stack_graphs[name], state) for name, state in stack_state.items()}, layer_fn,
+                head_fn, head_state, h, loss_targets, ropes, mask, microbatches=microbatches,
+                virtual_stages=virtual_stages, layer_stacks=layer_stacks)
             return loss, (d_stack, d_head, d_h)
 
         @jax.custom_vjp

@@ -73,16 +73,17 @@ def _batch() -> dict[str, np.ndarray]:
             "attention_mask": mask, "loss_mask": mask}
 
 
-def drawn_parts(make) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model ``make()`` builds, with norm scales 1 + noise and every other float Variable N(0, 0.1), drawn
-    with numpy (gradients far from Adam's eps); integer Variables stay zero."""
+def drawn_parts(make, norm_scale: float = 1.0) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model ``make()`` builds, with norm scales ``norm_scale`` + noise (0 for norms applied as ``1 + w``) and
+    every other float Variable N(0, 0.1), drawn with numpy (gradients far from Adam's eps); integer Variables stay
+    zero."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             return jnp.zeros(leaf.shape, leaf.dtype)
-        scale = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
+        scale = norm_scale if "scale" in jax.tree_util.keystr(path) else 0.0
         return jnp.asarray(scale + rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
 
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
