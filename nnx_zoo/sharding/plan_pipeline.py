@@ -193,7 +193,7 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
             # stage's layers stay gathered through the forward and the backward (XLA's buffer assignment), where
             # the un-pipelined scan gathers one layer at a time.
             weights.pop("gathered weights, one layer", None)
-            weights[f"gathered weights, the stage's {stage_layers} layers"] = stage_gathered
+            weights[f"gathered weights, stage's {stage_layers} layers"] = stage_gathered
             if remat == "full":  # as memory_plan: the MLP's cotangents take the down projection's two buffers
                 one_layer["cotangents, one layer"] = max(0, one_layer.get("cotangents, one layer", 0)
                                                          - 2 * weights["gathered gradient, one weight"])
