@@ -876,7 +876,8 @@ def kind_description(s: DecoderShapes) -> str:
     return "layers: " + "; ".join(parts)
 
 
-# ---- DeepSeek-V4 (``nnx_zoo.models.deepseek4``): its own attention, hyper-connection streams and layer schedule ----
+# ---- DeepSeek-V4's shapes (``nnx_zoo.models.deepseek4``; its formulas: ``plan_deepseek4``) ----
+# Here, not there, because ``DecoderShapes.from_config`` reads them and ``plan_deepseek4`` imports this module.
 
 # Names of V4's config values (``nnx_zoo.models.deepseek4.config``; this package imports no model code, and
 # tests/sharding/test_sharding_plan.py checks that these agree with it, with its kernel's rules and its schedule).
