@@ -52,10 +52,13 @@ CONFIG = Llama3Config.preset("llama3-tiny", vocab_size=VOCAB, hidden_size=32, in
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 # name -> (mesh sizes, devices used); "alone": the stage axis on as many devices as it has stages.
 MESHES = {"stage2": ({"stage": 2}, 2), "stage4": ({"stage": 4}, 4),
-          "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8)}
+          "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 8),
+          "stage4-tensor2": ({"stage": 4, "tensor": 2}, 8)}
 # (mesh, mode, accumulation steps, pipeline micro-batches): each micro-batch's rows still divide over fsdp.
 CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
-         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4}[m] // accum]
+         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4, "stage2-tensor2-fsdp2": 4,
+                       "stage4-tensor2": 4}[m] // accum]
          for schedule in ("gpipe", "1f1b", "interleaved")
          if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
