@@ -50,7 +50,8 @@ STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
 # accumulation step, and each micro-batch's rows must divide over the batch's mesh axes (fsdp, expert).
 MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
           "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4, 8),
-          "stage2-fsdp2": ({"stage": 2, "fsdp": 2}, 4, 4)}
+          "stage2-fsdp2": ({"stage": 2, "fsdp": 2}, 4, 4),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 2, 8)}
 CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "interleaved")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
@@ -58,6 +59,8 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage4-fsdp2", mode, accum, schedule) for mode in ("auto", "explicit") for accum in (1, 2)
               for schedule in ("gpipe", "1f1b")]
     CASES += [("stage2-fsdp2", mode, accum, "interleaved") for mode in ("auto", "explicit") for accum in (1, 2)]
+CASES += [("stage2-tensor2-fsdp2", mode, 1, schedule) for mode in ("auto", "explicit")
+          for schedule in ("gpipe", "1f1b", "interleaved")]
 VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1, stage s holding chunks s and 2 + s
 
 
