@@ -9,10 +9,11 @@ Every schedule: GPipe (``pipeline_stack`` differentiated by the trainer), 1F1B a
 stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss on the last stage,
 ``loss_targets`` -> ``loss_sum``, gradients from the 1F1B program).
 
-Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs four:
+Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs five:
 GPipe on stage 2 x FSDP 4, Explicit, no accumulation, and on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on
-stage 4 x FSDP 2, Explicit; interleaved on stage 2 x FSDP 4, Auto. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4,
-alone (on 2 and 4 devices) and with FSDP (on 8), Auto and Explicit, with and without accumulation, every schedule
+stage 4 x FSDP 2, Explicit, and on stage 2 x tensor 2 x FSDP 2, Auto; interleaved on stage 2 x FSDP 4, Auto.
+``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP, with tensor (stage 4 x tensor 2)
+and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and without accumulation, every schedule
 (interleaved where the 4 layers split into 2 chunks per stage and the micro-batches into groups of the stages).
 """
 
@@ -53,7 +54,7 @@ OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 # name -> (mesh sizes, devices used); "alone": the stage axis on as many devices as it has stages.
 MESHES = {"stage2": ({"stage": 2}, 2), "stage4": ({"stage": 4}, 4),
           "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8),
-          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 8),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 8),  # heads, kv heads, MLP, vocab on tensor
           "stage4-tensor2": ({"stage": 4, "tensor": 2}, 8)}
 # (mesh, mode, accumulation steps, pipeline micro-batches): each micro-batch's rows still divide over fsdp.
 CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
@@ -63,7 +64,8 @@ CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", 
          if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
     CASES = [("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage4-fsdp2", "auto", 2, 2, "gpipe"),
-             ("stage4-fsdp2", "explicit", 1, 4, "1f1b"), ("stage2-fsdp4", "auto", 1, 2, "interleaved")]
+             ("stage4-fsdp2", "explicit", 1, 4, "1f1b"), ("stage2-fsdp4", "auto", 1, 2, "interleaved"),
+             ("stage2-tensor2-fsdp2", "auto", 1, 4, "1f1b")]
 
 
 @functools.cache
