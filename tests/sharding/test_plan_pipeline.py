@@ -129,16 +129,18 @@ def test_microbatches_must_divide_the_rows():
 # ---- the per-stage plan against XLA's buffer assignment of the real pipelined train step ----------------------
 # A tiny Llama (4 layers) and a tiny DeepSeek-V3 (1 dense + 4 MoE layers, 8 experts top-2), remat none, 4 rows per
 # batch shard x 64 positions in 4 micro-batches of one row, vocab 512, stage 2 x fsdp 4 under Auto (as
-# benchmarks/pipeline_schedules.py compiles it); the trainer's train_step (forward, backward, AdamW) compiled from
-# abstract inputs, nothing runs. Arguments: exactly the plan's parameters + AdamW moments + buffers of the fullest
-# stage, plus the optimizer's step counters and the batch. Temporaries: the step is not donated, so XLA's temp
-# holds the gradients and the activations: the plan's gradients + its activation peak for the schedule, measured
-# 1.06 (Llama, GPipe), 0.96 (Llama, 1F1B), 0.90 (DeepSeek, GPipe), 0.89 (DeepSeek, 1F1B); held to 0.85-1.10.
-# (Before the stage's hoisted weight gathers were counted, Llama's GPipe was 1.14.) CI compiles two (Llama GPipe,
-# DeepSeek 1F1B: ~8 and ~18 s); NNX_ZOO_FULL_MATRIX=1 adds the other schedule of each.
-XLA_CASES = [("llama", "gpipe"), ("deepseek", "1f1b")]
+# benchmarks/pipeline_schedules.py compiles it) or Explicit; the trainer's train_step (forward, backward, AdamW)
+# compiled from abstract inputs, nothing runs. Arguments: exactly the plan's parameters + AdamW moments + buffers of
+# the fullest stage, plus the optimizer's step counters and the batch. Temporaries: the step is not donated, so
+# XLA's temp holds the gradients and the activations: the plan's gradients + its activation peak for the schedule,
+# measured 1.06 (Llama, GPipe, Auto and Explicit), 0.96 (Llama, 1F1B), 0.90 (DeepSeek, GPipe), 0.89 (DeepSeek,
+# 1F1B); held to 0.85-1.10. (Before the stage's hoisted weight gathers were counted, Llama's GPipe was 1.14; before
+# GPipe ran its shard_map with the mesh's axes Auto, Explicit gathered the scan's residuals over fsdp: 2.6x.) CI
+# compiles two (Llama GPipe Explicit, DeepSeek 1F1B Auto: ~8 and ~18 s); NNX_ZOO_FULL_MATRIX=1 adds the rest.
+XLA_CASES = [("llama", "gpipe", "explicit"), ("deepseek", "1f1b", "auto")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    XLA_CASES += [("llama", "1f1b"), ("deepseek", "gpipe")]
+    XLA_CASES += [("llama", "gpipe", "auto"), ("llama", "1f1b", "auto"), ("deepseek", "gpipe", "auto"),
+                  ("deepseek", "gpipe", "explicit")]
 XLA_ROWS, XLA_SEQ, XLA_MICRO = 4, 64, 4
 
 
@@ -183,10 +185,10 @@ def _device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize(("family", "schedule"), XLA_CASES)
-def test_stage_plan_matches_xlas_arguments_and_temporaries(family, schedule):
+@pytest.mark.parametrize(("family", "schedule", "mode"), XLA_CASES)
+def test_stage_plan_matches_xlas_arguments_and_temporaries(family, schedule, mode):
     config = _xla_config(family)
-    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode="auto")
+    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode=mode)
     memory, state, batch = _compiled_train_step(config, mesh, schedule)
     model_cls = AutoModelForCausalLM.model_class(config)
     plan = pipeline_memory_plan(lambda: model_cls(config, rngs=nnx.Rngs(0)), config, mesh, "default",
