@@ -42,14 +42,22 @@ from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
+from nnx_zoo.layers.pipeline import (
+    STAGE_AXIS,
+    pipeline_1f1b_value_and_grad,
+    pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
+from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
 from nnx_zoo.models.inputs import check_forward_inputs
 from nnx_zoo.models.inputs import check_ids_fit as check_ids_fit  # re-exported: its old home
-from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules
+from nnx_zoo.sharding import abstract_module, axes_tuple, create_sharded, get_rules, shard, use_rules
+from nnx_zoo.sharding.axes import UNPIPELINED_STACK
+from nnx_zoo.sharding.rules import Rules, outside_pipeline
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 # Outside the pipeline (the embedding's output, the final hidden state, the logits): the batch split over 'stage'
@@ -392,11 +400,13 @@ class CausalLM(CausalLMBase):
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
 
     def _init_layers(self, c: DecoderConfig, rngs: nnx.Rngs) -> None:
-        """One scanned stack per layer kind, named by ``config.layer_stacks()`` (a plain dense model: ``layers``)."""
+        """One scanned stack per layer kind, named by ``config.layer_stacks()`` (a plain dense model: ``layers``);
+        the stacks of the layers before ``pipeline_layers`` on ``unpipelined_layers`` (whole on every stage)."""
         for name, kind, indices in c.layer_stacks():
             layer_class = self.layer_class(kind)
+            axis = UNPIPELINED_STACK if indices[0] < c.unpipelined_layers else STACK_AXIS
             setattr(self, name, create_stack(lambda r, cls=layer_class, kind=kind: cls(c, kind=kind, rngs=r),
-                                             len(indices), rngs, STACK_AXIS))
+                                             len(indices), rngs, axis))
 
     def layer_class(self, kind: Any) -> type[nnx.Module]:
         """The module of a layer of ``kind``, built as ``cls(config, kind=kind, rngs=rngs)``."""
@@ -409,9 +419,7 @@ class CausalLM(CausalLMBase):
 
     def layer_segments(self) -> list[Segment]:
         """The layers in model order as scan segments (``nnx_zoo.layers.scan.segments``)."""
-        c = self.config
-        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
-        return segments([name_of[kind] for kind in c.layer_kinds()], self.layer_stacks())
+        return segments(self.config.layer_stack_names(), self.layer_stacks())
 
     def _kinds_by_stack(self) -> dict[str, Any]:
         return {name: kind for name, kind, _ in self.config.layer_stacks()}
@@ -495,6 +503,8 @@ class CausalLM(CausalLMBase):
                     raise ValueError("with_hidden_states=True is not supported on a mesh with a 'stage' axis (the "
                                      "pipeline hands on only the last layer's output); run it without 'stage'")
                 schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                c.check_pipeline(stage_count(), schedule.virtual_stages)  # says which pipeline_layers fit
+                h = self._unpipelined_prefix(h, ropes, mask)  # config.pipeline_layers: the layers before it
                 if schedule.loss_inside:
                     if loss_targets is None:
                         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
@@ -518,17 +528,44 @@ class CausalLM(CausalLMBase):
                                   hidden_states=hidden_states, final_hidden=final_hidden)
 
     def _pipeline_parts(self) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., jax.Array]]:
-        """What the pipeline runs: the layer stacks by name, the stack name of each layer in model order (the
-        pipeline splits that sequence into identical chunks, one per stage and virtual stage, or says which chunk
-        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> h``, one layer of stack ``name``."""
+        """What the pipeline runs: the pipelined layer stacks by name (all but the ``pipeline_layers`` prefix's),
+        the stack name of each of their layers in model order (the pipeline splits that sequence into identical
+        chunks, one per stage and virtual stage, or says which chunk counts fit), and ``layer_fn(name, layer, h,
+        ropes, mask) -> h``, one layer of stack ``name``."""
         c = self.config
-        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
+        names = c.layer_stack_names()[c.unpipelined_layers:]
 
         def layer_fn(name: str, layer: nnx.Module, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
                      ) -> jax.Array:
             return layer(h, *ropes[name], mask)
 
-        return self.layer_stacks(), tuple(name_of[kind] for kind in c.layer_kinds()), layer_fn
+        return {name: self.layer_stacks()[name] for name in dict.fromkeys(names)}, names, layer_fn
+
+    def _unpipelined_prefix(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> jax.Array:
+        """The layers before the pipeline (``config.pipeline_layers``: the first ``unpipelined_layers``) on ``h``,
+        outside it: their weights whole on every stage, their batch split over ``stage`` where it divides
+        (``outside_pipeline``: each stage computes its share, as the embedding does)."""
+        c = self.config
+        split = c.unpipelined_layers
+        if not split:
+            return h
+        names = c.layer_stack_names()[:split]
+        stacks = self.layer_stacks()
+        placed = resolve_activation(("activation_embed_and_logits_batch",), h.shape[:1])[0]
+        rules = outside_pipeline(self.rules) if STAGE_AXIS in axes_tuple(placed) else self.rules
+
+        def body(pattern: tuple[str, ...]) -> Any:
+            def run(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, None]:
+                for name, layer in zip(pattern, group):
+                    h = layer(h, *ropes[name], mask)
+                return h, None
+            return run
+
+        with use_rules(rules, allow_partial=self.allow_partial):
+            for segment in segments(names, {name: stacks[name] for name in dict.fromkeys(names)}):
+                h, _ = run_stack(segment.group, body(segment.pattern), h, scan=c.scan_layers,
+                                 remat_policy=c.remat_policy)
+        return h
 
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
                           schedule: str) -> jax.Array:
