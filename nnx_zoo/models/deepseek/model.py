@@ -387,6 +387,8 @@ class DeepSeekV3(CausalLMBase):
                         stack, shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
                         pipeline_microbatches)
                     carry = (shard(h, _OUT_BLE), None)
+                    if len(moe_records):  # MoE layers ran before the pipeline: their stats join these, whole
+                        record = jax.tree.map(_unsplit, record)
                     records.append(record)
                     moe_records.append(record)
                     continue
@@ -598,9 +600,9 @@ class DeepSeekV3(CausalLMBase):
                 balance = balance + jnp.sum(jnp.sum(prefix.balance_loss, axis=0) * rows)
             aux_loss = balance / jnp.maximum(jnp.sum(rows), 1.0)
         load, dropped = stats.get("load"), stats.get("dropped")
-        if prefix is not None and load is not None and prefix.expert_load is not None:
-            load = jnp.concatenate([jax.lax.stop_gradient(prefix.expert_load), load])
-            dropped = jnp.concatenate([prefix.dropped_tokens, dropped])
+        if prefix is not None and load is not None and prefix.expert_load is not None:  # whole, as the prefix's
+            load = jnp.concatenate([jax.lax.stop_gradient(prefix.expert_load), _unsplit(load)])
+            dropped = jnp.concatenate([prefix.dropped_tokens, _unsplit(dropped)])
         return CausalLMOutput(logits=None, loss_sum=total - jax.lax.stop_gradient(total - ce),
                               mtp_loss_sums=mtp_sums, expert_load=load, dropped_tokens=dropped, aux_loss=aux_loss)
 
@@ -706,6 +708,12 @@ def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
     if attention_mask is None:
         return jnp.ones(x.shape[:1], jnp.float32)
     return jnp.any(attention_mask.astype(bool), axis=-1).astype(jnp.float32)
+
+
+def _unsplit(a: jax.Array) -> jax.Array:
+    """A per-layer stat out of the pipeline (its layer dim on ``stage``) whole, to join those of the layers run
+    before it (whole on every stage: one array of one sharding under Explicit meshes)."""
+    return shard(a, (None,) * a.ndim)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
