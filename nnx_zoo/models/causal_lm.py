@@ -474,7 +474,9 @@ class CausalLM(CausalLMBase):
         per stage, default 2; the embedding split over ``stage`` as GPipe's) need ``loss_targets=(targets, loss_mask)``
         (``[batch, seq]`` each): the final norm, head and cross-entropy run on the last stage, each micro-batch's
         backward right after its forward, and the output carries only ``loss_sum`` (its gradient computed in the
-        same program). Without a ``stage`` axis these are ignored.
+        same program). Without a ``stage`` axis these are ignored. With ``config.pipeline_layers`` only the last
+        layers are pipelined; the ones before run ahead of the pipeline (``_unpipelined_prefix``), on each stage's
+        share of the batch.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:

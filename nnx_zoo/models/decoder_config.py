@@ -411,7 +411,8 @@ class DecoderConfig(FamilyConfig):
 
         >>> Llama3Config.preset("llama3-tiny").layer_stacks()
         [('layers', LayerKind(attention='full', moe=False), (0, 1, 2, 3))]
-        >>> [(name, indices) for name, _, indices in Llama3Config.preset("llama3-tiny", pipeline_layers=2).layer_stacks()]
+        >>> split = Llama3Config.preset("llama3-tiny", pipeline_layers=2)
+        >>> [(name, indices) for name, _, indices in split.layer_stacks()]
         [('prefix_layers', (0, 1)), ('layers', (2, 3))]
         """
         kinds, split = self.layer_kinds(), self.unpipelined_layers

@@ -6,7 +6,8 @@ stage's share of every stack. Where a stack's ``L`` layers do not divide the ``S
 fullest stage, ``ceil(L / S)`` layers (what an uneven split such as Megatron's holds at most); nnx_zoo's pipeline
 itself needs an even split, and the table says so. With ``pipeline_layers`` (the model config's: only the last
 layers pipelined) the layers before them are on unpipelined stacks: counted whole on every stage, their
-activations as the dense prefix's (run before the pipeline on the stage's share of the rows). Gradients and AdamW's two float32 moments follow the parameters.
+activations as the dense prefix's (run before the pipeline on the stage's share of the rows). Gradients and AdamW's
+two float32 moments follow the parameters.
 
 Activations of the fullest stage by schedule, ``M`` micro-batches of ``m`` rows (each batch shard's rows over
 ``M``), ``S`` stages, ``V`` virtual stages; ``keep(m)``: what the stage's layers keep for the backward for one

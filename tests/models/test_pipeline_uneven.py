@@ -124,7 +124,8 @@ def test_split_model_is_the_same_model_through_hf(family, tmp_path):
 def test_layer_counts_that_do_not_split_say_which_pipeline_layers_fit():
     v3 = ds.CONFIG.with_overrides(num_hidden_layers=61, first_k_dense_replace=3)  # V3's 3 dense + 58 MoE layers
     with pytest.raises(ValueError, match=r"58 pipelined MoE layers .* do not split into 16 equal chunks.*"
-                                         r"--model.pipeline_layers 48: the first 10 MoE layers run before the pipeline"):
+                                         r"--model.pipeline_layers 48: the first 10 MoE layers run before the "
+                                         r"pipeline"):
         v3.check_pipeline(16)
     v3.with_overrides(pipeline_layers=48).check_pipeline(16)  # fits
     with pytest.raises(ValueError, match=r"pipeline_layers=50\) do not split into 16.*pipeline_layers 48"):
