@@ -140,8 +140,8 @@ def test_what_the_pipelined_deepseek_forward_does_not_run_is_refused():
     for kwargs, message in [
         # 4 MoE layers do not split into 8 chunks; checked before anything runs.
         (dict(pipeline_schedule="interleaved", pipeline_virtual_stages=4, loss_targets=(ids, ids)),
-         r"DeepSeekV3 pipelines its 4 MoE layers \(num_hidden_layers 5 - first_k_dense_replace 1\), which do not "
-         r"split into 8 equal chunks \(2 stages x 4 virtual stages\); use --virtual-stages one of \[1, 2\]"),
+         r"the 4 pipelined MoE layers \(num_hidden_layers 5 - first_k_dense_replace 1\) do not split into 8 equal "
+         r"chunks \(2 stages x 4 virtual stages\); use --virtual-stages one of \[1, 2\]"),
         (dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
     ]:
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
