@@ -279,7 +279,7 @@ def _parallelism_arguments(g: argparse._ArgumentGroup) -> None:
                    "stage (stage s runs layer chunks s, S+s, ...), at most (V+1)S-1 chunk inputs kept")
     g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="--pipeline-schedule interleaved: layer chunks per stage (default 2; the layers must split "
-                   "into V*S equal chunks); 1 with the other schedules")
+                   "into V*S chunks of the same layer kinds); 1 with the other schedules")
     g.add_argument("--num-processes", type=int, default=int(os.environ.get("NNX_ZOO_NUM_PROCESSES", 1)),
                    help="processes in a multi-host run (env NNX_ZOO_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, default=int(os.environ.get("NNX_ZOO_PROCESS_ID", 0)),

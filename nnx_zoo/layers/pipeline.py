@@ -8,6 +8,13 @@ tensor and the rest shard each stage's layers as they shard the un-pipelined mod
 stage that holds a micro-batch (stage ``s`` holds ``t - s``) runs its layers on it, the last stage keeps what it
 finished (micro-batch ``t - S + 1``), and ``jax.lax.ppermute`` hands each stage's output to the next.
 
+Several stacks (one per layer kind: Gemma 3's sliding and global layers) pipeline when the model's layer sequence
+(the stack name of each layer, in model order) is ``S V`` identical chunks (``pipeline_chunk``; ``V`` virtual
+stages, 1 but for interleaved 1F1B). Then chunk ``k`` holds layers ``k n / (S V) .. (k + 1) n / (S V) - 1`` of every
+stack of ``n`` layers, which is exactly what the contiguous placement puts on a stage (a block of ``V`` chunks), and
+a stage runs a chunk as the scan segments of one chunk's sequence over its local slices of the stacks
+(``nnx_zoo.layers.scan.segments``; slicing local arrays, no traffic). A lone stack is the one-kind case.
+
 Its schedule is GPipe's: differentiating the scan runs the time steps backwards, so every micro-batch's forward
 finishes before the first backward starts, and the activations of all ``M`` micro-batches stay alive (as many as
 the remat policy keeps). The bubble is ``(S - 1) / (M + S - 1)`` of each stage's time, forward and backward.
@@ -31,7 +38,7 @@ of the two runs and whether the loss runs inside the pipeline: the model and the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -40,7 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from nnx_zoo.layers.scan import _check_micro_batch, _explicit_spec_of, run_stack
+from nnx_zoo.layers.scan import _check_micro_batch, _explicit_spec_of, run_stack, segments
 
 STAGE_AXIS = "stage"  # the mesh axis the layer stacks are split over
 
@@ -103,9 +110,116 @@ def check_stages(layers: int, stages: int, what: str = "the layer stack") -> Non
         )
 
 
+def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages: int = 1) -> tuple[Hashable, ...]:
+    """The stack names of one chunk's layers when ``layer_stacks`` (the stack name of each layer, in model order)
+    is ``stages * virtual_stages`` identical chunks; else a clear error naming the chunk counts that fit (or saying
+    that none does) and how to fix it.
+
+    >>> pipeline_chunk(["sliding", "sliding", "full"] * 4, stages=2)
+    ('sliding', 'sliding', 'full', 'sliding', 'sliding', 'full')
+    """
+    kinds = tuple(layer_stacks)
+    layers, wanted = len(kinds), stages * virtual_stages
+    fits = [n for n in range(1, layers + 1) if layers % n == 0 and kinds == kinds[:layers // n] * n]
+    if wanted in fits:
+        return kinds[:layers // wanted]
+    runs: list[list[Any]] = []
+    for kind in kinds:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    shown = ", ".join(f"{kind} x{count}" for kind, count in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    split = (f"{wanted} identical chunks ({stages} pipeline stages x {virtual_stages} virtual stages)"
+             if virtual_stages > 1 else f"{stages} identical chunks, one per pipeline stage (mesh axis "
+             f"'{STAGE_AXIS}'={stages})")
+    more = [n for n in fits if n > 1]
+    if more and virtual_stages > 1 and any(n % stages == 0 for n in more):
+        fix = f"use --virtual-stages one of {[n // stages for n in fits if n % stages == 0]}"
+    elif more:
+        fix = (f"use a '{STAGE_AXIS}' mesh size (times --virtual-stages, when interleaved) that is one of {more}, "
+               "the chunk counts that fit")
+    else:
+        period = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i - p] for i in range(p, layers)))
+        fix = (f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer "
+               f"count that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that "
+               f"{wanted} chunks hold whole repeats")
+    raise ValueError(f"the {layers} layers (stack of each, in model order: {shown}) do not split into {split}: "
+                     "every chunk must hold the same sequence of layer kinds, so that each stage's contiguous "
+                     f"block of every stack holds its chunks' layers; {fix}")
+
+
+_LONE = "layers"  # the name a lone stack runs under (what an error about its layer sequence calls it)
+
+
+class _Stacks(NamedTuple):
+    """What a pipeline runs, one form for a lone stack and for several: per stack name its graph definition and
+    state, the stack name of each layer in model order, and ``layer_fn(name, layer, h, *args)``."""
+
+    graphdefs: dict[Hashable, Any]
+    states: dict[Hashable, Any]
+    layer_stacks: tuple[Hashable, ...]
+    layer_fn: Callable[..., Any]
+    lone: bool  # one stack given bare: its per-layer aux (and gradients) are returned bare, not by name
+
+
+def _stacks_of(stack: Any, layer_fn: Callable[..., Any], layer_stacks: Sequence[Hashable] | None) -> _Stacks:
+    """``stack`` (a stacked module, an ``nnx.List`` of them run one layer of each per step, or a mapping of stack
+    names to stacked modules with ``layer_stacks``) as a ``_Stacks``."""
+    if not isinstance(stack, Mapping):
+        if layer_stacks is not None:
+            raise ValueError("layer_stacks= names the stack of each layer when the stacks come as a mapping of "
+                             "names to stacked modules; a lone stack runs its layers in order (drop layer_stacks)")
+        graphdef, state = nnx.split(stack)
+        count = jax.tree.leaves(state)[0].shape[0]
+        return _Stacks({_LONE: graphdef}, {_LONE: state}, (_LONE,) * count,
+                       lambda name, layer, h, *args: layer_fn(layer, h, *args), True)
+    if layer_stacks is None:
+        raise ValueError(f"stacks {sorted(map(str, stack))} given by name need layer_stacks=, the stack name of each "
+                         "layer in model order (a CausalLM's config.layer_stacks() as one name per layer)")
+    split = {name: nnx.split(module) for name, module in stack.items()}
+    counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}
+    named = {name: list(layer_stacks).count(name) for name in dict.fromkeys(layer_stacks)}
+    if named != counts:
+        raise ValueError(f"layer_stacks names {named} layers per stack, but the stacks hold {counts}; give one "
+                         "name per layer, each stack named once per layer it holds")
+    return _Stacks({n: g for n, (g, _) in split.items()}, {n: s for n, (_, s) in split.items()}, tuple(layer_stacks),
+                   layer_fn, False)
+
+
+def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chunk: tuple[Hashable, ...],
+               layer_fn: Callable[..., tuple[jax.Array, Any]], h: jax.Array, args: Any, *, scan: bool = True,
+               remat_policy: str = "none") -> tuple[jax.Array, dict[Hashable, Any]]:
+    """The layers of one chunk (``chunk``: the stack name of each, in model order; ``states``: each stack's layers
+    of this chunk, in model order) on ``h``, run as the chunk's scan segments (``segments``) in order, each layer
+    ``layer_fn(name, layer, h, *args) -> (h, aux)``. Returns ``h`` and, per stack name, the layers' ``aux``
+    stacked per layer in that stack's order."""
+    local = {name: nnx.merge(graphdefs[name], state) for name, state in states.items()}
+    ran: dict[Hashable, list[tuple[np.ndarray, Any]]] = {name: [] for name in local}
+    for segment in segments(chunk, local):
+        def body(group: Any, h: jax.Array, _: Any, pattern: tuple[Hashable, ...] = segment.pattern) -> Any:
+            outputs = []
+            for name, layer in zip(pattern, group):
+                h, aux = layer_fn(name, layer, h, *args)
+                outputs.append(aux)
+            return h, outputs
+
+        h, outputs = run_stack(segment.group, body, h, scan=scan, remat_policy=remat_policy)
+        for name, start, stride, out in zip(segment.pattern, segment.starts, segment.strides, outputs):
+            ran[name].append((start + stride * np.arange(segment.repeats), out))
+    aux = {}
+    for name, parts in ran.items():
+        order = np.argsort(np.concatenate([indices for indices, _ in parts]), kind="stable")
+        if len(parts) == 1 and (order == np.arange(order.size)).all():
+            aux[name] = parts[0][1]
+        else:  # a stack whose layers ran in several segments or pattern positions: back into its order
+            aux[name] = jax.tree.map(lambda *a, order=order: jnp.concatenate(a)[order], *(out for _, out in parts))
+    return h, aux
+
+
 def pipeline_stack(
-    stack: nnx.Module,
-    layer_fn: Callable[..., jax.Array],
+    stack: Any,
+    layer_fn: Callable[..., Any],
     x: jax.Array,
     *args: Any,
     microbatches: int,
@@ -113,42 +227,51 @@ def pipeline_stack(
     scan: bool = True,
     remat_policy: str = "none",
     with_aux: bool = False,
+    layer_stacks: Sequence[Hashable] | None = None,
 ) -> Any:
     """``layer_fn(layer, h, *args) -> h`` folded over the layers of ``stack`` (as ``run_stack`` would), pipelined
     over the ambient mesh's ``stage`` axis with ``microbatches`` micro-batches of ``x [batch, ...]``.
+
+    ``stack`` is a stacked module (or an ``nnx.List`` of them, one layer of each per step, as a scan segment's
+    group), or several stacks: a mapping of stack names to stacked modules, with ``layer_stacks`` the stack name of
+    each layer in model order (each stack's layers in model order), and then ``layer_fn(name, layer, h, *args)``.
+    The layer sequence must be ``S`` identical chunks (``pipeline_chunk``; a lone stack's layer count a multiple
+    of ``S``): stage ``s`` runs chunk ``s``, its local block of every stack, as the chunk's scan segments.
 
     ``with_aux=True``: ``layer_fn`` returns ``(h, aux)`` (a pytree of per-layer outputs that are sums over the
     layer's rows: an MoE layer's expert load, dropped tokens, a balance loss summed over sequences), and the result
     is ``(h, aux)`` with each leaf stacked per layer (``[layers, ...]``, the layer dim on ``stage``, as the stack's
     weights) and summed over the micro-batches: for a sum over rows, the whole batch's value (a term that is not
     one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it). Each aux leaf
-    is whole within a stage (not split over the other mesh axes: sums over the rows are).
+    is whole within a stage (not split over the other mesh axes: sums over the rows are). With stacks by name,
+    ``aux`` is a dict by stack name, each stacked per layer of that stack, in the stack's (model) order.
 
-    ``stack`` is a stacked module (or an ``nnx.List`` of them, one layer of each per step, as a scan segment's
-    group). Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in
+    Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in
     ``batch_split``); arguments (and pytree leaves, such as an ``AttentionMask``'s) with a leading batch dim are
     split the same way, others go to every micro-batch. Returns ``[batch, ...]`` like ``x``, in ``x``'s layout,
     whole on every stage: what follows the stack (the final norm, the head and the loss) runs outside the
     pipeline, where the models split its batch over ``stage`` again (``activation_embed_and_logits_batch``). With
-    no ``stage`` axis (size 1) this is ``run_stack``.
+    no ``stage`` axis (size 1) the layers run in order, unpipelined.
 
     >>> h = pipeline_stack(model.layers, lambda layer, h, cos, sin: layer(h, cos, sin, None), h, cos, sin,
     ...                    microbatches=4)
+    >>> h = pipeline_stack({"sliding": model.sliding, "full": model.full},
+    ...                    lambda name, layer, h, mask: layer(h, *ropes[name], mask), h, mask, microbatches=4,
+    ...                    layer_stacks=("sliding", "sliding", "full") * 4)
     """
     if schedule != "gpipe":
         raise ValueError(f"pipeline_stack runs the 'gpipe' schedule, got {schedule!r} ({tuple(SCHEDULES)}: the "
                          "others run the loss inside the pipeline, pipeline_1f1b_value_and_grad)")
     stages = stage_count()
+    stacks = _stacks_of(stack, layer_fn, layer_stacks)
+    fn = stacks.layer_fn if with_aux else (lambda *a: (stacks.layer_fn(*a), None))
+    run = dict(scan=scan, remat_policy=remat_policy)
 
-    def body(margs: Any) -> Callable[..., tuple[jax.Array, Any]]:  # run_stack's body: (h, this layer's aux)
-        def fn(group: Any, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
-            out = layer_fn(group, h, *margs)
-            return out if with_aux else (out, None)
-        return fn
+    def result(h: jax.Array, aux: dict[Hashable, Any]) -> Any:
+        return (h, aux[_LONE] if stacks.lone else aux) if with_aux else h
 
     if stages == 1:
-        h, aux = run_stack(stack, body(args), x, scan=scan, remat_policy=remat_policy)
-        return (h, aux) if with_aux else h
+        return result(*_run_chunk(stacks.graphdefs, stacks.states, stacks.layer_stacks, fn, x, args, **run))
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches must be a positive integer, got {microbatches!r}")
     batch = x.shape[0]
@@ -158,8 +281,7 @@ def pipeline_stack(
     spec = _explicit_spec_of(x)
     if spec is not None:  # each micro-batch's rows must still split over the devices that split the batch
         _check_micro_batch(jax.typeof(x).sharding.mesh, spec[0], batch, microbatches)
-    graphdef, state = nnx.split(stack)
-    check_stages(jax.tree.leaves(state)[0].shape[0], stages)
+    chunk = pipeline_chunk(stacks.layer_stacks, stages)
     micro = microbatches
 
     def split(a: jax.Array) -> jax.Array:  # [batch, ...] -> [batch / M, M, ...]: row j * M + m is micro-batch m
@@ -177,9 +299,8 @@ def pipeline_stack(
     batched = tuple(is_batched(leaves[i]) for i in dynamic)
     operands = [split(leaves[i]) if b else leaves[i] for i, b in zip(dynamic, batched)]
 
-    def stage_program(state: Any, xs: jax.Array, operands: list[jax.Array]) -> jax.Array:
+    def stage_program(states: Any, xs: jax.Array, operands: list[jax.Array]) -> jax.Array:
         stage = jax.lax.axis_index(STAGE_AXIS)
-        local = nnx.merge(graphdef, state)
 
         def micro_args(index: jax.Array) -> Any:
             picked = list(leaves)
@@ -187,8 +308,8 @@ def pipeline_stack(
                 picked[i] = jax.lax.dynamic_index_in_dim(a, index, axis=1, keepdims=False) if b else a
             return jax.tree.unflatten(treedef, picked)
 
-        def run_local(h: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:
-            return run_stack(local, body(micro_args(index)), h, scan=scan, remat_policy=remat_policy)
+        def run_local(h: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:  # this stage's chunk
+            return _run_chunk(stacks.graphdefs, states, chunk, fn, h, micro_args(index), **run)
 
         def time_step(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array
                       ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
@@ -218,10 +339,20 @@ def pipeline_stack(
 
     in_specs = (PartitionSpec(STAGE_AXIS), PartitionSpec(), [PartitionSpec()] * len(operands))
     # Per-layer aux: each stage's layers' sums, joined over stage in layer order (the layer dim on 'stage').
-    done, aux = jax.shard_map(stage_program, in_specs=in_specs, out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS)),
-                              axis_names={STAGE_AXIS})(state, split(x), operands)
-    done = jnp.reshape(done, x.shape, out_sharding=spec)
-    return (done, aux) if with_aux else done
+    def program(*operands: Any) -> Any:  # the shard_map built in the mesh context it runs in
+        return jax.shard_map(stage_program, in_specs=in_specs,
+                             out_specs=(PartitionSpec(), PartitionSpec(STAGE_AXIS)), axis_names={STAGE_AXIS})(*operands)
+
+    xs = split(x)
+    if spec is not None:
+        # Under an Explicit mesh the scan's saved residuals leave the shard_map gathered whole over the other
+        # axes (fsdp: 2.6x the temporaries of Auto, measured on a 4-layer Llama, stage 2 x fsdp 4) and are sliced
+        # again; run the program with the mesh's axes Auto and give the outputs their Explicit types back.
+        aux_shapes = jax.eval_shape(program, stacks.states, xs, operands)[1]
+        program = jax.sharding.auto_axes(program, out_sharding=(
+            jax.typeof(xs).sharding.spec, jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), aux_shapes)))
+    done, aux = program(stacks.states, xs, operands)
+    return result(jnp.reshape(done, x.shape, out_sharding=spec), aux)
 
 
 # The columns of ``pipeline_order``'s table: per tick and stage, the forward's and the backward's work item.
@@ -267,8 +398,8 @@ def pipeline_order(stages: int, virtual_stages: int, microbatches: int) -> np.nd
 
 
 def pipeline_1f1b_value_and_grad(
-    stack: nnx.Module,
-    layer_fn: Callable[..., jax.Array],
+    stack: Any,
+    layer_fn: Callable[..., Any],
     head_fn: Callable[[Any, jax.Array, Any], jax.Array],
     head_params: Any,
     x: jax.Array,
@@ -277,6 +408,7 @@ def pipeline_1f1b_value_and_grad(
     microbatches: int,
     virtual_stages: int = 1,
     with_aux: bool = False,
+    layer_stacks: Sequence[Hashable] | None = None,
 ) -> tuple[Any, ...]:
     """The summed loss of ``head_fn(head_params, layers(x), targets)`` over ``microbatches`` micro-batches and its
     gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis;
@@ -291,7 +423,10 @@ def pipeline_1f1b_value_and_grad(
     keeps all ``M``. ``head_fn`` returns a scalar summed over its micro-batch; ``targets`` (a pytree) and ``args``
     are split like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in
     ``pipeline_stack``.
-    Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S`` and ``L`` of ``V S``.
+    Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S``. ``stack`` and ``layer_stacks`` as in
+    ``pipeline_stack`` (several stacks by name: ``d stack state`` is then a dict of their states' gradients): the
+    layer sequence must be ``V S`` identical chunks (``pipeline_chunk``), chunk ``k`` holding the ``k``-th ``1 / (V
+    S)`` of every stack, run as that chunk's scan segments.
 
     Bubble: each stage runs a chunk's forward only in a tick that has one for it, its backward (and the last
     stage its head) likewise (``jax.lax.cond`` per stage, see the module's docstring), so with ``f`` and ``b`` a
@@ -322,7 +457,8 @@ def pipeline_1f1b_value_and_grad(
     the layer's backward) and ``stats`` a pytree the loss does not see (expert load, dropped tokens); ``head_fn``
     returns ``(loss, head_stats)``. The result is then ``(loss, d stack state, d head_params, d x, stats,
     head_stats)``: ``loss`` includes every layer's ``loss_part``, ``stats`` is stacked per layer (the layer dim on
-    ``stage``) and summed over the micro-batches, ``head_stats`` summed over them.
+    ``stage``) and summed over the micro-batches, ``head_stats`` summed over them; with stacks by name ``stats`` is
+    a dict by stack name, each stacked per layer of that stack in its (model) order.
 
     >>> loss, d_stack, d_head, d_x = pipeline_1f1b_value_and_grad(stack, layer_fn, head_fn, w, x, targets,
     ...                                                           microbatches=4, virtual_stages=2)
@@ -345,15 +481,9 @@ def pipeline_1f1b_value_and_grad(
     spec = _explicit_spec_of(x)
     if spec is not None:  # each micro-batch's rows must still split over the devices that split the batch
         _check_micro_batch(jax.typeof(x).sharding.mesh, spec[0], batch, micro)
-    graphdef, state = nnx.split(stack)
-    layers = jax.tree.leaves(state)[0].shape[0]
-    check_stages(layers, stages)
-    if layers % (virtual * stages):
-        fits = [v for v in range(1, layers // stages + 1) if layers % (v * stages) == 0]
-        raise ValueError(f"the layer stack has {layers} layers, which do not split into {virtual} virtual stages "
-                         f"on each of {stages} pipeline stages ({virtual * stages} equal chunks); use "
-                         f"--virtual-stages one of {fits}, or a layer count that is a multiple of "
-                         f"{virtual * stages}")
+    stacks = _stacks_of(stack, layer_fn, layer_stacks)
+    chunk_kinds = pipeline_chunk(stacks.layer_stacks, stages, virtual)
+    state = stacks.states
     order = pipeline_order(stages, virtual, micro)
     slots, last_chunk = int(order[..., F_SLOT].max()) + 1, virtual - 1  # at most (V + 1) S - 1
     # The ring closes (stage S-1 hands chunk v's output to stage 0's chunk v+1) only when there are chunks to chain.
@@ -376,7 +506,8 @@ def pipeline_1f1b_value_and_grad(
         last = stage == stages - 1
         varying = lambda a: jax.lax.pcast(a, STAGE_AXIS, to="varying")  # noqa: E731
         head_params = jax.tree.map(varying, head_params)  # differentiated per stage, summed once at the end
-        # [V Lc, ...] in layer order (chunks b V + u) -> [V, Lc, ...], chunk v = v S + s (identity for V = 1).
+        # Each stack's [V n, ...] in layer order (chunks b V + u) -> [V, n, ...] (n: its layers in a chunk), then
+        # chunk v = v S + s (identity for V = 1): leaf by leaf, so stacks of different lengths move alike.
         chunks = jax.tree.map(lambda a: jnp.reshape(a, (virtual, a.shape[0] // virtual, *a.shape[1:])), state)
         chunks = _move_chunks(chunks, stages, lambda s, v: divmod(v * stages + s, virtual))
         table = jnp.asarray(order)
@@ -390,16 +521,15 @@ def pipeline_1f1b_value_and_grad(
         def chunk_of(tree: Any, v: jax.Array) -> Any:
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False), tree)
 
+        def fn(*a: Any) -> tuple[jax.Array, Any]:  # one layer: (h, (loss_part, stats))
+            out = stacks.layer_fn(*a)
+            return out if with_aux else (out, (jnp.zeros((), jnp.float32), None))
+
         def stage_fn(chunk: Any, h: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
-            """The chunk on ``h``: ``(h, its layers' summed loss_part, their stats [Lc, ...])``."""
+            """The chunk on ``h``: ``(h, its layers' summed loss_part, their stats per stack [n, ...])``."""
             _, margs = micro_inputs(index)
-
-            def body(group: Any, h: jax.Array, _: Any) -> tuple[jax.Array, Any]:
-                out = layer_fn(group, h, *margs)
-                return out if with_aux else (out, (jnp.zeros((), jnp.float32), None))
-
-            h, (parts, stats) = run_stack(nnx.merge(graphdef, chunk), body, h)
-            return h, jnp.sum(parts), stats
+            h, aux = _run_chunk(stacks.graphdefs, chunk, chunk_kinds, fn, h, margs)
+            return h, sum(jnp.sum(parts) for parts, _ in aux.values()), {name: st for name, (_, st) in aux.items()}
 
         def head_value_and_grad(head_params: Any, h: jax.Array, tgt: Any) -> tuple[Any, Any]:
             if with_aux:
@@ -489,6 +619,8 @@ def pipeline_1f1b_value_and_grad(
                                                   PartitionSpec(), PartitionSpec(STAGE_AXIS), PartitionSpec()),
         axis_names={STAGE_AXIS})(state, head_params, split(x), operands)
     d_x = jnp.reshape(d_x, x.shape, out_sharding=_explicit_spec_of(x))
+    if stacks.lone:
+        d_state, stats = d_state[_LONE], stats[_LONE]
     return (loss, d_state, d_head, d_x, stats, head_stats) if with_aux else (loss, d_state, d_head, d_x)
 
 

@@ -546,63 +546,56 @@ class CausalLM(CausalLMBase):
         del with_expert_load
         return layer(h, cos, sin, mask), {}
 
-    def _pipeline_outputs(self, stats: list[dict[str, Any]]) -> dict[str, Any]:
-        """``CausalLMOutput`` fields made of the pipelined layers' stats (``stats[p]``: pattern position ``p``'s
-        ``_pipeline_layer`` stats, each leaf ``[repeats, ...]`` summed over the micro-batches): none here."""
+    def _pipeline_outputs(self, stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``CausalLMOutput`` fields made of the pipelined layers' stats (``stats[name]``: stack ``name``'s
+        ``_pipeline_layer`` stats, each leaf ``[its layers, ...]`` in model order, summed over the micro-batches):
+        none here."""
         del stats
         return {}
 
+    def _pipeline_parts(self, with_expert_load: bool = False
+                        ) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., Any]]:
+        """What the pipeline runs: the layer stacks by name, the stack name of each layer in model order (the
+        pipeline splits that sequence into identical chunks, one per stage and virtual stage, or says which chunk
+        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> (h, stats)``, one layer of stack ``name``
+        (``_pipeline_layer``)."""
+        c = self.config
+        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
+
+        def layer_fn(name: str, layer: nnx.Module, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
+                     ) -> tuple[jax.Array, dict[str, Any]]:
+            return self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
+
+        return self.layer_stacks(), tuple(name_of[kind] for kind in c.layer_kinds()), layer_fn
+
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
-                          schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, list[dict[str, Any]]]:
-        """Every layer on ``h``, pipelined over the ``stage`` axis: one scan segment of whole stacks (Llama's one
-        ``layers``; a repeating pattern such as GPT-OSS's sliding/full pair, each stage holding a block of its
-        repeats), else a clear error. Returns ``(h, stats)``: per pattern position, its layers'
-        ``_pipeline_layer`` stats stacked over the repeats and summed over the micro-batches."""
-        parts = self.layer_segments()
-        stacks = self.layer_stacks()
-        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
-            raise ValueError(
-                f"{type(self).__name__}'s layers run as {len(parts)} scan segments of parts of its stacks "
-                f"{[seg.pattern for seg in parts]}; the pipeline ('stage' mesh axis) needs one segment that repeats "
-                "one pattern over whole stacks. Train this model on a mesh without 'stage'")
-        segment = parts[0]
-
-        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
-                     ) -> tuple[jax.Array, list[dict[str, Any]]]:
-            stats = []
-            for name, layer in zip(segment.pattern, group):
-                h, layer_stats = self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
-                stats.append(layer_stats)
-            return h, stats
-
-        return pipeline_stack(segment.group, layer_fn, h, ropes, mask, microbatches=microbatches,
-                              schedule=schedule, scan=self.config.scan_layers, remat_policy=self.config.remat_policy,
-                              with_aux=True)
+                          schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+        """Every layer on ``h``, pipelined over the ``stage`` axis (``pipeline_stack``): stage ``s`` runs the
+        ``s``-th of ``S`` identical chunks of the layer sequence, its own block of every stack, as that chunk's scan
+        segments (Llama's one stack: one segment; Gemma 3's five sliding layers and a global one: two). Returns
+        ``(h, stats)``: the layers' ``_pipeline_layer`` stats by stack, summed over the micro-batches."""
+        stacks, layer_stacks, layer_fn = self._pipeline_parts(with_expert_load)
+        return pipeline_stack(stacks, layer_fn, h, ropes, mask, microbatches=microbatches, schedule=schedule,
+                              scan=self.config.scan_layers, remat_policy=self.config.remat_policy,
+                              layer_stacks=layer_stacks, with_aux=True)
 
     def _one_f_one_b_loss(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
                           loss_targets: tuple[jax.Array, jax.Array], microbatches: int,
                           virtual_stages: int = 1, with_expert_load: bool = False
-                          ) -> tuple[jax.Array, list[dict[str, Any]]]:
+                          ) -> tuple[jax.Array, dict[str, Any]]:
         """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order (interleaved
-        with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``), as a function autodiff can differentiate:
-        its gradients (layers, norm and head, ``h``) come from the same program, so the trainer's
-        ``value_and_grad`` works unchanged. Returns ``(loss, stats)``, the layers' stats as ``_pipelined_layers``'
-        (values without gradient: no loss term reads them)."""
-        parts = self.layer_segments()
-        stacks = self.layer_stacks()
-        if len(parts) != 1 or any(layers is not stacks[name] for name, layers in zip(parts[0].pattern, parts[0].group)):
-            raise ValueError(f"{type(self).__name__}'s layers are not one scan over whole stacks; the pipeline "
-                             "('stage' mesh axis) cannot split them. Train this model on a mesh without 'stage'")
-        segment = parts[0]
+        with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``, the layers split into chunks as in
+        ``_pipelined_layers``), as a function autodiff can differentiate: its gradients (layers, norm and head,
+        ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged. Returns ``(loss,
+        stats)``, the layers' stats as ``_pipelined_layers``' (values without gradient: no loss term reads them)."""
+        stacks, layer_stacks, stats_fn = self._pipeline_parts(with_expert_load)
         head_module = nnx.List([self.norm, self.embed if self.lm_head is None else self.lm_head])
         head_graph, head_state = nnx.split(head_module)
-        stack_graph, stack_state = nnx.split(segment.group)
+        stack_graphs = {name: nnx.graphdef(stack) for name, stack in stacks.items()}
+        stack_state = {name: nnx.state(stack) for name, stack in stacks.items()}
 
-        def layer_fn(group: nnx.List, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask) -> Any:
-            stats = []
-            for name, layer in zip(segment.pattern, group):
-                h, layer_stats = self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
-                stats.append(layer_stats)
+        def layer_fn(*args: Any) -> tuple[jax.Array, Any]:
+            h, stats = stats_fn(*args)
             return h, (jnp.zeros((), jnp.float32), stats)  # no loss term of the layers' own
 
         def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> Any:
@@ -616,8 +609,9 @@ class CausalLM(CausalLMBase):
 
         def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
             loss, d_stack, d_head, d_h, stats, _ = pipeline_1f1b_value_and_grad(
-                nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, loss_targets, ropes, mask,
-                microbatches=microbatches, virtual_stages=virtual_stages, with_aux=True)
+                {name: nnx.merge(stack_graphs[name], state) for name, state in stack_state.items()}, layer_fn,
+                head_fn, head_state, h, loss_targets, ropes, mask, microbatches=microbatches,
+                virtual_stages=virtual_stages, layer_stacks=layer_stacks, with_aux=True)
             return (loss, stats), (d_stack, d_head, d_h)
 
         @jax.custom_vjp

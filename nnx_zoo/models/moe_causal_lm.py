@@ -25,6 +25,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row, Stack
@@ -260,17 +261,19 @@ class MoECausalLM(CausalLM):
             stats["balance"] = moe.balance
         return h, stats
 
-    def _pipeline_outputs(self, stats: list[dict[str, Any]]) -> dict[str, Any]:
-        """The MoE layers' stats (the pattern positions that have any) in model order: ``expert_load``,
-        ``dropped_tokens`` and the Switch ``aux_loss`` of the balance sums pooled over the layers."""
-        moe = [s for s in stats if s]
+    def _pipeline_outputs(self, stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The MoE stacks' stats (the stacks that have any) joined in model order over the MoE layers:
+        ``expert_load``, ``dropped_tokens`` and the Switch ``aux_loss`` of the balance sums pooled over the layers."""
+        moe = [(indices, stats[name]) for name, _, indices in self.config.layer_stacks() if stats.get(name)]
         if not moe:
             return {}
-        per_layer = model_order(moe)
-        # Whole on every device, as un-pipelined (they leave the pipeline split over 'stage' by layer): the
-        # routing-bias update picks each stack's rows of them.
-        whole = {k: shard(per_layer[k], (None,) * per_layer[k].ndim) for k in ("load", "dropped") if k in per_layer}
-        out = {"expert_load": whole.get("load"), "dropped_tokens": whole.get("dropped")}
+        # Whole on every device first, as un-pipelined (they leave the pipeline split over 'stage' by layer): the
+        # stacks' rows are then interleaved into model order, and the routing-bias update picks each stack's.
+        whole = jax.tree.map(lambda a: shard(a, (None,) * a.ndim), [layer_stats for _, layer_stats in moe])
+        order = np.argsort(np.concatenate([indices for indices, _ in moe]), kind="stable")
+        per_layer = jax.tree.map(lambda *a: jnp.take(jnp.concatenate(a), order, axis=0) if len(a) > 1 else a[0],
+                                 *whole)
+        out = {"expert_load": per_layer.get("load"), "dropped_tokens": per_layer.get("dropped")}
         if "balance" in per_layer:
             pooled = BalanceSums(*(jnp.sum(a, axis=0) for a in per_layer["balance"]))
             out["aux_loss"] = self.config.router_aux_loss_coef * switch_balance_loss(pooled)

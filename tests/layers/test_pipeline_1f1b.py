@@ -216,8 +216,9 @@ def test_interleaving_needs_micro_batches_in_groups_of_stages_and_layers_in_equa
     with pytest.raises(ValueError, match=r"groups of the 2 stages: 1 micro-batches is not a multiple of 2; use a "
                                          r"multiple of 2 that divides the batch of 8 \(one of \[2, 4, 8\]\)"):
         trace(1, 2)
-    with pytest.raises(ValueError, match=r"4 layers, which do not split into 3 virtual stages on each of 2 pipeline "
-                                         r"stages \(6 equal chunks\); use --virtual-stages one of \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"the 4 layers \(stack of each, in model order: layers x4\) do not split into "
+                                         r"6 identical chunks \(2 pipeline stages x 3 virtual stages\).*use "
+                                         r"--virtual-stages one of \[1, 2\]"):
         trace(2, 3)
     trace(1, 1)  # plain 1F1B takes any micro-batch count
 

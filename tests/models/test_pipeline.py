@@ -9,11 +9,15 @@ Every schedule: GPipe (``pipeline_stack`` differentiated by the trainer), 1F1B a
 stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss on the last stage,
 ``loss_targets`` -> ``loss_sum``, gradients from the 1F1B program).
 
-Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs four:
-GPipe on stage 2 x FSDP 4, Explicit, no accumulation, and on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on
-stage 4 x FSDP 2, Explicit; interleaved on stage 2 x FSDP 4, Auto. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4,
-alone (on 2 and 4 devices) and with FSDP (on 8), Auto and Explicit, with and without accumulation, every schedule
-(interleaved where the 4 layers split into 2 chunks per stage and the micro-batches into groups of the stages).
+Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs three:
+GPipe on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on stage 4 x FSDP 2, Explicit, and on stage 2 x tensor
+2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto, and GPipe under Explicit run in CI on Gemma 3
+(``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind case of its
+stacks by name); GPipe under Explicit (and interleaved under Auto) also on MiniMax-M2 (``test_pipeline_moe``: the
+same walk with the MoE layer hook), so Llama's GPipe on stage 2 x FSDP 4, Explicit, is in the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
+with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and
+without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per stage and the
+micro-batches into groups of the stages).
 """
 
 from __future__ import annotations
@@ -52,15 +56,18 @@ CONFIG = Llama3Config.preset("llama3-tiny", vocab_size=VOCAB, hidden_size=32, in
 OPTIMIZER = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 # name -> (mesh sizes, devices used); "alone": the stage axis on as many devices as it has stages.
 MESHES = {"stage2": ({"stage": 2}, 2), "stage4": ({"stage": 4}, 4),
-          "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8)}
+          "stage2-fsdp4": ({"stage": 2, "fsdp": 4}, 8), "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 8),  # heads, kv heads, MLP, vocab on tensor
+          "stage4-tensor2": ({"stage": 4, "tensor": 2}, 8)}
 # (mesh, mode, accumulation steps, pipeline micro-batches): each micro-batch's rows still divide over fsdp.
 CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", "explicit") for accum in (1, 2)
-         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4}[m] // accum]
+         for micro in [{"stage2": 4, "stage4": 4, "stage2-fsdp4": 2, "stage4-fsdp2": 4, "stage2-tensor2-fsdp2": 4,
+                       "stage4-tensor2": 4}[m] // accum]
          for schedule in ("gpipe", "1f1b", "interleaved")
          if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
-    CASES = [("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage4-fsdp2", "auto", 2, 2, "gpipe"),
-             ("stage4-fsdp2", "explicit", 1, 4, "1f1b"), ("stage2-fsdp4", "auto", 1, 2, "interleaved")]
+    CASES = [("stage4-fsdp2", "auto", 2, 2, "gpipe"), ("stage4-fsdp2", "explicit", 1, 4, "1f1b"),
+             ("stage2-tensor2-fsdp2", "auto", 1, 4, "1f1b")]
 
 
 @functools.cache
@@ -73,16 +80,17 @@ def _batch() -> dict[str, np.ndarray]:
             "attention_mask": mask, "loss_mask": mask}
 
 
-def drawn_parts(make) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model ``make()`` builds, with norm scales 1 + noise and every other float Variable N(0, 0.1), drawn
-    with numpy (gradients far from Adam's eps); integer Variables stay zero."""
+def drawn_parts(make, norm_scale: float = 1.0) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model ``make()`` builds, with norm scales ``norm_scale`` + noise (0 for norms applied as ``1 + w``) and
+    every other float Variable N(0, 0.1), drawn with numpy (gradients far from Adam's eps); integer Variables stay
+    zero."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
     rng = np.random.default_rng(0)
 
     def draw(path, leaf):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             return jnp.zeros(leaf.shape, leaf.dtype)
-        scale = 1.0 if "scale" in jax.tree_util.keystr(path) else 0.0
+        scale = norm_scale if "scale" in jax.tree_util.keystr(path) else 0.0
         return jnp.asarray(scale + rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
 
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)

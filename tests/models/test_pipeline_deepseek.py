@@ -18,9 +18,15 @@ Auto case it replaced: 10-12 s, measured in one run). 1F1B is interleaved's ``V 
 DeepSeek code (``DeepSeekV3._one_f_one_b``: layer aux terms, MTP heads and losses on the last stage) is one path
 for both, ``V`` only passed on, and what ``V`` changes (chunks moved to their stages and back) is inside
 ``pipeline_1f1b_value_and_grad``, whose 1F1B case CI covers in ``test_pipeline`` and ``test_pipeline_1f1b``.
+CI also runs 1F1B on stage 2 x tensor 2 x fsdp 2 under Explicit: with the vocabulary on ``tensor`` the MTP tokens'
+embedding inside the pipeline is ``Embed``'s per-vocab-shard lookup (XLA:CPU's partitioner aborts on the plain
+gather there, ``benchmarks/repro_vocab_gather_abort.py``), and heads, MLP widths and experts' widths are split over
+``tensor`` inside each stage.
 ``NNX_ZOO_FULL_MATRIX=1`` adds the other mode of each, 1F1B in both modes, stage 4 x fsdp 2 in both modes with
-and without 2 accumulation steps for GPipe and 1F1B (4 MoE layers do not split into 2 chunks on 4 stages), and
-interleaved on stage 2 x fsdp 2 (4 devices) in both modes with and without 2 accumulation steps.
+and without 2 accumulation steps for GPipe and 1F1B (4 MoE layers do not split into 2 chunks on 4 stages),
+interleaved on stage 2 x fsdp 2 (4 devices) in both modes with and without 2 accumulation steps, and the tensor
+meshes: stage 2 x tensor 2 x fsdp 2 (every schedule, both modes), stage 2 x tensor 2 x expert 2 (1F1B and
+interleaved, both modes), stage 4 x tensor 2 (GPipe and 1F1B, both modes).
 """
 
 from __future__ import annotations
@@ -50,14 +56,23 @@ STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
 # accumulation step, and each micro-batch's rows must divide over the batch's mesh axes (fsdp, expert).
 MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
           "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4, 8),
-          "stage2-fsdp2": ({"stage": 2, "fsdp": 2}, 4, 4)}
-CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "interleaved")]
+          "stage2-fsdp2": ({"stage": 2, "fsdp": 2}, 4, 4),
+          "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 2, 8),
+          "stage2-tensor2-expert2": ({"stage": 2, "tensor": 2, "expert": 2}, 2, 8),
+          "stage4-tensor2": ({"stage": 4, "tensor": 2}, 4, 8)}
+CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "interleaved"),
+         ("stage2-tensor2-fsdp2", "explicit", 1, "1f1b")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
     CASES += [("stage2-expert2-fsdp2", mode, 1, "1f1b") for mode in ("auto", "explicit")]
     CASES += [("stage4-fsdp2", mode, accum, schedule) for mode in ("auto", "explicit") for accum in (1, 2)
               for schedule in ("gpipe", "1f1b")]
     CASES += [("stage2-fsdp2", mode, accum, "interleaved") for mode in ("auto", "explicit") for accum in (1, 2)]
+    CASES += [("stage2-tensor2-fsdp2", mode, 1, schedule) for mode in ("auto", "explicit")
+              for schedule in ("gpipe", "1f1b", "interleaved") if (mode, schedule) != ("explicit", "1f1b")]
+    CASES += [("stage2-tensor2-expert2", mode, 1, schedule) for mode in ("auto", "explicit")
+              for schedule in ("1f1b", "interleaved")]
+    CASES += [("stage4-tensor2", mode, 1, schedule) for mode in ("auto", "explicit") for schedule in ("gpipe", "1f1b")]
 VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1, stage s holding chunks s and 2 + s
 
 
