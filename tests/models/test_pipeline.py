@@ -14,7 +14,8 @@ GPipe on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on stage 4 x FSDP 2,
 2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto, and GPipe under Explicit run in CI on Gemma 3
 (``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind case of its
 stacks by name); GPipe under Explicit (and interleaved under Auto) also on MiniMax-M2 (``test_pipeline_moe``: the
-same walk with the MoE layer hook), so Llama's GPipe on stage 2 x FSDP 4, Explicit, is in the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
+same walk with the MoE layer hook), so Llama's GPipe on stage 2 x FSDP 4, Explicit, is in the full matrix.
+``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
 with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and
 without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per stage and the
 micro-batches into groups of the stages).
