@@ -243,6 +243,22 @@ def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chun
     return h, aux
 
 
+def run_unpipelined(stacks: Mapping[Hashable, Any], layer_fn: Callable[..., tuple[jax.Array, Any]], x: jax.Array,
+                    *args: Any, layer_stacks: Sequence[Hashable], scan: bool = True, remat_policy: str = "none"
+                    ) -> tuple[jax.Array, dict[Hashable, Any]]:
+    """The layers of ``stacks`` (by name; ``layer_stacks`` the stack name of each layer, in model order) on ``x`` in
+    model order, not pipelined, each ``layer_fn(name, layer, h, *args) -> (h, aux)``: the layers a model runs
+    before its pipeline (``pipeline_layers``). Returns ``h`` and, per stack name, the layers' ``aux`` stacked in
+    that stack's order, as ``pipeline_stack(..., with_aux=True)`` gives them.
+
+    >>> h, stats = run_unpipelined({"prefix_layers": model.prefix_layers}, layer_fn, h, ropes, mask,
+    ...                            layer_stacks=("prefix_layers",))
+    """
+    parts = _stacks_of(stacks, layer_fn, layer_stacks)
+    return _run_chunk(parts.graphdefs, parts.states, parts.layer_stacks, parts.layer_fn, x, args, scan=scan,
+                      remat_policy=remat_policy)
+
+
 def pipeline_stack(
     stack: Any,
     layer_fn: Callable[..., Any],

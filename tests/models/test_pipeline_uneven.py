@@ -14,11 +14,10 @@ run before the pipeline. Checked here:
   does not fit is refused.
 
 Cost: CI runs DeepSeek GPipe (Explicit) and 1F1B (Auto) on stage 2 x expert 2 x fsdp 2 and Llama GPipe (Explicit)
-on stage 2 x fsdp 4 (one compiled step each plus the one-device references). They took over, as supersets (the same
-meshes, modes and schedules, with layers before the pipeline), the CI cases ``test_pipeline_deepseek`` GPipe
-Explicit on stage 2 x expert 2 x fsdp 2 and ``test_pipeline`` GPipe Explicit on stage 2 x fsdp 4, which moved to
-the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` adds the other modes, interleaved for DeepSeek (4 MoE layers in 2 x 2
-chunks) and 1F1B for Llama.
+on stage 2 x fsdp 4 (one compiled step each plus the one-device references). The DeepSeek GPipe case took over, as a
+superset (the same mesh, mode and schedule, with an MoE layer before the pipeline), ``test_pipeline_deepseek``'s
+GPipe Explicit CI case on stage 2 x expert 2 x fsdp 2, which moved to the full matrix. ``NNX_ZOO_FULL_MATRIX=1``
+adds the other modes, interleaved for DeepSeek (4 MoE layers in 2 x 2 chunks) and 1F1B for Llama.
 """
 
 from __future__ import annotations
