@@ -5,7 +5,8 @@ before them live in stacks of their own (``prefix_*``, placed like ``unpipelined
 run before the pipeline. Checked here:
 - two AdamW steps of a pipelined run equal the one-device run of the same config: a tiny DeepSeek-V3 (1 dense + 5
   MoE layers, ``pipeline_layers`` 4: the first MoE layer runs before the pipeline with the dense one; MTP, balance
-  loss, routing-bias balancing) and a 5-layer Llama (``pipeline_layers`` 4) on stage 2 (x fsdp / expert); the
+  loss, routing-bias balancing), a 5-layer MiniMax-M2 (every layer MoE, the Switch balance loss, ``pipeline_layers``
+  4: the ``MoECausalLM`` path) and a 5-layer Llama (``pipeline_layers`` 4) on stage 2 (x fsdp / expert); the
   expert loads (routing biases) and the balance loss stay in model order across the two MoE stacks;
 - the split model is the same model: an HF export loads into the unsplit one with the same logits, and back into
   the split one exactly (the key tables map both stacks to their HF layers; ``pipeline_layers`` is not written to
@@ -13,11 +14,12 @@ run before the pipeline. Checked here:
 - the errors: a layer count that does not split says which ``pipeline_layers`` fit; a ``pipeline_layers`` that
   does not fit is refused.
 
-Cost: CI runs DeepSeek GPipe (Explicit) and 1F1B (Auto) on stage 2 x expert 2 x fsdp 2 and Llama GPipe (Explicit)
-on stage 2 x fsdp 4 (one compiled step each plus the one-device references). The DeepSeek GPipe case took over, as a
-superset (the same mesh, mode and schedule, with an MoE layer before the pipeline), ``test_pipeline_deepseek``'s
-GPipe Explicit CI case on stage 2 x expert 2 x fsdp 2, which moved to the full matrix. ``NNX_ZOO_FULL_MATRIX=1``
-adds the other modes, interleaved for DeepSeek (4 MoE layers in 2 x 2 chunks) and 1F1B for Llama.
+Cost: CI runs DeepSeek GPipe (Explicit) and 1F1B (Auto) and MiniMax-M2 GPipe (Explicit) on stage 2 x expert 2 x
+fsdp 2 (one compiled step each plus the one-device references). The DeepSeek GPipe case took over, as a superset
+(the same mesh, mode and schedule, with an MoE layer before the pipeline), ``test_pipeline_deepseek``'s GPipe
+Explicit CI case, which moved to the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` adds the other modes, interleaved for
+DeepSeek (4 MoE layers in 2 x 2 chunks), and Llama (the same walk as MiniMax-M2's, without stats) on stage 2 x
+fsdp 4, GPipe and 1F1B in both modes.
 """
 
 from __future__ import annotations
@@ -31,18 +33,23 @@ import pytest
 from flax import nnx
 
 from nnx_zoo import DeepSeekV3, Llama3, Llama3Config
+from nnx_zoo.models.minimax_m2 import MiniMaxM2
 from nnx_zoo.sharding import ShardingError, make_mesh
 from tests.models import test_pipeline as dense
 from tests.models import test_pipeline_deepseek as ds
+from tests.models import test_pipeline_moe as moe
 
 DS_CONFIG = ds.CONFIG.with_overrides(num_hidden_layers=6, pipeline_layers=4)
 LLAMA_CONFIG = dense.CONFIG.with_overrides(num_hidden_layers=5, pipeline_layers=4)
+MOE_CONFIG = moe.CONFIGS["aux"].with_overrides(num_hidden_layers=5, pipeline_layers=4)  # Switch loss on
 
 DS_CASES = [("explicit", "gpipe"), ("auto", "1f1b")]
-LLAMA_CASES = [("explicit", "gpipe")]
+# CausalLM's walk: (family, mode, schedule); MiniMax-M2's MoE stats (Switch loss: GPipe only), Llama's none.
+CAUSAL_CASES = [("minimax", "explicit", "gpipe")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     DS_CASES += [("auto", "gpipe"), ("explicit", "1f1b"), ("auto", "interleaved"), ("explicit", "interleaved")]
-    LLAMA_CASES += [("auto", "gpipe"), ("explicit", "1f1b"), ("auto", "1f1b")]
+    CAUSAL_CASES += [("minimax", "auto", "gpipe")] + [("llama", mode, schedule) for mode in ("auto", "explicit")
+                                                      for schedule in ("gpipe", "1f1b")]
 
 
 @functools.cache
@@ -53,6 +60,19 @@ def _ds_parts():
 @functools.cache
 def _llama_parts():
     return dense.drawn_parts(lambda: Llama3(LLAMA_CONFIG, rngs=nnx.Rngs(0)))
+
+
+@functools.cache
+def _moe_parts():
+    return dense.drawn_parts(lambda: MiniMaxM2(MOE_CONFIG, rngs=nnx.Rngs(0)))
+
+
+@functools.cache
+def _moe_one_device():
+    history, model, optimizer = dense.train_two_steps(None, parts=_moe_parts(), batch=moe._batch(),
+                                                      metric_names=moe.METRICS, **moe.STEP)
+    return (history, dense._arrays(nnx.state(model, nnx.Param)),
+            dense._arrays(nnx.state(optimizer, nnx.optimizer.OptState)), moe._biases(model))
 
 
 @functools.cache
@@ -99,14 +119,26 @@ def test_deepseek_with_moe_layers_before_the_pipeline_matches_one_device(mode, s
     assert model.prefix_moe_layers.mlp.router[...].sharding.spec[0] is None  # the first: whole on every stage
 
 
-@pytest.mark.parametrize(("mode", "schedule"), LLAMA_CASES)
-def test_llama_with_layers_before_the_pipeline_matches_one_device(mode, schedule):
-    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode=mode)
-    history, model, optimizer = dense.train_two_steps(mesh, 1, 2, schedule, parts=_llama_parts())
+@pytest.mark.parametrize(("family", "mode", "schedule"), CAUSAL_CASES)
+def test_causal_lm_with_layers_before_the_pipeline_matches_one_device(family, mode, schedule):
+    """MiniMax-M2 (every layer MoE, the Switch balance loss on, ``MoECausalLM``): the prefix layer's expert load and
+    balance sums join the pipelined layers' in model order (``_pipeline_outputs``), the balance loss pooled over all
+    five. Llama: the same walk, no stats."""
+    if family == "minimax":
+        mesh = make_mesh({"stage": 2, "expert": 2, "fsdp": 2}, shard_mode=mode)
+        run = dict(parts=_moe_parts(), batch=moe._batch(), metric_names=moe.METRICS, **moe.STEP)
+        want, biases, weight = _moe_one_device(), moe._biases, "router"
+    else:
+        mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode=mode)
+        run, want, biases, weight = dict(parts=_llama_parts()), _llama_one_device(), lambda _: [], "up"
+    history, model, optimizer = dense.train_two_steps(mesh, 1, 2, schedule, **run)
     _assert_same_steps((history, dense._arrays(nnx.state(model, nnx.Param)),
-                        dense._arrays(nnx.state(optimizer, nnx.optimizer.OptState)), []), _llama_one_device())
-    assert model.layers.mlp.up.kernel[...].sharding.spec[0] == "stage"
-    assert model.prefix_layers.mlp.up.kernel[...].sharding.spec[0] is None
+                        dense._arrays(nnx.state(optimizer, nnx.optimizer.OptState)), biases(model)), want)
+    if family == "minimax":
+        assert min(h[2] for h in history) > 0  # the balance loss is on
+    pick = (lambda m: m.mlp.router) if weight == "router" else (lambda m: m.mlp.up.kernel)
+    assert pick(model.layers)[...].sharding.spec[0] == "stage"  # the last 4 layers: pipelined
+    assert pick(model.prefix_layers)[...].sharding.spec[0] is None  # the first: whole on every stage
 
 
 @pytest.mark.parametrize("family", ["deepseek", "llama"])
