@@ -368,7 +368,7 @@ class DeepSeekV3(CausalLMBase):
 
             carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
             records, moe_records = [], []
-            balance_sum = None  # pipelined: the balance loss summed over MoE layers and real sequences
+            pipeline_sums = None  # pipelined: the balance and indexer losses summed over its layers and real rows
             for name, stack, _ in self.layer_runs():
                 if pipelined and name == "moe_layers" and schedule.loss_inside:  # 1F1B, interleaved
                     prefix = _LayerRecord(*(_cat([getattr(r, f) for r in moe_records]) for f in _LayerRecord._fields))
@@ -378,7 +378,7 @@ class DeepSeekV3(CausalLMBase):
                         pipeline_microbatches, schedule, prefix)
                 if pipelined and name == "moe_layers":
                     # In whole over stage (the prefix's rows gathered), out split over it again.
-                    h, record, balance_sum = self._pipelined_moe(
+                    h, record, pipeline_sums = self._pipelined_moe(
                         stack, shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
                         pipeline_microbatches)
                     carry = (shard(h, _OUT_BLE), None)
@@ -406,7 +406,13 @@ class DeepSeekV3(CausalLMBase):
                                                         segment_ids, final_hidden, run, positions)
                 indexer += [] if mtp_indexer is None else [mtp_indexer]
             indexer_loss = None
-            if indexer:  # summed over the layers (MTP heads' too), a mean over the sequences holding a real token
+            real = _real_rows(input_ids, attention_mask)
+            if pipeline_sums is not None and "indexer" in pipeline_sums:
+                # Pipelined: its layers' sum over the real sequences, the other layers' (MTP heads' too) added.
+                outside_sum = jnp.sum(jnp.sum(jnp.concatenate(indexer), axis=0) * real) if indexer else 0.0
+                indexer_loss = c.indexer_loss_weight * (pipeline_sums["indexer"] + outside_sum) / jnp.maximum(
+                    jnp.sum(real), 1.0)
+            elif indexer:  # summed over the layers (MTP heads' too), a mean over the sequences holding a real token
                 indexer_loss = c.indexer_loss_weight * _mean_over_sequences(jnp.concatenate(indexer),
                                                                             attention_mask)
             if with_logits and with_mtp:  # the main and MTP hidden states share one head matmul: one weight
@@ -415,8 +421,9 @@ class DeepSeekV3(CausalLMBase):
             elif with_logits:
                 logits = self._logits(final_hidden)
             aux_loss = None
-            if balance_sum is not None:  # pipelined: sums over the real sequences, the prefix's MoE layers' added
-                real = _real_rows(input_ids, attention_mask)
+            if pipeline_sums is not None and "balance" in pipeline_sums:
+                # Pipelined: sums over the real sequences, the prefix's MoE layers' added.
+                balance_sum = pipeline_sums["balance"]
                 if moe.balance_loss is not None:
                     balance_sum = balance_sum + jnp.sum(jnp.sum(moe.balance_loss, axis=0) * real)
                 aux_loss = balance_sum / jnp.maximum(jnp.sum(real), 1.0)
@@ -437,10 +444,18 @@ class DeepSeekV3(CausalLMBase):
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
         moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0] and name != "prefix_moe_layers"]
-        if c.index_topk or moe_runs not in ([], ["moe_layers"]):
-            raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix; this "
-                             f"config's MoE layers run as {moe_runs} (sparse attention's top-k handed between layers "
-                             "or its indexer loss are not pipelined yet). Train it on a mesh without 'stage'")
+        if moe_runs not in ([], ["moe_layers"]):  # GLM-5's shared layers among the pipelined ones
+            reusing = list(c.layer_stacks()["shared_topk_moe_layers"])
+            raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix, but "
+                             f"MoE layers {reusing} reuse an earlier layer's top-k (indexer 'shared'), so this "
+                             f"config's pipelined layers run as {moe_runs}: the top-k handed between layers is not "
+                             "pipelined yet. Train it on a mesh without 'stage', or give every pipelined MoE layer "
+                             "its own indexer (indexer_types 'full' for them)")
+        if c.indexer_training != "off" and schedule.loss_inside:
+            raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage, which does not "
+                             f"weigh DeepSeek-V3.2's indexer loss yet (indexer_training={c.indexer_training!r}); use "
+                             "pipeline_schedule='gpipe' (the indexer loss summed over its micro-batches), or "
+                             "indexer_training='off'")
         # Only the (last pipeline_layers) MoE layers are on 'stage' (the dense prefix runs before the pipeline): say
         # so, not "the stack", and which pipeline_layers fit.
         c.check_pipeline(stage_count(), schedule.virtual_stages)
@@ -450,7 +465,9 @@ class DeepSeekV3(CausalLMBase):
                          with_expert_load: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
         """One MoE layer inside a pipeline (any schedule): its output and its per-micro-batch stats, each a sum
         the micro-batches add up: ``load`` (tokens per expert) and ``dropped`` with ``with_expert_load``, and
-        ``balance`` (the sequence-wise balance loss summed over the real rows ``rows``) where it is on."""
+        ``balance`` (the sequence-wise balance loss summed over the real rows ``rows``) where it is on, and
+        ``indexer`` (DeepSeek-V3.2's indexer KL, each sequence's mean over its real queries, summed likewise) where
+        the indexer trains."""
         c = self.config
         if c.batch_split_factor > 1:
             out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
@@ -463,17 +480,20 @@ class DeepSeekV3(CausalLMBase):
             stats["dropped"] = out.dropped_tokens
         if out.balance_loss is not None:
             stats["balance"] = jnp.sum(out.balance_loss * rows)
+        if out.indexer_loss is not None:  # DeepSeek-V3.2's indexer KL, a per-sequence loss summed as the balance's
+            stats["indexer"] = jnp.sum(out.indexer_loss * rows)
         return out.hidden, stats
 
     def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                        query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
-                       microbatches: int) -> tuple[jax.Array, _LayerRecord, jax.Array | None]:
+                       microbatches: int) -> tuple[jax.Array, _LayerRecord, dict[str, jax.Array]]:
         """The MoE stack on ``h``, pipelined over ``stage`` (``pipeline_stack``, GPipe): ``(h, record,
-        balance_sum)``. Each layer's aux terms leave the pipeline summed over the micro-batches: ``expert_load
+        sums)``. Each layer's aux terms leave the pipeline summed over the micro-batches: ``expert_load
         [layers, experts]`` and ``dropped_tokens [layers]`` (what the whole batch gives; dropping over a capacity
         is per forward, so with a capacity factor it counts per micro-batch, as gradient accumulation does), and
         the sequence-wise balance loss as its sum over the real sequences (each sequence's loss is its own, so the
-        micro-batches' sums add up to the whole batch's), divided by the real sequence count by the caller."""
+        micro-batches' sums add up to the whole batch's), divided by the real sequence count by the caller:
+        ``sums["balance"]``, and ``sums["indexer"]`` (DeepSeek-V3.2's indexer KL, likewise) where they are on."""
         c = self.config
         token_rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
 
@@ -486,8 +506,7 @@ class DeepSeekV3(CausalLMBase):
                                 with_aux=True)
         record = _LayerRecord(hidden=None, expert_indices=None, expert_load=aux.get("load"),
                               dropped_tokens=aux.get("dropped"), balance_loss=None)
-        balance = aux.get("balance")
-        return h, record, None if balance is None else jnp.sum(balance)
+        return h, record, {key: jnp.sum(aux[key]) for key in ("balance", "indexer") if key in aux}
 
     def _one_f_one_b(self, stack: nnx.Module, h: jax.Array, layer_inputs: tuple[Any, ...], input_ids: jax.Array,
                      attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,

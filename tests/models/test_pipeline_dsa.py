@@ -1,0 +1,87 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention: the lightning indexer and its KL loss) pipelined over ``stage``.
+
+A tiny V3.2 (``test_pipeline_deepseek``'s 1 dense + 4 MoE layers, MTP depth 1, balance loss on, plus an indexer of
+2 heads choosing 4 of the 16 keys, ``indexer_training='sparse'``): two AdamW steps of the trainer with the MoE
+stack pipelined (GPipe) give the main, MTP, balance and indexer losses, the gradient norm, the Adam moments and the
+updated parameters of the un-pipelined model on one device (float32, tolerances as ``test_pipeline_deepseek``'s).
+Each pipelined layer's indexer KL leaves the pipeline as a sum over the micro-batch's real rows (the micro-batches
+add up); the dense prefix's and the MTP head's (run outside the pipeline) join it, and the total is divided by the
+real sequence count, as un-pipelined. Batch row 5 is all padding, so a mean over all rows would differ.
+
+Cost: one pipelined train step compiled plus the one-device reference. CI: stage 2 x expert 2 x fsdp 2, Explicit.
+``NNX_ZOO_FULL_MATRIX=1`` adds it under Auto and stage 2 x fsdp 4 in both modes with 2 accumulation steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnx_zoo import DeepSeekV3
+from nnx_zoo.models.glm5 import Glm5, Glm5Config
+from nnx_zoo.sharding import make_mesh
+from tests.models.test_pipeline import OPTIMIZER, _arrays, drawn_parts, train_two_steps
+from tests.models.test_pipeline_deepseek import CONFIG as V3_CONFIG
+from tests.models.test_pipeline_deepseek import _batch
+
+CONFIG = V3_CONFIG.with_overrides(index_topk=4, index_n_heads=2, index_head_dim=16, indexer_training="sparse",
+                           indexer_loss_weight=0.5)
+METRICS = ("loss", "grad_norm", "mtp1", "aux_loss", "indexer_loss")
+STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
+            model_kwargs=(("with_mtp", True), ("with_expert_load", True)))
+MESHES = {"stage2-expert2-fsdp2": {"stage": 2, "expert": 2, "fsdp": 2}, "stage2-fsdp4": {"stage": 2, "fsdp": 4}}
+# (mesh, mode, accumulation steps, pipeline micro-batches per accumulation step)
+CASES = [("stage2-expert2-fsdp2", "explicit", 1, 2)]
+if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
+    CASES += [("stage2-expert2-fsdp2", "auto", 1, 2)]
+    CASES += [("stage2-fsdp4", mode, 2, 1) for mode in ("auto", "explicit")]
+
+
+@functools.cache
+def _parts():
+    return drawn_parts(lambda: DeepSeekV3(CONFIG, rngs=nnx.Rngs(0)))
+
+
+@functools.cache
+def _one_device(accum_steps: int):
+    history, model, optimizer = train_two_steps(None, accum_steps, parts=_parts(), batch=_batch(), **STEP)
+    return history, _arrays(nnx.state(model, nnx.Param)), _arrays(nnx.state(optimizer, nnx.optimizer.OptState))
+
+
+@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "micro"), CASES)
+def test_pipelined_v32_adamw_steps_match_one_device(mesh_name, mode, accum_steps, micro):
+    mesh = make_mesh(MESHES[mesh_name], shard_mode=mode)
+    history, model, optimizer = train_two_steps(mesh, accum_steps, micro, "gpipe", parts=_parts(), batch=_batch(),
+                                                **STEP)
+    want_history, want_params, want_moments = _one_device(accum_steps)
+    np.testing.assert_allclose(history, want_history, rtol=1e-5)
+    assert min(h[4] for h in history) > 0 and min(h[3] for h in history) > 0  # the indexer and balance losses on
+    for got, want in zip(_arrays(nnx.state(model, nnx.Param)), want_params, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.1 * OPTIMIZER.lr)
+    for got, want in zip(_arrays(nnx.state(optimizer, nnx.optimizer.OptState)), want_moments, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    assert model.moe_layers.attn.indexer.wq_b.kernel[...].sharding.spec[0] == "stage"  # indexers on their stage
+
+
+def test_what_the_pipelined_sparse_attention_does_not_run_is_refused():
+    mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode="explicit")
+    ids = np.zeros((8, 16), np.int32)
+    v32 = nnx.merge(*_parts())
+    # GLM-5 with a shared (top-k reusing) MoE layer among the pipelined ones: the handoff is not pipelined.
+    glm5 = nnx.eval_shape(lambda: Glm5(Glm5Config.preset(
+        "glm5-tiny", num_hidden_layers=5, first_k_dense_replace=1, index_topk=4,
+        indexer_types=("full", "full", "shared", "full", "shared")), rngs=nnx.Rngs(0)))
+    for model, kwargs, message in [
+        (glm5, {}, r"MoE layers \[2, 4\] reuse an earlier layer's top-k \(indexer 'shared'\).*mesh without 'stage', "
+                   r"or give every pipelined MoE layer its own indexer"),
+        (v32, dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)),
+         r"pipeline_schedule='1f1b' runs the loss on the last stage, which does not weigh DeepSeek-V3.2's indexer "
+         r"loss yet \(indexer_training='sparse'\); use pipeline_schedule='gpipe'"),
+    ]:
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+            model.forward(ids, pipeline_microbatches=2, **kwargs)
