@@ -73,9 +73,10 @@ def test_what_the_pipelined_sparse_attention_does_not_run_is_refused():
     ids = np.zeros((8, 16), np.int32)
     v32 = nnx.merge(*_parts())
     # GLM-5 with a shared (top-k reusing) MoE layer among the pipelined ones: the handoff is not pipelined.
-    glm5 = nnx.eval_shape(lambda: Glm5(Glm5Config.preset(
-        "glm5-tiny", num_hidden_layers=5, first_k_dense_replace=1, index_topk=4,
-        indexer_types=("full", "full", "shared", "full", "shared")), rngs=nnx.Rngs(0)))
+    glm5 = Glm5(Glm5Config.preset(
+        "glm5-tiny", vocab_size=128, hidden_size=32, moe_intermediate_size=16, intermediate_size=64,
+        num_hidden_layers=5, first_k_dense_replace=1, index_topk=4, index_n_heads=2, index_head_dim=16,
+        indexer_types=("full", "full", "shared", "full", "shared")), rngs=nnx.Rngs(0))
     for model, kwargs, message in [
         (glm5, {}, r"MoE layers \[2, 4\] reuse an earlier layer's top-k \(indexer 'shared'\).*mesh without 'stage', "
                    r"or give every pipelined MoE layer its own indexer"),

@@ -37,6 +37,7 @@ the indexer (its top-k is not differentiable).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from jax.scipy.special import xlogy
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.attention import AttentionMask, activation_spec, run_per_query_shard
+from nnx_zoo.layers.blockwise_attention import varying_axes
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import LayerNorm
 from nnx_zoo.layers.rope import apply_rope
@@ -152,9 +154,25 @@ def sparse_attention_chosen(q_latent: jax.Array, q_rope: jax.Array, chosen: jax.
     q_spec = activation_spec(_Q_SIDE, q_latent.shape)
     chosen_spec = PartitionSpec(q_spec[0], q_spec[1], None)
     kernel = functools.partial(_local_chosen, scale=scale)
-    return run_per_query_shard(
+    return _per_query_shard(
         kernel, queries=[(q_latent, q_spec), (q_rope, q_spec), (chosen, chosen_spec)],
         keys=[(k, activation_spec(_K_SIDE, k.shape)) for k in (latent, k_rope)], mask=mask, out_specs=q_spec)
+
+
+def _per_query_shard(kernel: Any, *, queries: list[tuple[jax.Array, PartitionSpec]],
+                     keys: list[tuple[jax.Array, PartitionSpec]], mask: AttentionMask, out_specs: Any,
+                     **kwargs: Any) -> Any:
+    """``run_per_query_shard``, but inside an enclosing ``shard_map`` (a pipeline stage's, over ``stage``: the
+    queries vary over its axes) the kernel runs once on the stage's arrays, partitioned by XLA over the other
+    axes (``head_axes``, the psum over head shards, then empty: the heads are whole there), as the gated delta
+    rule does: jax 0.10.2 gives a nested checked ``shard_map``'s residuals the outer axes too, which Shardy's
+    verifier rejects in the backward."""
+    if varying_axes(queries[0][0]):
+        arrays = [a for a, _ in (*queries, *keys)]
+        masks = (mask.kv_valid, mask.query_segment_ids(arrays[0].shape[1]), mask.segment_ids)
+        whole = {**kwargs, "head_axes": ()} if "head_axes" in kwargs else kwargs
+        return kernel(*arrays, jnp.asarray(mask.q_offset, jnp.int32), *masks, **whole)
+    return run_per_query_shard(kernel, queries=queries, keys=keys, mask=mask, out_specs=out_specs, **kwargs)
 
 
 def _run(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, mask, *, topk, scale, loss, keep_chosen):
@@ -165,7 +183,7 @@ def _run(q_latent, q_rope, index_q, index_w, latent, k_rope, index_k, mask, *, t
     row_spec = PartitionSpec(q_spec[0], q_spec[1])  # [b, q]: the KL
     # The indexer's queries and head weights: every indexer head on every device (the top-k needs their sum).
     index_q_spec, index_w_spec = PartitionSpec(*row_spec, None, None), PartitionSpec(*row_spec, None)
-    return run_per_query_shard(
+    return _per_query_shard(
         kernel,
         queries=[(q_latent, q_spec), (q_rope, q_spec), (index_q, index_q_spec), (index_w, index_w_spec)],
         keys=[(k, activation_spec(_K_SIDE, k.shape)) for k in (latent, k_rope, index_k)],
