@@ -375,7 +375,8 @@ class DeepSeekV3(CausalLMBase):
                     return self._one_f_one_b(  # its input whole over stage, as GPipe's
                         stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask,
                         segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
-                        pipeline_microbatches, schedule, prefix)
+                        pipeline_microbatches, schedule, prefix,
+                        [r.indexer_loss for r in records if r.indexer_loss is not None])
                 if pipelined and name == "moe_layers":
                     # In whole over stage (the prefix's rows gathered), out split over it again.
                     h, record, pipeline_sums = self._pipelined_moe(
@@ -451,11 +452,6 @@ class DeepSeekV3(CausalLMBase):
                              f"config's pipelined layers run as {moe_runs}: the top-k handed between layers is not "
                              "pipelined yet. Train it on a mesh without 'stage', or give every pipelined MoE layer "
                              "its own indexer (indexer_types 'full' for them)")
-        if c.indexer_training != "off" and schedule.loss_inside:
-            raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage, which does not "
-                             f"weigh DeepSeek-V3.2's indexer loss yet (indexer_training={c.indexer_training!r}); use "
-                             "pipeline_schedule='gpipe' (the indexer loss summed over its micro-batches), or "
-                             "indexer_training='off'")
         # Only the (last pipeline_layers) MoE layers are on 'stage' (the dense prefix runs before the pipeline): say
         # so, not "the stack", and which pipeline_layers fit.
         c.check_pipeline(stage_count(), schedule.virtual_stages)
@@ -512,7 +508,8 @@ class DeepSeekV3(CausalLMBase):
                      attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,
                      depth: int, loss_targets: tuple[jax.Array, jax.Array] | None,
                      loss_scale: tuple[float, Any] | None, with_expert_load: bool, microbatches: int,
-                     schedule: Schedule, prefix: _LayerRecord | None = None) -> CausalLMOutput:
+                     schedule: Schedule, prefix: _LayerRecord | None = None,
+                     prefix_indexer: list[jax.Array] | None = None) -> CausalLMOutput:
         """The MoE stack, final norm, MTP heads, head and losses on ``h`` (the dense prefix's output) in 1F1B order
         (``pipeline_1f1b_value_and_grad(..., with_aux=True)``), as a function autodiff differentiates: a
         ``custom_vjp`` whose gradients (MoE stack, head modules, ``h``) come from the same program.
@@ -532,16 +529,22 @@ class DeepSeekV3(CausalLMBase):
 
         ``prefix``: the records of the MoE layers that ran before the pipeline (``config.pipeline_layers``), joined
         in front of the pipelined layers' expert loads and dropped counts (model order); their balance loss enters
-        ``aux_loss`` with its gradient (the trainer weighs it as the pipelined layers' inside)."""
+        ``aux_loss`` with its gradient (the trainer weighs it as the pipelined layers' inside).
+
+        DeepSeek-V3.2's indexer KL (``indexer_training`` on) is weighed as the balance loss (``w_b`` times
+        ``indexer_loss_weight`` times its sum over the real rows): the MoE layers add theirs in their stage's
+        backward, the MTP heads theirs in the head; ``indexer_loss`` carries their values without gradient, plus
+        ``prefix_indexer`` (the per-sequence KLs ``[layers, batch]`` of the layers run before the pipeline) with
+        its gradient, over the real sequences."""
         c = self.config
         if loss_targets is None:
             raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage: pass "
                              "loss_targets=(targets, loss_mask) (and loss_scale=(mtp_weight, counts), as "
                              "nnx_zoo.train.step does), or use pipeline_schedule='gpipe'")
         balance_on = c.seq_aux_loss_alpha > 0
-        if loss_scale is None and (depth or balance_on):
-            raise ValueError(f"pipeline_schedule={schedule.name!r} with MTP heads or a balance loss needs "
-                             "loss_scale=(mtp_weight, counts) to weigh them inside the pipeline "
+        if loss_scale is None and (depth or balance_on or c.indexer_training != "off"):
+            raise ValueError(f"pipeline_schedule={schedule.name!r} with MTP heads, a balance loss or an indexer loss "
+                             "needs loss_scale=(mtp_weight, counts) to weigh them inside the pipeline "
                              "(nnx_zoo.train.step.loss_terms passes it)")
         mtp_weight, counts = (0.0, None) if loss_scale is None else loss_scale
         targets, loss_mask = loss_targets
@@ -558,7 +561,8 @@ class DeepSeekV3(CausalLMBase):
         ids, id_masks = shifted_by_depth(input_ids, attention_mask, depth)
         batch_first = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)  # noqa: E731  (split by rows)
         head_inputs = (batch_first(shifted_targets), batch_first(shifted_masks), batch_first(ids[1:]),
-                       None if id_masks is None else batch_first(id_masks[1:]), segment_ids, positions, w_mtp)
+                       None if id_masks is None else batch_first(id_masks[1:]), segment_ids, positions, w_mtp,
+                       rows, w_bal)
         modules = [self.norm, self.embed if self.lm_head is None else self.lm_head]
         head_graph, head_state = nnx.split(nnx.List(modules + ([self.embed, self.mtp_layers] if depth else [])))
         stack_graph, stack_state = nnx.split(stack)
@@ -568,6 +572,8 @@ class DeepSeekV3(CausalLMBase):
                      query_scale: jax.Array | None, rows: jax.Array, w_bal: jax.Array) -> tuple[jax.Array, Any]:
             hidden, stats = self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
             part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
+            if "indexer" in stats:  # V3.2's indexer KL, weighed as the trainer weighs indexer_loss
+                part = part + w_bal * c.indexer_loss_weight * stats["indexer"]
             return hidden, (part, stats)
 
         def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -578,17 +584,21 @@ class DeepSeekV3(CausalLMBase):
 
         def head_fn(head_state: Any, h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
             norm, head, *mtp = nnx.merge(head_graph, head_state)
-            targets, masks, ids, id_masks, segments, positions, w_mtp = inputs
+            targets, masks, ids, id_masks, segments, positions, w_mtp, rows, w_bal = inputs
             final = norm(h)
             ce = cross_entropy(self._logits(final, head=head), targets[:, 0], masks[:, 0])
             if not depth:
-                return ce, (ce, None)
+                return ce, (ce, None, None)
             embed, heads = mtp
-            hidden, _ = self._mtp(embed(jnp.swapaxes(ids, 0, 1)), batch_first(id_masks), segments, final, run,
+            hidden, kl = self._mtp(embed(jnp.swapaxes(ids, 0, 1)), batch_first(id_masks), segments, final, run,
                                   positions, heads=heads)
             sums = [cross_entropy(self._logits(hidden[k], head=head), targets[:, k + 1], masks[:, k + 1])
                     for k in range(depth)]
-            return ce + sum(w * s for w, s in zip(w_mtp, sums)), (ce, jnp.stack(sums))
+            total = ce + sum(w * s for w, s in zip(w_mtp, sums))
+            if kl is None:
+                return total, (ce, jnp.stack(sums), None)
+            kl_sum = jnp.sum(jnp.sum(kl, axis=0) * rows)  # the MTP heads' indexer KL over the real rows
+            return total + w_bal * c.indexer_loss_weight * kl_sum, (ce, jnp.stack(sums), kl_sum)
 
         def program(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
             total, d_stack, d_head, d_h, stats, head_stats = pipeline_1f1b_value_and_grad(
@@ -605,8 +615,15 @@ class DeepSeekV3(CausalLMBase):
             return jax.tree.map(lambda d: (g[0] * d).astype(d.dtype), grads)  # only the total is differentiated
 
         loss_of.defvjp(program, backward)
-        total, stats, (ce, mtp_sums) = loss_of(stack_state, head_state, h)
-        stats, ce, mtp_sums = jax.lax.stop_gradient((stats, ce, mtp_sums))
+        total, stats, (ce, mtp_sums, mtp_kl) = loss_of(stack_state, head_state, h)
+        stats, ce, mtp_sums, mtp_kl = jax.lax.stop_gradient((stats, ce, mtp_sums, mtp_kl))
+        indexer_loss = None
+        if "indexer" in stats:  # the pipeline's and MTP heads' values (differentiated inside), the prefix's with
+            kl_sum = jnp.sum(stats["indexer"]) + (0.0 if mtp_kl is None else mtp_kl)  # its gradient, here
+            if prefix_indexer:
+                per_sequence = shard(jnp.sum(jnp.concatenate(prefix_indexer), axis=0), ("activation_batch",))
+                kl_sum = kl_sum + jnp.sum(per_sequence * rows)  # (the prefix's rows were split over stage too)
+            indexer_loss = c.indexer_loss_weight * kl_sum / jnp.maximum(jnp.sum(rows), 1.0)
         aux_loss = None
         if balance_on:
             balance = jnp.sum(stats["balance"])
@@ -618,7 +635,8 @@ class DeepSeekV3(CausalLMBase):
             load = jnp.concatenate([jax.lax.stop_gradient(prefix.expert_load), _unsplit(load)])
             dropped = jnp.concatenate([prefix.dropped_tokens, _unsplit(dropped)])
         return CausalLMOutput(logits=None, loss_sum=total - jax.lax.stop_gradient(total - ce),
-                              mtp_loss_sums=mtp_sums, expert_load=load, dropped_tokens=dropped, aux_loss=aux_loss)
+                              mtp_loss_sums=mtp_sums, expert_load=load, dropped_tokens=dropped, aux_loss=aux_loss,
+                              indexer_loss=indexer_loss)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
