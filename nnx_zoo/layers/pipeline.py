@@ -215,12 +215,14 @@ def _stacks_of(stack: Any, layer_fn: Callable[..., Any], layer_stacks: Sequence[
 
 def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chunk: tuple[Hashable, ...],
                layer_fn: Callable[..., tuple[jax.Array, Any]], h: jax.Array, args: Any, *, scan: bool = True,
-               remat_policy: str = "none") -> tuple[jax.Array, dict[Hashable, Any]]:
+               remat_policy: str = "none", chunk_carry: Callable[[jax.Array], Any] | None = None
+               ) -> tuple[jax.Array, dict[Hashable, Any]]:
     """The layers of one chunk (``chunk``: the stack name of each, in model order; ``states``: each stack's layers
     of this chunk, in model order) on ``h``, run as the chunk's scan segments (``segments``) in order, each layer
     ``layer_fn(name, layer, h, *args) -> (h, aux)``. Returns ``h`` and, per stack name, the layers' ``aux``
-    stacked per layer in that stack's order."""
+    stacked per layer in that stack's order. ``chunk_carry``: see ``pipeline_stack``."""
     local = {name: nnx.merge(graphdefs[name], state) for name, state in states.items()}
+    carry = h if chunk_carry is None else (h, chunk_carry(h))
     ran: dict[Hashable, list[tuple[np.ndarray, Any]]] = {name: [] for name in local}
     for segment in segments(chunk, local):
         def body(group: Any, h: jax.Array, _: Any, pattern: tuple[Hashable, ...] = segment.pattern) -> Any:
@@ -230,7 +232,7 @@ def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chun
                 outputs.append(aux)
             return h, outputs
 
-        h, outputs = run_stack(segment.group, body, h, scan=scan, remat_policy=remat_policy)
+        carry, outputs = run_stack(segment.group, body, carry, scan=scan, remat_policy=remat_policy)
         for name, start, stride, out in zip(segment.pattern, segment.starts, segment.strides, outputs):
             ran[name].append((start + stride * np.arange(segment.repeats), out))
     aux = {}
@@ -240,7 +242,7 @@ def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chun
             aux[name] = parts[0][1]
         else:  # a stack whose layers ran in several segments or pattern positions: back into its order
             aux[name] = jax.tree.map(lambda *a, order=order: jnp.concatenate(a)[order], *(out for _, out in parts))
-    return h, aux
+    return (carry if chunk_carry is None else carry[0]), aux
 
 
 def run_unpipelined(stacks: Mapping[Hashable, Any], layer_fn: Callable[..., tuple[jax.Array, Any]], x: jax.Array,
@@ -270,6 +272,7 @@ def pipeline_stack(
     remat_policy: str = "none",
     with_aux: bool = False,
     layer_stacks: Sequence[Hashable] | None = None,
+    chunk_carry: Callable[[jax.Array], Any] | None = None,
 ) -> Any:
     """``layer_fn(layer, h, *args) -> h`` folded over the layers of ``stack`` (as ``run_stack`` would), pipelined
     over the ambient mesh's ``stage`` axis with ``microbatches`` micro-batches of ``x [batch, ...]``.
@@ -287,6 +290,11 @@ def pipeline_stack(
     one, e.g. capacity-limited dropping, counts per micro-batch as gradient accumulation counts it). Each aux leaf
     is whole within a stage (not split over the other mesh axes: sums over the rows are). With stacks by name,
     ``aux`` is a dict by stack name, each stacked per layer of that stack, in the stack's (model) order.
+
+    ``chunk_carry(h)``: a value the layers of a chunk hand on among themselves (GLM-5's top-k, chosen by a layer
+    and read by the next ones), made afresh from the chunk's input at the start of every chunk and dropped at its
+    end, so it never crosses a stage; ``layer_fn`` then takes and returns ``(h, value)`` in place of ``h``. The
+    caller makes sure no layer reads a value made before its chunk's first writer.
 
     Micro-batch ``j`` holds rows ``j, j + M, j + 2M, ...`` (each device keeps its rows, as in
     ``batch_split``); arguments (and pytree leaves, such as an ``AttentionMask``'s) with a leading batch dim are
@@ -313,7 +321,8 @@ def pipeline_stack(
         return (h, aux[_LONE] if stacks.lone else aux) if with_aux else h
 
     if stages == 1:
-        return result(*_run_chunk(stacks.graphdefs, stacks.states, stacks.layer_stacks, fn, x, args, **run))
+        return result(*_run_chunk(stacks.graphdefs, stacks.states, stacks.layer_stacks, fn, x, args,
+                                  chunk_carry=chunk_carry, **run))
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches must be a positive integer, got {microbatches!r}")
     batch = x.shape[0]
@@ -351,7 +360,8 @@ def pipeline_stack(
             return jax.tree.unflatten(treedef, picked)
 
         def run_local(h: jax.Array, index: jax.Array) -> tuple[jax.Array, Any]:  # this stage's chunk
-            return _run_chunk(stacks.graphdefs, states, chunk, fn, h, micro_args(index), **run)
+            return _run_chunk(stacks.graphdefs, states, chunk, fn, h, micro_args(index), chunk_carry=chunk_carry,
+                              **run)
 
         def time_step(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array
                       ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:

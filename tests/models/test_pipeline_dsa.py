@@ -43,6 +43,19 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
               for schedule in ("1f1b", "interleaved")]
     CASES += [("stage2-fsdp4", mode, 2, 1, schedule) for mode in ("auto", "explicit") for schedule in ("gpipe", "1f1b")]
 VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1
+# GLM-5: the same dims, layers 2 and 4 reusing the top-k of layers 1 and 3 (the pipelined MoE layers full, shared,
+# full, shared: each stage's chunk starts with the layer that chooses).
+GLM5_CONFIG = Glm5Config.preset(
+    "glm5-tiny", **{k: getattr(CONFIG, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+        "num_nextn_predict_layers", "seq_aux_loss_alpha", "max_position_embeddings", "index_topk",
+        "index_n_heads", "index_head_dim", "indexer_training", "indexer_loss_weight")},
+    indexer_types=("full", "full", "shared", "full", "shared"))
+GLM5_CASES = []
+if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
+    GLM5_CASES += [("stage2-fsdp4", mode, 1, 2) for mode in ("auto", "explicit")]
 
 
 @functools.cache
@@ -51,9 +64,25 @@ def _parts():
 
 
 @functools.cache
-def _one_device(accum_steps: int):
-    history, model, optimizer = train_two_steps(None, accum_steps, parts=_parts(), batch=_batch(), **STEP)
+def _glm5_parts():
+    return drawn_parts(lambda: Glm5(GLM5_CONFIG, rngs=nnx.Rngs(0)))
+
+
+@functools.cache
+def _one_device(accum_steps: int, glm5: bool = False):
+    parts = _glm5_parts() if glm5 else _parts()
+    history, model, optimizer = train_two_steps(None, accum_steps, parts=parts, batch=_batch(), **STEP)
     return history, _arrays(nnx.state(model, nnx.Param)), _arrays(nnx.state(optimizer, nnx.optimizer.OptState))
+
+
+def _check_matches(history, model, optimizer, want) -> None:
+    want_history, want_params, want_moments = want
+    np.testing.assert_allclose(history, want_history, rtol=1e-5)
+    assert min(h[4] for h in history) > 0 and min(h[3] for h in history) > 0  # the indexer and balance losses on
+    for got, want in zip(_arrays(nnx.state(model, nnx.Param)), want_params, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.1 * OPTIMIZER.lr)
+    for got, want in zip(_arrays(nnx.state(optimizer, nnx.optimizer.OptState)), want_moments, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "micro", "schedule"), CASES)
@@ -64,28 +93,34 @@ def test_pipelined_v32_adamw_steps_match_one_device(mesh_name, mode, accum_steps
         step["model_kwargs"] += (("pipeline_virtual_stages", VIRTUAL_STAGES),)
     history, model, optimizer = train_two_steps(mesh, accum_steps, micro, schedule, parts=_parts(), batch=_batch(),
                                                 **step)
-    want_history, want_params, want_moments = _one_device(accum_steps)
-    np.testing.assert_allclose(history, want_history, rtol=1e-5)
-    assert min(h[4] for h in history) > 0 and min(h[3] for h in history) > 0  # the indexer and balance losses on
-    for got, want in zip(_arrays(nnx.state(model, nnx.Param)), want_params, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.1 * OPTIMIZER.lr)
-    for got, want in zip(_arrays(nnx.state(optimizer, nnx.optimizer.OptState)), want_moments, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    _check_matches(history, model, optimizer, _one_device(accum_steps))
     assert model.moe_layers.attn.indexer.wq_b.kernel[...].sharding.spec[0] == "stage"  # indexers on their stage
+
+
+@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "micro"), GLM5_CASES)
+def test_pipelined_glm5_shared_layers_match_one_device(mesh_name, mode, accum_steps, micro):
+    """GLM-5's shared layers pipelined (GPipe): each stage's chunk (full, shared) hands its top-k on inside."""
+    mesh = make_mesh(MESHES[mesh_name], shard_mode=mode)
+    history, model, optimizer = train_two_steps(mesh, accum_steps, micro, "gpipe", parts=_glm5_parts(),
+                                                batch=_batch(), **STEP)
+    _check_matches(history, model, optimizer, _one_device(accum_steps, glm5=True))
+    assert model.shared_topk_moe_layers.mlp.router[...].sharding.spec[0] == "stage"
 
 
 def test_what_the_pipelined_sparse_attention_does_not_run_is_refused():
     mesh = make_mesh({"stage": 2, "fsdp": 4}, shard_mode="explicit")
     ids = np.zeros((8, 16), np.int32)
     v32 = nnx.merge(*_parts())
-    # GLM-5 with a shared (top-k reusing) MoE layer among the pipelined ones: the handoff is not pipelined.
-    glm5 = Glm5(Glm5Config.preset(
-        "glm5-tiny", vocab_size=128, hidden_size=32, moe_intermediate_size=16, intermediate_size=64,
-        num_hidden_layers=5, first_k_dense_replace=1, index_topk=4, index_n_heads=2, index_head_dim=16,
-        indexer_types=("full", "full", "shared", "full", "shared")), rngs=nnx.Rngs(0))
+    glm5 = nnx.merge(*_glm5_parts())
+    # Chunks (shared, full) would hand the top-k across the stages.
+    glm5_late = Glm5(GLM5_CONFIG.with_overrides(indexer_types=("full", "shared", "full", "shared", "full")),
+                     rngs=nnx.Rngs(0))
     for model, kwargs, message in [
-        (glm5, {}, r"MoE layers \[2, 4\] reuse an earlier layer's top-k \(indexer 'shared'\).*mesh without 'stage', "
-                   r"or give every pipelined MoE layer its own indexer"),
+        (glm5_late, {}, r"each of the 2 pipeline chunks of 2 MoE layers starts with a layer that reuses an earlier "
+                        r"layer's top-k \(indexer 'shared': layers \[1, 3\] start the chunks\).*give each chunk's "
+                        r"first layer its own indexer"),
+        (glm5, dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)),
+         r"pipeline_schedule='1f1b': layers reusing an earlier layer's top-k .* pipeline with 'gpipe' only"),
         # 1F1B weighs the indexer loss inside the pipeline with the trainer's weights: it needs them.
         (v32, dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)),
          r"pipeline_schedule='1f1b' with MTP heads, a balance loss or an indexer loss needs loss_scale="),

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 
-from nnx_zoo.layers.pipeline import STAGE_AXIS
+from nnx_zoo.layers.pipeline import STAGE_AXIS, pipeline_chunk
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
@@ -253,7 +253,13 @@ class DeepSeekV3Config(FamilyConfig):
 
     def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:
         """A ``ValueError`` saying which ``pipeline_layers`` fit when the pipelined MoE layers (the last
-        ``pipeline_layers``, default all) do not split into ``stages * virtual_stages`` equal chunks."""
+        ``pipeline_layers``, default all) do not split into ``stages * virtual_stages`` equal chunks; with layers
+        reusing an earlier layer's top-k (GLM-5's shared layers) among them, when the chunks are not identical or
+        a chunk starts with a reusing layer (the top-k would have to cross a stage)."""
+        kinds = self.pipelined_kinds()
+        if "shared_topk_moe_layers" in kinds:
+            self._check_shared_chunks(kinds, stages, virtual_stages)
+            return
         moe, chunks = len(self.layer_stacks()["moe_layers"]), stages * virtual_stages
         if moe % chunks == 0:
             return
@@ -271,6 +277,31 @@ class DeepSeekV3Config(FamilyConfig):
                          f"stages); use {fix}" + (f", or pipeline only the last MoE layers ({counts}; they run with "
                          "the dense prefix, whole on every stage)" if fits else "")
                          + f", or num_hidden_layers with a multiple of {chunks} MoE layers")
+
+    def pipelined_kinds(self) -> tuple[str, ...]:
+        """The stack name of each pipelined layer, in model order: the MoE layers after the dense prefix (and after
+        the ``prefix_moe_layers``), those reusing a top-k included."""
+        stacks = self.layer_stacks()
+        owner = {i: name for name in ("moe_layers", "shared_topk_moe_layers") for i in stacks[name]}
+        return tuple(owner[i] for i in sorted(owner))
+
+    def _check_shared_chunks(self, kinds: tuple[str, ...], stages: int, virtual_stages: int) -> None:
+        stacks = self.layer_stacks()
+        pipelined = sorted(stacks["moe_layers"] + stacks["shared_topk_moe_layers"])
+        later = [i for name in ("dense_layers", "shared_topk_dense_layers") for i in stacks[name] if i > pipelined[0]]
+        if self.pipeline_layers is not None or later:
+            raise ValueError("with layers reusing an earlier layer's top-k (indexer 'shared'), the pipeline takes "
+                             "every MoE layer after the dense prefix: pipeline_layers is not supported, and no dense "
+                             f"layer may follow the first MoE layer (dense layers {later} do); train it on a mesh "
+                             f"without '{STAGE_AXIS}'")
+        chunk = pipeline_chunk(kinds, stages, virtual_stages)
+        if chunk[0] != "moe_layers":
+            first = pipelined[:: len(chunk)]
+            raise ValueError(f"each of the {stages * virtual_stages} pipeline chunks of {len(chunk)} MoE layers starts "
+                             f"with a layer that reuses an earlier layer's top-k (indexer 'shared': layers {first} "
+                             "start the chunks), which would have to cross a stage; give each chunk's first layer its "
+                             "own indexer (indexer_types 'full'), use a chunk count whose chunks start with a 'full' "
+                             f"layer, or train it on a mesh without '{STAGE_AXIS}'")
 
     def _indexer_problems(self) -> list[str]:
         p: list[str] = []

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -54,6 +55,7 @@ _BLE = ("activation_batch", "activation_length", "activation_embed")
 # The pipeline's output, and what runs after it: the batch split over 'stage' too (activation_batch's without it).
 _OUT_BLE = ("activation_embed_and_logits_batch", "activation_length", "activation_embed")
 _BL_TOPK = ("activation_batch", "activation_length", None)  # each query's chosen keys [batch, seq, index_topk]
+_PIPELINED_STACKS = ("moe_layers", "shared_topk_moe_layers")  # the stacks a pipeline runs (after the prefix)
 
 
 def _dtypes(c: DeepSeekV3Config) -> dict[str, Any]:
@@ -252,17 +254,18 @@ class DeepSeekV3(CausalLMBase):
     def _stack(make: Any, count: int, rngs: nnx.Rngs, axis_name: str) -> nnx.Module | None:
         return create_stack(make, count, rngs, axis_name) if count else None
 
-    def layer_runs(self) -> list[tuple[str, nnx.Module, tuple[int, ...]]]:
+    def layer_runs(self, unsliced: tuple[str, ...] = ()) -> list[tuple[str, nnx.Module, tuple[int, ...]]]:
         """``(stack name, stack or a slice of it, layer indices)`` per run of consecutive decoder layers of one
         stack, in model order: DeepSeek-V3's dense layers then its MoE layers (two runs, whole stacks); with
-        layers reusing a top-k, one run per change of kind."""
+        layers reusing a top-k, one run per change of kind. The stacks named in ``unsliced`` come whole in every
+        run (a pipeline runs them whole; slicing their layer dim, on 'stage', fails under Explicit meshes)."""
         stacks = self.config.layer_stacks()
         owner = {i: name for name, layers in stacks.items() for i in layers}
         runs = []
         for name, group in itertools.groupby(range(self.config.num_hidden_layers), key=owner.__getitem__):
             indices = tuple(group)
             stack, start = getattr(self, name), stacks[name].index(indices[0])
-            if len(indices) != len(stacks[name]):
+            if len(indices) != len(stacks[name]) and name not in unsliced:
                 stack = _slice_stack(stack, start, start + len(indices))
             runs.append((name, stack, indices))
         return runs
@@ -366,10 +369,14 @@ class DeepSeekV3(CausalLMBase):
                     dropped_tokens=out.dropped_tokens if with_expert_load else None,
                     balance_loss=out.balance_loss, indexer_loss=out.indexer_loss)
 
-            carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
+            with outside():  # laid out as the layers before the pipeline hand it on (their batch on 'stage' too)
+                carry = (embeddings, self._no_topk(input_ids.shape[0], seq_len) if share else None)
             records, moe_records = [], []
             pipeline_sums = None  # pipelined: the balance and indexer losses summed over its layers and real rows
-            for name, stack, _ in self.layer_runs():
+            pipeline_ran = False
+            for name, stack, _ in self.layer_runs(_PIPELINED_STACKS if pipelined else ()):
+                if pipelined and name in _PIPELINED_STACKS and pipeline_ran:
+                    continue  # GLM-5: the later runs of the pipelined stacks ran in the pipeline
                 if pipelined and name == "moe_layers" and schedule.loss_inside:  # 1F1B, interleaved
                     prefix = _LayerRecord(*(_cat([getattr(r, f) for r in moe_records]) for f in _LayerRecord._fields))
                     return self._one_f_one_b(  # its input whole over stage, as GPipe's
@@ -377,11 +384,12 @@ class DeepSeekV3(CausalLMBase):
                         segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
                         pipeline_microbatches, schedule, prefix,
                         [r.indexer_loss for r in records if r.indexer_loss is not None])
-                if pipelined and name == "moe_layers":
+                if pipelined and name in _PIPELINED_STACKS:
+                    pipeline_ran = True
                     # In whole over stage (the prefix's rows gathered), out split over it again.
                     h, record, pipeline_sums = self._pipelined_moe(
-                        stack, shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
-                        pipeline_microbatches)
+                        shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
+                        pipeline_microbatches, share)
                     carry = (shard(h, _OUT_BLE), None)
                     if len(moe_records):  # MoE layers ran before the pipeline: their stats join these, whole
                         record = jax.tree.map(_unsplit, record)
@@ -444,31 +452,29 @@ class DeepSeekV3(CausalLMBase):
         if with_hidden_states or with_routing:
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
-        moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0] and name != "prefix_moe_layers"]
-        if moe_runs not in ([], ["moe_layers"]):  # GLM-5's shared layers among the pipelined ones
-            reusing = list(c.layer_stacks()["shared_topk_moe_layers"])
-            raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix, but "
-                             f"MoE layers {reusing} reuse an earlier layer's top-k (indexer 'shared'), so this "
-                             f"config's pipelined layers run as {moe_runs}: the top-k handed between layers is not "
-                             "pipelined yet. Train it on a mesh without 'stage', or give every pipelined MoE layer "
-                             "its own indexer (indexer_types 'full' for them)")
+        if "shared_topk_moe_layers" in c.pipelined_kinds() and schedule.loss_inside:
+            raise ValueError(f"pipeline_schedule={schedule.name!r}: layers reusing an earlier layer's top-k (GLM-5's "
+                             "indexer 'shared') pipeline with 'gpipe' only; use pipeline_schedule='gpipe', or train "
+                             "it on a mesh without 'stage'")
         # Only the (last pipeline_layers) MoE layers are on 'stage' (the dense prefix runs before the pipeline): say
         # so, not "the stack", and which pipeline_layers fit.
         c.check_pipeline(stage_count(), schedule.virtual_stages)
 
     def _pipelined_layer(self, layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array,
                          mask: AttentionMask, query_scale: jax.Array | None, rows: jax.Array,
-                         with_expert_load: bool) -> tuple[jax.Array, dict[str, jax.Array]]:
+                         with_expert_load: bool, topk_indices: jax.Array | None = None
+                         ) -> tuple[LayerOutput, dict[str, jax.Array]]:
         """One MoE layer inside a pipeline (any schedule): its output and its per-micro-batch stats, each a sum
         the micro-batches add up: ``load`` (tokens per expert) and ``dropped`` with ``with_expert_load``, and
         ``balance`` (the sequence-wise balance loss summed over the real rows ``rows``) where it is on, and
         ``indexer`` (DeepSeek-V3.2's indexer KL, each sequence's mean over its real queries, summed likewise) where
-        the indexer trains."""
+        the indexer trains. ``topk_indices``: an earlier layer's choice, for a layer that reuses it."""
         c = self.config
+        kw = dict(query_scale=query_scale, topk_indices=topk_indices)
         if c.batch_split_factor > 1:
-            out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, query_scale=query_scale)
+            out = layer.batch_split(h, cos, sin, mask, c.batch_split_factor, **kw)
         else:
-            out = layer(h, cos, sin, mask, query_scale=query_scale)
+            out = layer(h, cos, sin, mask, **kw)
         stats = {}
         if with_expert_load:
             stats["load"] = jnp.sum(jax.nn.one_hot(out.expert_indices, c.n_routed_experts, dtype=jnp.float32),
@@ -478,28 +484,54 @@ class DeepSeekV3(CausalLMBase):
             stats["balance"] = jnp.sum(out.balance_loss * rows)
         if out.indexer_loss is not None:  # DeepSeek-V3.2's indexer KL, a per-sequence loss summed as the balance's
             stats["indexer"] = jnp.sum(out.indexer_loss * rows)
-        return out.hidden, stats
+        return out, stats
 
-    def _pipelined_moe(self, stack: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
+    def _pipelined_moe(self, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                        query_scale: jax.Array | None, attention_mask: jax.Array | None, with_expert_load: bool,
-                       microbatches: int) -> tuple[jax.Array, _LayerRecord, dict[str, jax.Array]]:
+                       microbatches: int, share: bool) -> tuple[jax.Array, _LayerRecord, dict[str, jax.Array]]:
         """The MoE stack on ``h``, pipelined over ``stage`` (``pipeline_stack``, GPipe): ``(h, record,
         sums)``. Each layer's aux terms leave the pipeline summed over the micro-batches: ``expert_load
         [layers, experts]`` and ``dropped_tokens [layers]`` (what the whole batch gives; dropping over a capacity
         is per forward, so with a capacity factor it counts per micro-batch, as gradient accumulation does), and
         the sequence-wise balance loss as its sum over the real sequences (each sequence's loss is its own, so the
         micro-batches' sums add up to the whole batch's), divided by the real sequence count by the caller:
-        ``sums["balance"]``, and ``sums["indexer"]`` (DeepSeek-V3.2's indexer KL, likewise) where they are on."""
+        ``sums["balance"]``, and ``sums["indexer"]`` (DeepSeek-V3.2's indexer KL, likewise) where they are on.
+
+        With GLM-5's shared layers among them (``config.pipelined_kinds()``) both MoE stacks pipeline by name, the
+        top-k handed from layer to layer inside each stage's chunk (``chunk_carry``; every chunk starts with a layer
+        that chooses, ``config.check_pipeline``), when ``share`` (sparse attention at this length); their stats
+        come back in model order."""
         c = self.config
         token_rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
+        kinds = c.pipelined_kinds()
+        run = dict(microbatches=microbatches, scan=c.scan_layers, remat_policy=c.remat_policy, with_aux=True)
+        if "shared_topk_moe_layers" not in kinds:
+            def layer_fn(layer: DecoderLayer, h: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+                out, stats = self._pipelined_layer(layer, h, *args, with_expert_load)
+                return out.hidden, stats
 
-        def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
-                     query_scale: jax.Array | None, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
+            h, aux = pipeline_stack(self.moe_layers, layer_fn, h, cos, sin, mask, query_scale, token_rows, **run)
+        else:
+            def named_layer_fn(name: str, layer: DecoderLayer, carry: Any, *args: Any) -> tuple[Any, Any]:
+                h, topk = carry if share else (carry, None)
+                out, stats = self._pipelined_layer(layer, h, *args, with_expert_load,
+                                                   topk_indices=topk if LAYER_STACKS[name][1] else None)
+                if not share:
+                    return out.hidden, stats
+                return (out.hidden, topk if out.topk_indices is None else out.topk_indices), stats
 
-        h, aux = pipeline_stack(stack, layer_fn, h, cos, sin, mask, query_scale, token_rows,
-                                microbatches=microbatches, scan=c.scan_layers, remat_policy=c.remat_policy,
-                                with_aux=True)
+            def no_topk(h: jax.Array) -> jax.Array:  # never read: each chunk's first layer chooses
+                return jnp.broadcast_to(jnp.zeros_like(h[..., :1], dtype=jnp.int32), (*h.shape[:2], c.index_topk))
+
+            stacks = {name: getattr(self, name) for name in _PIPELINED_STACKS}
+            h, by_stack = pipeline_stack(stacks, named_layer_fn, h, cos, sin, mask, query_scale, token_rows,
+                                         layer_stacks=kinds, chunk_carry=no_topk if share else None, **run)
+            # Model order: the rows of both stacks' stats, joined, then sorted by the layer each belongs to.
+            order = np.argsort([i for name in _PIPELINED_STACKS for i, k in enumerate(kinds) if k == name])
+            aux = {key: jnp.concatenate([_unsplit(by_stack[n][key]) for n in _PIPELINED_STACKS])[order]
+                   for key in ("load", "dropped") if key in by_stack["moe_layers"]}
+            aux |= {key: sum(jnp.sum(by_stack[n][key]) for n in _PIPELINED_STACKS if key in by_stack[n])
+                    for key in ("balance", "indexer") if any(key in by_stack[n] for n in _PIPELINED_STACKS)}
         record = _LayerRecord(hidden=None, expert_indices=None, expert_load=aux.get("load"),
                               dropped_tokens=aux.get("dropped"), balance_loss=None)
         return h, record, {key: jnp.sum(aux[key]) for key in ("balance", "indexer") if key in aux}
@@ -570,7 +602,8 @@ class DeepSeekV3(CausalLMBase):
 
         def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                      query_scale: jax.Array | None, rows: jax.Array, w_bal: jax.Array) -> tuple[jax.Array, Any]:
-            hidden, stats = self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
+            out, stats = self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
+            hidden = out.hidden
             part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
             if "indexer" in stats:  # V3.2's indexer KL, weighed as the trainer weighs indexer_loss
                 part = part + w_bal * c.indexer_loss_weight * stats["indexer"]
