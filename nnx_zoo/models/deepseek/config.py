@@ -247,8 +247,8 @@ class DeepSeekV3Config(FamilyConfig):
                     f"[1, {moe}] (num_hidden_layers {self.num_hidden_layers} - first_k_dense_replace "
                     f"{self.first_k_dense_replace}): the last pipeline_layers MoE layers form the pipelined stack"]
         if self.shares_topk:
-            return [f"pipeline_layers={value}: a model whose layers reuse an earlier layer's top-k is not pipelined; "
-                    "leave it None"]
+            return [f"pipeline_layers={value}: a model whose layers reuse an earlier layer's top-k pipelines every "
+                    "MoE layer after the dense prefix (GPipe); leave it None"]
         return []
 
     def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:

@@ -212,8 +212,10 @@ def test_num_parameters_match_transformers(cls, name):
 def test_layer_kinds_and_refusals():
     tiny = Glm5Config.preset("glm5-tiny")
     assert tiny.layer_indexer_types() == ("full", "shared", "full", "shared")
-    assert tiny.layer_stacks() == {"dense_layers": (0,), "moe_layers": (2,), "shared_topk_dense_layers": (),
-                                   "shared_topk_moe_layers": (1, 3)}
+    assert tiny.layer_stacks() == {"dense_layers": (0,), "prefix_moe_layers": (), "moe_layers": (2,),
+                                   "shared_topk_dense_layers": (), "shared_topk_moe_layers": (1, 3)}
+    # Pipelined (GPipe): the MoE layers 1, 2, 3 in model order; chunks must start with a layer that chooses.
+    assert tiny.pipelined_kinds() == ("shared_topk_moe_layers", "moe_layers", "shared_topk_moe_layers")
     # transformers' pattern string, and its written-out schedule read back as the schedule
     assert Glm5Config.from_hf({**tiny.to_hf_dict(), "indexer_types": None, "index_topk_pattern": "FSSF"}
                               ).indexer_types == ("full", "shared", "shared", "full")
