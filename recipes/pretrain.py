@@ -542,10 +542,11 @@ class Extras(NamedTuple):
                      ) + self.pipeline
 
 
-def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = None) -> tuple[tuple[str, Any], ...]:
     """The forward's pipeline keywords for ``--mesh stage=S,...``, ``--microbatches`` and ``--pipeline-schedule``
-    (none without a stage axis); a model whose forward cannot pipeline, a count that does not divide the
-    accumulation step's rows, or micro-batches without stages are errors saying what to change."""
+    (none without a stage axis); a model whose forward cannot pipeline (or, given its ``config``, whose
+    ``pipeline_problem`` says why not), a count that does not divide the accumulation step's rows, or micro-batches
+    without stages are errors saying what to change."""
     import inspect
 
     from nnx_zoo.layers.pipeline import resolve_schedule
@@ -567,6 +568,9 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[
     if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
         raise ValueError(f"--mesh stage={stages}: {model_cls.__name__} does not run pipelined yet (its forward "
                          "takes no pipeline_microbatches); train it on a mesh without 'stage'")
+    problem = None if config is None else getattr(model_cls, "pipeline_problem", lambda _: None)(config)
+    if problem is not None:
+        raise ValueError(f"--mesh stage={stages}: {problem}")
     micro = stages if args.microbatches is None else args.microbatches
     rows = args.batch // max(args.accum_steps, 1)
     if micro < 1 or rows % micro:
@@ -822,7 +826,7 @@ def _train(args: argparse.Namespace, source: ModelSource, entry: Entry, config: 
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
-    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args)  # before the memory plan
+    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args, config)  # before the memory plan
     remat_line = None
     if remat_is_auto(args):  # the memory plan: after the lock, as it takes a while
         config, remat_line = auto_remat(args, source, config)
