@@ -108,9 +108,10 @@ def _step(graphdef, state, batch, **kwargs):
 
 def train_two_steps(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1,
                     schedule: str = "gpipe", *, parts=None, batch=None, metric_names=("loss", "grad_norm"),
-                    model_kwargs=(), **step_kwargs):
+                    model_kwargs=(), optimizer_config=None, **step_kwargs):
     """Two AdamW steps (one compiled step, called twice) of the model ``parts`` (``drawn_parts``'s; default this
-    module's Llama) on ``batch`` (default ``_batch()``): [(each of ``metric_names``)], the model, the optimizer."""
+    module's Llama) on ``batch`` (default ``_batch()``) with ``optimizer_config`` (default ``OPTIMIZER``): [(each of
+    ``metric_names``)], the model, the optimizer."""
     graphdef, state = _model_parts() if parts is None else parts
     if mesh is not None:
         leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules("default")))
@@ -119,7 +120,7 @@ def train_two_steps(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microb
                                                          ("pipeline_schedule", schedule)), **step_kwargs)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
-        optimizer = make_optimizer(OPTIMIZER, model, total_steps=2)
+        optimizer = make_optimizer(optimizer_config or OPTIMIZER, model, total_steps=2)
         both_graph, both = nnx.split((model, optimizer))
         batch = {k: jnp.asarray(v) for k, v in (_batch() if batch is None else batch).items()}
         step = functools.partial(_step, **kwargs)
