@@ -11,12 +11,12 @@ stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss o
 
 Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs four:
 GPipe on stage 2 x FSDP 4, Explicit, no accumulation, and on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on
-stage 4 x FSDP 2, Explicit, and on stage 2 x tensor 2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto runs in
-CI on Gemma 3 (``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind
-case of its stacks by name). ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
-with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and
-without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per stage and the
-micro-batches into groups of the stages).
+stage 4 x FSDP 2, Explicit, and on stage 2 x tensor 2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Explicit runs
+in CI on Gemma 4 (``test_pipeline_gemma4``: the same ``CausalLM`` pipeline code, which runs Llama's one stack as
+the one-kind case of its stacks by name). ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4
+devices), with FSDP, with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and
+Explicit, with and without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per
+stage and the micro-batches into groups of the stages).
 """
 
 from __future__ import annotations
