@@ -14,15 +14,14 @@ What ``Gemma4`` adds to the core (``nnx_zoo.models.causal_lm.CausalLM``), and wh
 - the logits soft-capped by ``final_logit_softcapping``; the MoE block's choices in ``expert_indices``.
 
 Pipelined (a ``stage`` mesh axis; every schedule of ``nnx_zoo.layers.pipeline``) through the core's one pipeline
-path (``_pipeline_parts``, ``_pipelined_layers``, ``_one_f_one_b_loss``), with Gemma 4's layer in its per-layer
-hook. The per-layer inputs ride beside the hidden state in what the pipeline hands on (``_pipeline_carry``:
-``[batch, seq, hidden + layers * width]``): each layer takes the first ``width`` of them and moves its own to the
-back, so every chunk, on whichever stage, finds its layers' inputs first, and their gradients flow back with the
-hidden state's (1F1B differentiates only the stacks, the head and the pipeline's input). The cost: the stage links
-and each stage's saved inputs carry ``layers * width`` more per token. K/V sharing does not pipeline
-(``pipeline_problem``); the MoE block has no loss term of its own, so it runs as any layer (its expert loads and
-choices are not reported from a pipeline).
-"""
+walk (``_pipeline_parts``, ``_pipelined_layers``, ``_one_f_one_b_loss``, a ``pipeline_layers`` prefix by
+``_unpipelined_prefix``), with Gemma 4's layer in its per-layer hook (``_pipeline_layer``). The per-layer inputs
+ride beside the hidden state in what the pipeline hands on (``_pipeline_carry``: ``[batch, seq, hidden + layers *
+width]``): each layer takes the first ``width`` of them and moves its own to the back, so every chunk, on whichever
+stage, finds its layers' inputs first, and their gradients flow back with the hidden state's (1F1B differentiates
+only the stacks, the head and the pipeline's input). The cost: the stage links and each stage's saved inputs carry
+``layers * width`` more per token. K/V sharing does not pipeline (``pipeline_problem``); the MoE block has no loss
+term of its own, so it runs as any layer (its expert loads and choices are not reported from a pipeline)."""
 
 from __future__ import annotations
 
@@ -55,6 +54,7 @@ from nnx_zoo.sharding.rules import Rules
 _BL = ("activation_batch", "activation_length")
 _PER_LAYER = _BL + (None, None)  # [batch, seq, layers, width]
 _CARRY = _BL + (None,)  # the pipeline's carry: [batch, seq, hidden + layers * width], whole along its last dim
+_OUT_CARRY = ("activation_embed_and_logits_batch",) + _CARRY[1:]  # the same outside the pipeline (split over stage)
 
 
 class Gemma4(CausalLM):
@@ -138,35 +138,35 @@ class Gemma4(CausalLM):
         return jnp.moveaxis(shard(mixed, _PER_LAYER), 2, 0)
 
     def _pipeline_carry(self, h: jax.Array, per_layer: jax.Array | None) -> jax.Array:
-        """What the pipeline hands from layer to layer: ``h`` (whole over ``stage``) and, with per-layer inputs
-        (``[layers, batch, seq, width]``), those beside it, layer 0's first: ``[batch, seq, hidden + layers *
-        width]``."""
+        """What the pipeline hands from layer to layer: ``h`` and, with per-layer inputs (``[layers, batch, seq,
+        width]``), those beside it, layer 0's first: ``[batch, seq, hidden + layers * width]``; laid out as the
+        embeddings, the batch split over ``stage`` too (a ``pipeline_layers`` prefix runs on it so; the pipeline
+        gathers it)."""
         if per_layer is None:
-            return shard(h, _BLE)
+            return h
         batch, seq = h.shape[:2]
         shape = (batch, seq, per_layer.shape[0] * per_layer.shape[-1])
         flat = jnp.reshape(shard(jnp.moveaxis(per_layer, 0, 2), _PER_LAYER), shape,
                            out_sharding=explicit_spec(_CARRY, shape))
-        return jnp.concatenate([shard(h, _CARRY), shard(flat, _CARRY)], axis=-1)
+        return jnp.concatenate([shard(h, _OUT_CARRY), shard(flat, _OUT_CARRY)], axis=-1)
 
     def _pipeline_hidden(self, carry: jax.Array) -> jax.Array:
         return carry if self.embed_per_layer is None else carry[..., :self.config.hidden_size]
 
-    def _pipeline_parts(self) -> tuple[dict[str, nnx.Module], tuple[str, ...], Any]:
-        """The core's stacks and layer sequence, and Gemma 4's layer on the carry (``_pipeline_carry``): the layer
-        reads the first ``width`` per-layer inputs, its own, and moves them to the back (after every layer, the
-        inputs are back in their order: each chunk's first layer finds its own first)."""
-        stacks, layer_stacks, _ = super()._pipeline_parts()
+    def _pipeline_layer(self, layer: nnx.Module, carry: jax.Array, cos: jax.Array, sin: jax.Array, mask: Any, *,
+                        with_expert_load: bool) -> tuple[jax.Array, dict[str, Any]]:
+        """Gemma 4's layer on the pipeline's carry (``_pipeline_carry``): it reads the first ``width`` per-layer
+        inputs, its own, and moves them to the back (after every layer the inputs are back in their order, and each
+        chunk's first layer, or the first pipelined layer after a ``pipeline_layers`` prefix, finds its own first).
+        No stats: the expert loads are refused from a pipeline (``forward``)."""
+        del with_expert_load
+        if self.embed_per_layer is None:
+            return layer(carry, cos, sin, mask)[0], {}
         hidden, width = self.config.hidden_size, self.config.hidden_size_per_layer_input
-
-        def layer_fn(name: str, layer: nnx.Module, carry: jax.Array, ropes: dict[str, Any], mask: Any) -> jax.Array:
-            if self.embed_per_layer is None:
-                return layer(carry, *ropes[name], mask)[0]
-            h, inputs = carry[..., :hidden], carry[..., hidden:]
-            h = layer(h, *ropes[name], mask, per_layer_input=inputs[..., :width])[0]
-            return jnp.concatenate([shard(h, _CARRY), inputs[..., width:], inputs[..., :width]], axis=-1)
-
-        return stacks, layer_stacks, layer_fn
+        carry = shard(carry, _CARRY)  # under the rules in force (a prefix's split the batch over stage too)
+        h, inputs = carry[..., :hidden], carry[..., hidden:]
+        h = layer(h, cos, sin, mask, per_layer_input=inputs[..., :width])[0]
+        return jnp.concatenate([shard(h, _CARRY), inputs[..., width:], inputs[..., :width]], axis=-1), {}
 
     @classmethod
     def pipeline_problem(cls, config: Gemma4Config) -> str | None:
@@ -237,15 +237,20 @@ class Gemma4(CausalLM):
                                      "are not supported on a mesh with a 'stage' axis (the pipeline hands on only "
                                      "the last layer's output); run it without 'stage'")
                 schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
-                carry = self._pipeline_carry(h, per_layer)
+                c.check_pipeline(stage_count(), schedule.virtual_stages)  # says which pipeline_layers fit
+                # config.pipeline_layers: the layers before the pipeline run outside it, on the carry too.
+                carry, _ = self._unpipelined_prefix(self._pipeline_carry(h, per_layer), ropes, mask)
+                whole = _BLE if per_layer is None else _CARRY  # the pipeline's input whole over stage
                 if schedule.loss_inside:
                     if loss_targets is None:
                         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
                                          "pass loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
-                    return CausalLMOutput(logits=None, loss_sum=self._one_f_one_b_loss(
-                        carry, ropes, mask, loss_targets, pipeline_microbatches, schedule.virtual_stages))
+                    loss, _ = self._one_f_one_b_loss(shard(carry, whole), ropes, mask, loss_targets,
+                                                     pipeline_microbatches, schedule.virtual_stages)
+                    return CausalLMOutput(logits=None, loss_sum=loss)
                 # Out split over stage again: the final norm and the head run on each stage's share of the batch.
-                carry = self._pipelined_layers(carry, ropes, mask, pipeline_microbatches, pipeline_schedule)
+                carry, _ = self._pipelined_layers(shard(carry, whole), ropes, mask, pipeline_microbatches,
+                                                  pipeline_schedule)
                 final_hidden = self.norm(shard(self._pipeline_hidden(carry), _OUT_BLE))
                 return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
                                       final_hidden=final_hidden)
