@@ -16,7 +16,8 @@ pipeline, fails.
 Cost: one pipelined train step compiled per case plus the one-device reference. CI: interleaved on stage 2 x FSDP 4
 (Explicit: 1F1B's program, chunks moved to their stages, the carry crossing the ring) and GPipe on stage 4 x FSDP 2
 (Auto, 2 accumulation steps). ``NNX_ZOO_FULL_MATRIX=1`` adds 1F1B on stage 4 x FSDP 2 and on stage 2 alone, GPipe
-on stage 2 x FSDP 4, and the other mode of each CI case.
+on stage 2 x FSDP 4, the other mode of each CI case, and GPipe (Explicit) and 1F1B (Auto) on stage 2 x FSDP 4 with
+``pipeline_layers`` 4 (the first 4 layers ahead of the pipeline, taking their per-layer inputs off the carry).
 """
 
 from __future__ import annotations
@@ -62,16 +63,20 @@ MESHES = {"stage2": ({"stage": 2}, 2), "stage2-fsdp4": ({"stage": 2, "fsdp": 4},
           "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 8)}
 # (mesh, mode, accumulation steps, pipeline micro-batches per step, schedule): each micro-batch's rows divide
 # over fsdp; interleaved runs micro-batches in groups of the stages.
+# A sixth entry: config.pipeline_layers (the layers before them run ahead of the pipeline, on the carry too).
 CASES = [("stage2-fsdp4", "explicit", 1, 2, "interleaved"), ("stage4-fsdp2", "auto", 2, 2, "gpipe")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage2-fsdp4", "auto", 1, 2, "interleaved"), ("stage4-fsdp2", "explicit", 2, 2, "gpipe"),
               ("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage2", "auto", 1, 4, "1f1b")]
     CASES += [("stage4-fsdp2", mode, 1, 4, "1f1b") for mode in ("auto", "explicit")]
+    CASES += [("stage2-fsdp4", "explicit", 1, 2, "gpipe", 4), ("stage2-fsdp4", "auto", 1, 2, "1f1b", 4)]
+CASES = [case if len(case) == 6 else (*case, None) for case in CASES]
 
 
 @functools.cache
-def _parts():
-    graphdef, state = drawn_parts(lambda: Gemma4(CONFIG, rngs=nnx.Rngs(0)))  # Gemma 4's norms apply w as stored
+def _parts(pipeline_layers=None):
+    config = CONFIG.with_overrides(pipeline_layers=pipeline_layers)
+    graphdef, state = drawn_parts(lambda: Gemma4(config, rngs=nnx.Rngs(0)))  # Gemma 4's norms apply w as stored
 
     def redraw(path, leaf):
         name = jax.tree_util.keystr(path)
@@ -87,18 +92,19 @@ def _parts():
 
 
 @functools.cache
-def _one_device():
-    history, model, optimizer = train_two_steps(None, parts=_parts(), optimizer_config=OPTIMIZER)
+def _one_device(pipeline_layers=None):  # the same config (its parameter tree) on one device
+    history, model, optimizer = train_two_steps(None, parts=_parts(pipeline_layers), optimizer_config=OPTIMIZER)
     return history, _arrays(nnx.state(model, nnx.Param)), _arrays(nnx.state(optimizer, nnx.optimizer.OptState))
 
 
-@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "microbatches", "schedule"), CASES)
-def test_pipelined_gemma4_adamw_steps_match_one_device(mesh_name, mode, accum_steps, microbatches, schedule):
+@pytest.mark.parametrize(("mesh_name", "mode", "accum_steps", "microbatches", "schedule", "pipeline_layers"), CASES)
+def test_pipelined_gemma4_adamw_steps_match_one_device(mesh_name, mode, accum_steps, microbatches, schedule,
+                                                       pipeline_layers):
     sizes, devices = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    history, model, optimizer = train_two_steps(mesh, accum_steps, microbatches, schedule, parts=_parts(),
-                                                optimizer_config=OPTIMIZER)
-    want_history, want_params, want_moments = _one_device()
+    history, model, optimizer = train_two_steps(mesh, accum_steps, microbatches, schedule,
+                                                parts=_parts(pipeline_layers), optimizer_config=OPTIMIZER)
+    want_history, want_params, want_moments = _one_device(pipeline_layers)
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0]  # it learns
     # test_pipeline's tolerances: parameters to a tenth of lr, the gradients sharply through the moments.
