@@ -27,24 +27,42 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.hyper_connection import HyperConnection, HyperHead, widen
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import (
+    STAGE_AXIS,
+    Schedule,
+    pipeline_chunk,
+    pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
 from nnx_zoo.layers.sparse_moe import SparseMoE
+from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, shifted_by_depth
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
-from nnx_zoo.models.deepseek.model import _mean_over_sequences
+from nnx_zoo.models.deepseek.model import _mean_over_sequences, _real_rows
 from nnx_zoo.models.deepseek.moe import sequence_balance_loss
-from nnx_zoo.models.deepseek4 import axes  # noqa: F401  (declares V4's logical names)
 from nnx_zoo.models.deepseek4.attention import Context, Rope, V4Attention
+from nnx_zoo.models.deepseek4.axes import HASH_LAYERS
 from nnx_zoo.models.deepseek4.cache import V4Cache, extend
 from nnx_zoo.models.deepseek4.compressor import windows
 from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config, kind_name
 from nnx_zoo.models.deepseek4.hf import load_pretrained, save_pretrained
-from nnx_zoo.sharding import get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules
+from nnx_zoo.sharding import axes_tuple, get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules, outside_pipeline
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
-STACK_AXIS = "layers"
+_STREAMS = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
+# The pipeline's output, and what runs after it: the batch split over 'stage' too (activation_batch's without it).
+_OUT_STREAMS = ("activation_embed_and_logits_batch", "activation_length", "activation_hc", "activation_embed")
+STACK_AXIS = "layers"  # the top-k routed layers' stacks: the pipelined ones, split over 'stage'
+
+
+def stack_axis(kind: tuple[str, str]) -> str:
+    """The leading logical axis of ``kind``'s stack: the hash-routed first layers run before the pipeline, whole
+    on every stage (``hash_layers``); the top-k routed ones are the pipelined stacks (``layers``)."""
+    return HASH_LAYERS if kind[1] == HASH_MOE else STACK_AXIS
 
 
 def _dtypes(c: DeepSeekV4Config) -> dict[str, Any]:
@@ -173,8 +191,9 @@ class DeepSeekV4(CausalLMBase):
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
         self.kinds = tuple(dict.fromkeys(c.layer_kinds))  # static: part of the graph definition
-        self.stacks = nnx.Dict({kind_name(k): create_stack(
-            lambda r, k=k: DecoderLayer(c, *k, rngs=r), c.layer_kinds.count(k), rngs, STACK_AXIS) for k in self.kinds})
+        self.stacks = nnx.Dict({kind_name(k): create_stack(lambda r, k=k: DecoderLayer(c, *k, rngs=r),
+                                                            c.layer_kinds.count(k), rngs, stack_axis(k))
+                                for k in self.kinds})
         self.head_hc = HyperHead(c.hidden_size, streams=c.hc_mult, eps=c.hc_eps, norm_eps=c.rms_norm_eps,
                                  kernel_init=init, rngs=rngs)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
@@ -215,13 +234,15 @@ class DeepSeekV4(CausalLMBase):
         hca = windows(c.compress_rate_hca, token_mask, positions, segment_ids) if HCA in types else None
         return Context(main, compress, token_mask, segment_ids, csa, hca)
 
-    def _segments(self) -> list[tuple[nnx.Module, tuple[tuple[str, str], ...], int]]:
+    def _segments(self, kinds: tuple[tuple[str, str], ...] | None = None
+                  ) -> list[tuple[nnx.Module, tuple[tuple[str, str], ...], int]]:
         """``(group, pattern, repeats)`` per segment of the schedule: ``group`` holds, for each kind of the
-        pattern, the slice of its stack the segment's repeats use (``periodic_runs``)."""
+        pattern, the slice of its stack the segment's repeats use (``periodic_runs``). ``kinds``: the first layers
+        of the schedule only (default: all), e.g. the hash-routed prefix that runs before a pipeline."""
         c = self.config
         taken = dict.fromkeys(self.kinds, 0)
         out = []
-        for pattern, repeats in periodic_runs(c.layer_kinds):
+        for pattern, repeats in periodic_runs(c.layer_kinds if kinds is None else kinds):
             parts = []
             for kind in pattern:
                 stack = self.stacks[kind_name(kind)]
@@ -235,58 +256,104 @@ class DeepSeekV4(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``). ``expert_indices`` /
         ``expert_load`` / ``dropped_tokens`` cover every layer (all are MoE layers), in model order;
-        ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``."""
+        ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``.
+
+        On a mesh with a ``stage`` axis the top-k routed layers run pipelined (``pipeline_stack``, GPipe order):
+        ``pipeline_microbatches`` micro-batches, the streams ``[batch, seq, hc_mult, embed]`` handed from stage to
+        stage, each micro-batch's tokens (the hash routers' and the balance loss's) and context split with it. The
+        layer sequence after the hash-routed prefix must be ``S`` identical chunks of layer kinds (each stack's
+        contiguous block per stage). The embedding and the hash-routed first layers (``num_hash_layers``: their
+        stacks' axis is ``hash_layers``, whole on every stage, as DeepSeek-V3's dense prefix) run before the
+        pipeline, the stream collapse, final norm, MTP heads and output head after it, each on its stage's share of
+        the batch (``outside_pipeline``). Per-layer ``expert_load`` and ``dropped_tokens`` leave the pipeline
+        summed over the micro-batches, in model order (what the routing-bias update reads); the balance and
+        indexer losses as sums over the real sequences, divided by their count here: both exactly the whole
+        batch's (a capacity factor's dropping counts per micro-batch, as gradient accumulation does).
+        Without a ``stage`` axis the pipeline arguments are ignored.
+        """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         c = self.config
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            pipelined = stage_count() > 1  # the ambient mesh's, or the one the parameters live on
+            prefix = len(c.layer_kinds)
+            if pipelined:
+                prefix = self._check_pipelined(resolve_schedule(pipeline_schedule, pipeline_virtual_stages),
+                                               with_hidden_states=with_hidden_states, with_routing=with_routing)
+            outside_rules = self.rules
+            # The prefix and what follows the pipeline split the batch over 'stage' too (where it splits: a batch
+            # that does not stays whole over it, as the embedding's).
+            if pipelined and STAGE_AXIS in axes_tuple(resolve_activation(
+                    ("activation_embed_and_logits_batch",), input_ids.shape[:1])[0]):
+                outside_rules = outside_pipeline(self.rules)
+
+            def outside() -> Any:
+                return use_rules(outside_rules, allow_partial=self.allow_partial)
+
             seq = input_ids.shape[1]
             positions = jnp.arange(seq)[None, :] if position_ids is None else position_ids
             token_mask = jnp.ones((1, seq), bool) if attention_mask is None else attention_mask.astype(bool)
-            ctx = self._context(positions, token_mask, segment_ids)
-            embeddings = self.embed(input_ids)
-            h = widen(embeddings, c.hc_mult)
+            with outside():
+                ctx = self._context(positions, token_mask, segment_ids)
+                embeddings = self.embed(input_ids)
+                h = widen(embeddings, c.hc_mult)
+
+            def layer_record(result: LayerResult) -> _Record:
+                load = None
+                if with_expert_load:
+                    load = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                   axis=(0, 1, 2))
+                # Layers without an indexer (or with the loss off) hand up zeros, so every record has a shape.
+                kl = result.indexer_loss
+                if kl is None and c.indexer_training != "off":
+                    kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
+                if kl is not None:  # one layout for every layer's, so the layers' records concatenate
+                    kl = shard(kl, ("activation_batch",))
+                return _Record(None, result.expert_indices if with_routing else None, load,
+                               result.dropped_tokens if with_expert_load else None, result.balance_loss, kl)
 
             def body(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, list[_Record]]:
                 records = []
                 for layer in group:
                     streams = h
                     h, result = layer(h, ctx, input_ids, token_mask)
-                    load = None
-                    if with_expert_load:
-                        load = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts, dtype=jnp.float32),
-                                       axis=(0, 1, 2))
-                    # Layers without an indexer (or with the loss off) hand up zeros, so every record has a shape.
-                    kl = result.indexer_loss
-                    if kl is None and c.indexer_training != "off":
-                        kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
-                    if kl is not None:  # one layout for every layer's, so the layers' records concatenate
-                        kl = shard(kl, ("activation_batch",))
-                    records.append(_Record(streams if with_hidden_states else None,
-                                           result.expert_indices if with_routing else None, load,
-                                           result.dropped_tokens if with_expert_load else None,
-                                           result.balance_loss, kl))
+                    records.append(layer_record(result)._replace(streams=streams if with_hidden_states else None))
                 return h, records
 
             per_segment = []
-            for group, _, _ in self._segments():
-                h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
-                # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
-                per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
-                                                *records))
-            layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *per_segment)
-            final_hidden = self.norm(self.head_hc(h))
-            hidden_states = None
-            if with_hidden_states:
-                last = jnp.broadcast_to(final_hidden[:, :, None, :], h.shape)
-                hidden_states = jnp.concatenate([layers.streams, last[None]], axis=0)
-            mtp_hidden = None
-            if with_mtp:
-                mtp_hidden = self._mtp(input_ids, attention_mask, segment_ids, positions, h)
+            with outside():
+                for group, _, _ in self._segments(c.layer_kinds[:prefix]):
+                    h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
+                    # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
+                    per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
+                                                    *records))
+            layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *per_segment) if per_segment else _Record()
+            rows = sums = None
+            if pipelined:
+                rows = _real_rows(input_ids, attention_mask)
+                h, piped, sums = self._pipelined(h, positions, token_mask, segment_ids, input_ids, rows, prefix,
+                                                 with_expert_load, pipeline_microbatches)
+                h = shard(h, _OUT_STREAMS)
+                if prefix:  # the prefix's per-layer counts (whole, small) before the pipelined layers'
+                    piped = piped._replace(**{
+                        f: jnp.concatenate([shard(getattr(layers, f), (None,) * getattr(piped, f).ndim),
+                                            getattr(piped, f)])
+                        for f in ("expert_load", "dropped_tokens") if getattr(piped, f) is not None})
+                layers = layers._replace(expert_load=piped.expert_load, dropped_tokens=piped.dropped_tokens)
+            with outside():
+                final_hidden = self.norm(self.head_hc(h))
+                hidden_states = None
+                if with_hidden_states:
+                    last = jnp.broadcast_to(final_hidden[:, :, None, :], h.shape)
+                    hidden_states = jnp.concatenate([layers.streams, last[None]], axis=0)
+                mtp_hidden = None
+                if with_mtp:
+                    mtp_hidden = self._mtp(input_ids, attention_mask, segment_ids, positions, h)
             logits = mtp_logits = None
             if with_logits and with_mtp:
                 both = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))
@@ -294,14 +361,107 @@ class DeepSeekV4(CausalLMBase):
             elif with_logits:
                 logits = self._logits(final_hidden)
             aux_loss = indexer_loss = None
-            if layers.balance_loss is not None:  # summed over the layers, a mean over the sequences with a token
-                aux_loss = _mean_over_sequences(layers.balance_loss, attention_mask)
-            if layers.indexer_loss is not None:
-                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(layers.indexer_loss, attention_mask)
+            if sums is not None:  # pipelined: each loss summed over the layers and the real sequences
+                count = jnp.maximum(jnp.sum(rows), 1.0)
+                prefix_sum = (lambda a: 0.0) if prefix == 0 else (lambda a: jnp.sum(jnp.sum(a, axis=0) * rows))
+                if "balance" in sums:
+                    aux_loss = (prefix_sum(layers.balance_loss) + sums["balance"]) / count
+                if "indexer" in sums:
+                    indexer_loss = c.indexer_loss_weight * (prefix_sum(layers.indexer_loss) + sums["indexer"]) / count
+            else:
+                if layers.balance_loss is not None:  # summed over the layers, a mean over the sequences with a token
+                    aux_loss = _mean_over_sequences(layers.balance_loss, attention_mask)
+                if layers.indexer_loss is not None:
+                    indexer_loss = c.indexer_loss_weight * _mean_over_sequences(layers.indexer_loss, attention_mask)
             return CausalLMOutput(logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                                   expert_indices=layers.expert_indices, expert_load=layers.expert_load,
                                   dropped_tokens=layers.dropped_tokens, aux_loss=aux_loss, final_hidden=final_hidden,
                                   mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
+
+    # ---- pipeline parallelism over the mesh's 'stage' axis ----
+    def _check_pipelined(self, schedule: Schedule, *, with_hidden_states: bool, with_routing: bool) -> int:
+        """The number of hash-routed prefix layers (run before the pipeline), after clear errors for what the
+        pipelined forward does not run: hidden states or routing per layer, a schedule other than GPipe, hash-routed
+        layers that are not the first ones, and pipelined layers that are not ``S`` identical chunks of kinds."""
+        c = self.config
+        if with_hidden_states or with_routing:
+            raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
+                             "pipeline hands on only the last layer's streams and per-layer sums); run without "
+                             "'stage'")
+        if schedule.loss_inside:
+            raise ValueError(f"{type(self).__name__} pipelines in GPipe order only so far: pipeline_schedule="
+                             f"{schedule.name!r} (the loss on the last stage) is not built for it yet; use "
+                             "--pipeline-schedule gpipe")
+        hashed = [i for i, kind in enumerate(c.layer_kinds) if kind[1] == HASH_MOE]
+        if hashed != list(range(len(hashed))):
+            raise ValueError(f"{type(self).__name__} runs its hash-routed layers before the pipeline, so they must be "
+                             f"the first layers; this config's are layers {hashed} (mlp_layer_types). Make them the "
+                             "first ones (as num_hash_layers does), or train on a mesh without 'stage'")
+        prefix = len(hashed)
+        piped = [kind_name(kind) for kind in c.layer_kinds[prefix:]]
+        try:
+            pipeline_chunk(piped, stage_count(), schedule.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__} pipelines its {len(piped)} top-k routed layers (num_hidden_layers "
+                             f"{c.num_hidden_layers} after {prefix} hash-routed ones, which run before the pipeline): "
+                             f"{e}") from None
+        return prefix
+
+    def _pipelined(self, h: jax.Array, positions: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+                   input_ids: jax.Array, rows: jax.Array, prefix: int, with_expert_load: bool, microbatches: int
+                   ) -> tuple[jax.Array, _Record, dict[str, jax.Array]]:
+        """The layers from ``prefix`` on, on the streams ``h``, pipelined over ``stage`` (``pipeline_stack`` with
+        the kinds' stacks by name): ``(h, record, sums)``, the record's ``expert_load [layers, experts]`` and
+        ``dropped_tokens [layers]`` in model order, summed over the micro-batches, and ``sums``: the balance
+        (``balance``) and indexer (``indexer``) losses summed over the layers and the real sequences ``rows``."""
+        c = self.config
+        kinds = c.layer_kinds[prefix:]
+        names = [kind_name(kind) for kind in kinds]
+        stacks = {name: self.stacks[name] for name in dict.fromkeys(names)}
+        # The context's batched arrays are split into micro-batches with the rows; its frequencies (whose length
+        # could equal the batch's) stay out and are put back per layer.
+        ctx = self._context(positions, token_mask, segment_ids)
+        ctx = ctx._replace(main=ctx.main._replace(inv_freq=None), compress=ctx.compress._replace(inv_freq=None))
+        indexer_on = c.indexer_training != "off"
+
+        def layer_fn(name: str, layer: DecoderLayer, h: jax.Array, ctx: Context, input_ids: jax.Array,
+                     token_mask: jax.Array, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            ctx = ctx._replace(
+                main=ctx.main._replace(inv_freq=jnp.asarray(self.rope_inv_freq, jnp.float32)),
+                compress=ctx.compress._replace(inv_freq=jnp.asarray(self.compress_inv_freq, jnp.float32)))
+            h, result = layer(h, ctx, input_ids, token_mask)
+            stats = {}
+            if with_expert_load:
+                stats["load"] = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts,
+                                                       dtype=jnp.float32), axis=(0, 1, 2))
+                stats["dropped"] = result.dropped_tokens
+            if result.balance_loss is not None:  # each sequence's own: the micro-batches' sums add up
+                stats["balance"] = jnp.sum(result.balance_loss * rows)
+            if indexer_on:
+                kl = result.indexer_loss
+                stats["indexer"] = jnp.zeros((), jnp.float32) if kl is None else jnp.sum(kl * rows)
+            return h, stats
+
+        h, aux = pipeline_stack(stacks, layer_fn, shard(h, _STREAMS), ctx, input_ids, token_mask,
+                                shard(rows, ("activation_batch",)), microbatches=microbatches, scan=c.scan_layers,
+                                remat_policy=c.remat_policy, with_aux=True, layer_stacks=names)
+        # Per stack in its order -> model order (small per-layer sums: gathered whole over 'stage' first).
+        seen = dict.fromkeys(stacks, 0)
+        order = []
+        for name in names:
+            order.append((name, seen[name]))
+            seen[name] += 1
+
+        def model_order(key: str) -> jax.Array | None:
+            if key not in next(iter(aux.values())):
+                return None
+            whole = {name: shard(a[key], (None,) * a[key].ndim) for name, a in aux.items()}
+            return jnp.stack([whole[name][i] for name, i in order])
+
+        record = _Record(expert_load=model_order("load"), dropped_tokens=model_order("dropped"))
+        sums = {key: jnp.sum(jnp.stack([jnp.sum(a[key]) for a in aux.values()]))
+                for key in ("balance", "indexer") if key in next(iter(aux.values()))}
+        return h, record, sums
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
              positions: jax.Array, streams: jax.Array) -> jax.Array:
