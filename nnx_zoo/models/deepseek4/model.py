@@ -257,7 +257,9 @@ class DeepSeekV4(CausalLMBase):
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
                 with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
-                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None) -> CausalLMOutput:
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None, loss_scale: tuple[float, Any] | None = None
+                ) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``). ``expert_indices`` /
         ``expert_load`` / ``dropped_tokens`` cover every layer (all are MoE layers), in model order;
         ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``.
@@ -273,7 +275,9 @@ class DeepSeekV4(CausalLMBase):
         summed over the micro-batches, in model order (what the routing-bias update reads); the balance and
         indexer losses as sums over the real sequences, divided by their count here: both exactly the whole
         batch's (a capacity factor's dropping counts per micro-batch, as gradient accumulation does).
-        Without a ``stage`` axis the pipeline arguments are ignored.
+        Without a ``stage`` axis the pipeline arguments are ignored. ``loss_targets`` / ``loss_scale`` are what the
+        trainer passes a schedule that runs the loss on the last stage (1F1B, interleaved), which V4 does not run
+        yet: a clear error says so.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
