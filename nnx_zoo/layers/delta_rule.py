@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.attention import activation_spec, ambient_mesh, vary_over
+from nnx_zoo.layers.blockwise_attention import varying_axes
 from nnx_zoo.layers.spec import explicit_spec
 from nnx_zoo.sharding import axes_tuple
 from nnx_zoo.sharding.constrain import shard_to_spec
@@ -150,6 +151,12 @@ def _per_device(run, q, k, v, g, beta, segments, state):
     state_spec = PartitionSpec(spec[0], spec[2], None, None)  # batch and heads as the tokens have them
     specs = (spec, spec, spec, token_spec, PartitionSpec(*spec[:3]), PartitionSpec(*spec[:2]), state_spec)
     args = [shard_to_spec(a, p) for a, p in zip((q, k, v, g, beta, segments, state), specs)]
+    # Inside an enclosing shard_map (a pipeline's over 'stage': the tokens vary over its axes) the run goes on
+    # the stage's arrays laid out so, partitioned by XLA over the other axes: jax 0.10.2 gives a nested checked
+    # shard_map's residuals the outer axes too, which Shardy's verifier rejects in the backward.
+    outer = tuple(sorted({axis for a in args[:5] for axis in varying_axes(a)}))
+    if outer:  # (a fresh state varies as the tokens do: the scans' carries match)
+        return run(*args[:6], vary_over(args[6], outer))
     length_axes = axes_tuple(spec[1])
     every_axis = tuple(dict.fromkeys(a for p in specs for e in p for a in axes_tuple(e)))
 

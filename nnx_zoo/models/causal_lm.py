@@ -42,14 +42,21 @@ from nnx_zoo.layers.kv_cache import StackedKVCache, ring_slots
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import pipeline_1f1b_value_and_grad, pipeline_stack, resolve_schedule, stage_count
+from nnx_zoo.layers.pipeline import (
+    STAGE_AXIS,
+    pipeline_1f1b_value_and_grad,
+    pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, create_stack, gathered_over_fsdp, model_order, run_stack, segments
+from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.decoder_config import FULL, DecoderConfig
 from nnx_zoo.models.inputs import check_forward_inputs
 from nnx_zoo.models.inputs import check_ids_fit as check_ids_fit  # re-exported: its old home
-from nnx_zoo.sharding import abstract_module, create_sharded, get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules
+from nnx_zoo.sharding import abstract_module, axes_tuple, create_sharded, get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules, outside_pipeline
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 # Outside the pipeline (the embedding's output, the final hidden state, the logits): the batch split over 'stage'
@@ -311,6 +318,14 @@ class CausalLMBase(nnx.Module):
         head = gathered_over_fsdp(self.lm_head) if head is None else head
         return head(hidden, (None,) * (hidden.ndim - 3) + _BLV)
 
+    def _outside_pipeline_rules(self, batch: int) -> Rules:
+        """The rules of layers that run outside the pipeline (a dense prefix before it, MTP heads after it) on a
+        batch of ``batch`` rows, under the model's rules and mesh: ``outside_pipeline(rules)`` (the batch split over
+        ``stage`` too, each stage its share) where the batch splits over ``stage``, else the model's rules (that
+        batch stays whole over it, as the embedding's)."""
+        placed = resolve_activation(("activation_embed_and_logits_batch",), (batch,))[0]
+        return outside_pipeline(self.rules) if STAGE_AXIS in axes_tuple(placed) else self.rules
+
     def _parameter_mesh(self) -> contextlib.AbstractContextManager[Any]:
         """With no ambient mesh, the mesh the parameters live on (so ``model(ids)`` works without
         ``jax.set_mesh``); otherwise nothing."""
@@ -490,22 +505,27 @@ class CausalLM(CausalLMBase):
 
             embeddings = h = self.embed(input_ids)
             layer_outputs = []
+            aux: dict[str, Any] = {}  # pipelined: the layers' stats as output fields (_pipeline_outputs)
             if stage_count() > 1:  # pipelined over the mesh's stage axis
-                if with_hidden_states:
-                    raise ValueError("with_hidden_states=True is not supported on a mesh with a 'stage' axis (the "
-                                     "pipeline hands on only the last layer's output); run it without 'stage'")
+                if with_hidden_states or with_routing:
+                    raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' "
+                                     "axis (the pipeline hands on only the last layer's output and per-layer sums); "
+                                     "run it without 'stage'")
                 schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
                 if schedule.loss_inside:
                     if loss_targets is None:
                         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
                                          "pass loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
                     # The pipeline's input whole over stage (each stage holds the micro-batches it may take).
-                    loss = self._one_f_one_b_loss(shard(h, _BLE), ropes, mask, loss_targets, pipeline_microbatches,
-                                                  schedule.virtual_stages)
-                    return CausalLMOutput(logits=None, loss_sum=loss)
+                    loss, stats = self._one_f_one_b_loss(shard(h, _BLE), ropes, mask, loss_targets,
+                                                         pipeline_microbatches, schedule.virtual_stages,
+                                                         with_expert_load)
+                    return CausalLMOutput(logits=None, loss_sum=loss, **self._pipeline_outputs(stats))
                 # In whole over stage (the embedding's rows gathered), out split over it again: the final norm
                 # and the head run on each stage's share of the batch.
-                h = self._pipelined_layers(shard(h, _BLE), ropes, mask, pipeline_microbatches, pipeline_schedule)
+                h, stats = self._pipelined_layers(shard(h, _BLE), ropes, mask, pipeline_microbatches,
+                                                  pipeline_schedule, with_expert_load)
+                aux = self._pipeline_outputs(stats)
                 h = shard(h, _OUT_BLE)
             for segment in self.layer_segments() if stage_count() == 1 else ():
                 h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
@@ -515,69 +535,95 @@ class CausalLM(CausalLMBase):
             hidden_states = (stack_hidden_states(embeddings, jnp.concatenate(layer_outputs), final_hidden)
                              if with_hidden_states else None)
             return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
-                                  hidden_states=hidden_states, final_hidden=final_hidden)
+                                  hidden_states=hidden_states, final_hidden=final_hidden, **aux)
 
-    def _pipeline_parts(self) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., jax.Array]]:
+    # ---- pipeline parallelism over the mesh's 'stage' axis: one walk for dense and MoE layers ----
+    def _pipeline_layer(self, layer: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                        mask: AttentionMask, *, with_expert_load: bool) -> tuple[jax.Array, dict[str, Any]]:
+        """One layer inside a pipeline (any schedule): its output and its stats, each a sum over the micro-batch's
+        rows that the pipeline adds up over the micro-batches (``MoECausalLM``: expert load, balance sums). A dense
+        layer has none."""
+        del with_expert_load
+        return layer(h, cos, sin, mask), {}
+
+    def _pipeline_outputs(self, stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``CausalLMOutput`` fields made of the pipelined layers' stats (``stats[name]``: stack ``name``'s
+        ``_pipeline_layer`` stats, each leaf ``[its layers, ...]`` in model order, summed over the micro-batches):
+        none here."""
+        del stats
+        return {}
+
+    def _pipeline_parts(self, with_expert_load: bool = False
+                        ) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., Any]]:
         """What the pipeline runs: the layer stacks by name, the stack name of each layer in model order (the
         pipeline splits that sequence into identical chunks, one per stage and virtual stage, or says which chunk
-        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> h``, one layer of stack ``name``."""
+        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> (h, stats)``, one layer of stack ``name``
+        (``_pipeline_layer``)."""
         c = self.config
         name_of = {kind: name for name, kind, _ in c.layer_stacks()}
 
         def layer_fn(name: str, layer: nnx.Module, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
-                     ) -> jax.Array:
-            return layer(h, *ropes[name], mask)
+                     ) -> tuple[jax.Array, dict[str, Any]]:
+            return self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
 
         return self.layer_stacks(), tuple(name_of[kind] for kind in c.layer_kinds()), layer_fn
 
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
-                          schedule: str) -> jax.Array:
+                          schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:
         """Every layer on ``h``, pipelined over the ``stage`` axis (``pipeline_stack``): stage ``s`` runs the
         ``s``-th of ``S`` identical chunks of the layer sequence, its own block of every stack, as that chunk's scan
-        segments (Llama's one stack: one segment; Gemma 3's five sliding layers and a global one: two)."""
-        stacks, layer_stacks, layer_fn = self._pipeline_parts()
+        segments (Llama's one stack: one segment; Gemma 3's five sliding layers and a global one: two). Returns
+        ``(h, stats)``: the layers' ``_pipeline_layer`` stats by stack, summed over the micro-batches."""
+        stacks, layer_stacks, layer_fn = self._pipeline_parts(with_expert_load)
         return pipeline_stack(stacks, layer_fn, h, ropes, mask, microbatches=microbatches, schedule=schedule,
                               scan=self.config.scan_layers, remat_policy=self.config.remat_policy,
-                              layer_stacks=layer_stacks)
+                              layer_stacks=layer_stacks, with_aux=True)
 
     def _one_f_one_b_loss(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
                           loss_targets: tuple[jax.Array, jax.Array], microbatches: int,
-                          virtual_stages: int = 1) -> jax.Array:
+                          virtual_stages: int = 1, with_expert_load: bool = False
+                          ) -> tuple[jax.Array, dict[str, Any]]:
         """The summed masked cross-entropy of the layers, final norm and head on ``h``, in 1F1B order (interleaved
         with ``virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``, the layers split into chunks as in
         ``_pipelined_layers``), as a function autodiff can differentiate: its gradients (layers, norm and head,
-        ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged."""
-        stacks, layer_stacks, layer_fn = self._pipeline_parts()
+        ``h``) come from the same program, so the trainer's ``value_and_grad`` works unchanged. Returns ``(loss,
+        stats)``, the layers' stats as ``_pipelined_layers``' (values without gradient: no loss term reads them)."""
+        stacks, layer_stacks, stats_fn = self._pipeline_parts(with_expert_load)
         head_module = nnx.List([self.norm, self.embed if self.lm_head is None else self.lm_head])
         head_graph, head_state = nnx.split(head_module)
         stack_graphs = {name: nnx.graphdef(stack) for name, stack in stacks.items()}
         stack_state = {name: nnx.state(stack) for name, stack in stacks.items()}
 
-        def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> jax.Array:
+        def layer_fn(*args: Any) -> tuple[jax.Array, Any]:
+            h, stats = stats_fn(*args)
+            return h, (jnp.zeros((), jnp.float32), stats)  # no loss term of the layers' own
+
+        def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> Any:
             norm, head = nnx.merge(head_graph, head_state)
             logits = self._logits(norm(h), head=head).astype(jnp.float32)
             targets, loss_mask = targets_and_mask
             vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
             target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
             per_token = jax.nn.logsumexp(logits, axis=-1) - target_logit
-            return jnp.sum(per_token * loss_mask.astype(jnp.float32))
+            return jnp.sum(per_token * loss_mask.astype(jnp.float32)), None
 
-        def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
-            loss, d_stack, d_head, d_h = pipeline_1f1b_value_and_grad(
+        def run(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
+            loss, d_stack, d_head, d_h, stats, _ = pipeline_1f1b_value_and_grad(
                 {name: nnx.merge(stack_graphs[name], state) for name, state in stack_state.items()}, layer_fn,
                 head_fn, head_state, h, loss_targets, ropes, mask, microbatches=microbatches,
-                virtual_stages=virtual_stages, layer_stacks=layer_stacks)
-            return loss, (d_stack, d_head, d_h)
+                virtual_stages=virtual_stages, layer_stacks=layer_stacks, with_aux=True)
+            return (loss, stats), (d_stack, d_head, d_h)
 
         @jax.custom_vjp
-        def loss_of(stack_state: Any, head_state: Any, h: jax.Array) -> jax.Array:
+        def loss_of(stack_state: Any, head_state: Any, h: jax.Array) -> Any:
             return run(stack_state, head_state, h)[0]
 
-        def backward(grads: Any, g: jax.Array) -> Any:
-            return jax.tree.map(lambda d: (g * d).astype(d.dtype), grads)
+        def backward(grads: Any, g: Any) -> Any:
+            return jax.tree.map(lambda d: (g[0] * d).astype(d.dtype), grads)  # only the loss is differentiated
 
         loss_of.defvjp(run, backward)
-        return loss_of(stack_state, head_state, h)
+        loss, stats = loss_of(stack_state, head_state, h)
+        return loss, jax.lax.stop_gradient(stats)
 
     # ---- generation: a fixed-size cache, rings for local layers ----
     def init_cache(self, batch: int, max_len: int) -> StackedKVCache:

@@ -25,10 +25,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnx_zoo.hf import DENSE, FusedDown, FusedGateUp, KeyTable, Row, Stack
 from nnx_zoo.layers.attention import AttentionMask, causal_mask, token_mask_of
+from nnx_zoo.layers.pipeline import resolve_schedule, stage_count
 from nnx_zoo.layers.routers import BalanceSums, switch_balance_loss
 from nnx_zoo.layers.scan import Summed, batch_split, gathered_over_fsdp, model_order, run_stack
 from nnx_zoo.layers.sparse_moe import SparseMoE, SparseMoEOutput
@@ -135,19 +137,50 @@ class MoECausalLM(CausalLM):
                 rows = jnp.asarray([moe_layers.index(i) for i in indices])
                 getattr(self, name).mlp.balance_bias(expert_load[rows], rate)
 
+    def _balance_on(self) -> bool:
+        """Whether the forward computes the Switch balance loss (``aux_loss``)."""
+        return bool(self.config.output_router_logits and self.config.router_aux_loss_coef)
+
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
         """``CausalLM.forward`` plus the MoE outputs: ``expert_indices [moe_layers, batch, seq, k]``
         (``with_routing``), ``expert_load [moe_layers, experts]`` and ``dropped_tokens [moe_layers]``
         (``with_expert_load``; padding counted, as routed), and ``aux_loss`` whenever
-        ``config.output_router_logits`` (and ``router_aux_loss_coef``) is set: see the module docstring."""
+        ``config.output_router_logits`` (and ``router_aux_loss_coef``) is set: see the module docstring.
+
+        On a mesh with a ``stage`` axis the layers run pipelined as ``CausalLM.forward`` runs them (one walk:
+        ``_pipeline_layer`` per layer, ``_pipeline_outputs`` after), every schedule. Each MoE layer's expert load,
+        dropped tokens and ``BalanceSums`` come out of the pipeline per layer, summed over the micro-batches: the
+        whole batch's (sums over rows), so ``expert_load`` (what the routing-bias update reads) and the Switch loss
+        pooled over the layers are the un-pipelined ones (dropping over a capacity counts per micro-batch, as
+        gradient accumulation counts it). The Switch loss runs with GPipe only: its gradient weighs every token's
+        router probabilities by the whole batch's expert counts, which 1F1B / interleaved do not have when a
+        micro-batch's backward starts (a clear error; use ``pipeline_schedule='gpipe'`` or turn the loss off).
+        ``with_hidden_states`` / ``with_routing`` are refused there."""
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
             raise ValueError(f"with_mtp=True but {type(self).__name__} has no MTP heads (multi-token prediction)")
+        with self._parameter_mesh():
+            pipelined = stage_count() > 1
+        if pipelined:
+            if resolve_schedule(pipeline_schedule, pipeline_virtual_stages).loss_inside and self._balance_on():
+                raise ValueError(
+                    f"pipeline_schedule={pipeline_schedule!r} with the Switch balance loss (output_router_logits, "
+                    f"router_aux_loss_coef={self.config.router_aux_loss_coef}): its gradient needs the whole batch's "
+                    "expert counts before any micro-batch's backward, which 1F1B and interleaved run as they go. "
+                    "Use pipeline_schedule='gpipe' (--pipeline-schedule gpipe), or train without the loss "
+                    "(output_router_logits=False)")
+            return super().forward(input_ids, attention_mask, segment_ids=segment_ids, position_ids=position_ids,
+                                   with_hidden_states=with_hidden_states, with_expert_load=with_expert_load,
+                                   with_routing=with_routing, with_logits=with_logits,
+                                   pipeline_microbatches=pipeline_microbatches, pipeline_schedule=pipeline_schedule,
+                                   pipeline_virtual_stages=pipeline_virtual_stages, loss_targets=loss_targets)
         c = self.config
-        with_balance = bool(c.output_router_logits and c.router_aux_loss_coef)
+        with_balance = self._balance_on()
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
             seq_len = input_ids.shape[1]
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
@@ -203,6 +236,48 @@ class MoECausalLM(CausalLM):
                                   hidden_states=hidden_states, expert_indices=moe.expert_indices,
                                   expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
                                   aux_loss=aux_loss, final_hidden=final_hidden)
+
+
+    def _pipeline_layer(self, layer: nnx.Module, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                        mask: AttentionMask, *, with_expert_load: bool) -> tuple[jax.Array, dict[str, Any]]:
+        """``CausalLM._pipeline_layer`` for a dense or MoE layer: an MoE layer's stats are its ``load`` (tokens
+        per expert) and ``dropped`` (with ``with_expert_load``) and its ``balance`` sums (with the Switch loss),
+        each a sum over the micro-batch's rows; a dense layer has none."""
+        if not isinstance(layer, MoEDecoderLayer):
+            return layer(h, cos, sin, mask), {}
+        c = self.config
+        with_balance = self._balance_on()
+        token_mask = token_mask_of(mask, h.shape[1])  # this micro-batch's rows
+        if c.batch_split_factor > 1:
+            h, moe = _batch_split_layer(layer, h, cos, sin, mask, token_mask, with_balance, c.batch_split_factor)
+        else:
+            h, moe = layer(h, cos, sin, mask, token_mask=token_mask, with_balance=with_balance)
+        stats: dict[str, Any] = {}
+        if with_expert_load:
+            stats["load"] = jnp.sum(jax.nn.one_hot(moe.expert_indices, c.num_routed_experts, dtype=jnp.float32),
+                                    axis=(0, 1, 2))
+            stats["dropped"] = moe.dropped_tokens
+        if with_balance:
+            stats["balance"] = moe.balance
+        return h, stats
+
+    def _pipeline_outputs(self, stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The MoE stacks' stats (the stacks that have any) joined in model order over the MoE layers:
+        ``expert_load``, ``dropped_tokens`` and the Switch ``aux_loss`` of the balance sums pooled over the layers."""
+        moe = [(indices, stats[name]) for name, _, indices in self.config.layer_stacks() if stats.get(name)]
+        if not moe:
+            return {}
+        # Whole on every device first, as un-pipelined (they leave the pipeline split over 'stage' by layer): the
+        # stacks' rows are then interleaved into model order, and the routing-bias update picks each stack's.
+        whole = jax.tree.map(lambda a: shard(a, (None,) * a.ndim), [layer_stats for _, layer_stats in moe])
+        order = np.argsort(np.concatenate([indices for indices, _ in moe]), kind="stable")
+        per_layer = jax.tree.map(lambda *a: jnp.take(jnp.concatenate(a), order, axis=0) if len(a) > 1 else a[0],
+                                 *whole)
+        out = {"expert_load": per_layer.get("load"), "dropped_tokens": per_layer.get("dropped")}
+        if "balance" in per_layer:
+            pooled = BalanceSums(*(jnp.sum(a, axis=0) for a in per_layer["balance"]))
+            out["aux_loss"] = self.config.router_aux_loss_coef * switch_balance_loss(pooled)
+        return out
 
 
 def moe_key_table(config: MoEDecoderConfig, *, attention_rows: tuple[Row, ...], moe_rows: tuple[Row, ...],

@@ -10,11 +10,12 @@ stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss o
 ``loss_targets`` -> ``loss_sum``, gradients from the 1F1B program).
 
 Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs three:
-GPipe on stage 4 x FSDP 2, Auto, 2 accumulation steps (GPipe under Explicit is in CI on Gemma 3, the same
-``CausalLM`` code, in ``test_pipeline_gemma3``, and on DeepSeek-V3 and V4; Llama's is in the full matrix); 1F1B
-on stage 4 x FSDP 2, Explicit, and on stage 2 x tensor 2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto runs in
-CI on Gemma 3 (``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind
-case of its stacks by name). ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
+GPipe on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on stage 4 x FSDP 2, Explicit, and on stage 2 x tensor
+2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto, and GPipe under Explicit run in CI on Gemma 3
+(``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind case of its
+stacks by name); GPipe under Explicit (and interleaved under Auto) also on MiniMax-M2 (``test_pipeline_moe``: the
+same walk with the MoE layer hook), so Llama's GPipe on stage 2 x FSDP 4, Explicit, is in the full matrix.
+``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
 with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and
 without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per stage and the
 micro-batches into groups of the stages).
@@ -66,8 +67,8 @@ CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", 
          for schedule in ("gpipe", "1f1b", "interleaved")
          if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
-    CASES = [("stage4-fsdp2", "auto", 2, 2, "gpipe"),
-             ("stage4-fsdp2", "explicit", 1, 4, "1f1b"), ("stage2-tensor2-fsdp2", "auto", 1, 4, "1f1b")]
+    CASES = [("stage4-fsdp2", "auto", 2, 2, "gpipe"), ("stage4-fsdp2", "explicit", 1, 4, "1f1b"),
+             ("stage2-tensor2-fsdp2", "auto", 1, 4, "1f1b")]
 
 
 @functools.cache

@@ -36,7 +36,6 @@ from nnx_zoo.layers.pipeline import (
 )
 from nnx_zoo.layers.rope import rope_frequencies
 from nnx_zoo.layers.scan import batch_split, create_stack, gathered_over_fsdp, run_stack
-from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.causal_lm import (
     CausalLMBase,
     CausalLMOutput,
@@ -49,8 +48,8 @@ from nnx_zoo.models.deepseek.config import LAYER_STACKS, DeepSeekV3Config
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.mla import MLA
 from nnx_zoo.models.deepseek.moe import DeepSeekMoE, MoEOutput
-from nnx_zoo.sharding import axes_tuple, get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules, outside_pipeline
+from nnx_zoo.sharding import get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 # The pipeline's output, and what runs after it: the batch split over 'stage' too (activation_batch's without it).
@@ -343,10 +342,7 @@ class DeepSeekV3(CausalLMBase):
             # Pipelined: the dense prefix and the MTP heads run outside the pipeline, on each stage's share of the
             # batch (``outside_pipeline``: activation_batch over 'stage' too), as the embedding and the head do.
             # (Only where the batch splits over 'stage': a batch that does not stays whole over it, as the embedding's.)
-            outside_rules = self.rules
-            if pipelined and STAGE_AXIS in axes_tuple(resolve_activation(
-                    ("activation_embed_and_logits_batch",), input_ids.shape[:1])[0]):
-                outside_rules = outside_pipeline(self.rules)
+            outside_rules = self._outside_pipeline_rules(input_ids.shape[0]) if pipelined else self.rules
 
             def outside() -> Any:
                 return use_rules(outside_rules, allow_partial=self.allow_partial)

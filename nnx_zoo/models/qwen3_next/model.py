@@ -29,10 +29,11 @@ from nnx_zoo.layers.attention import causal_mask, token_mask_of
 from nnx_zoo.layers.attention_mask import AttentionMask
 from nnx_zoo.layers.kv_cache import KV_CACHE_NAMES, advance_cache, empty_slots
 from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.pipeline import resolve_schedule, stage_count
 from nnx_zoo.layers.scan import Segment, create_stack, run_stack
-from nnx_zoo.models.causal_lm import STACK_AXIS, CausalLMOutput, DecoderLayer, _dtypes, shifted_by_depth
+from nnx_zoo.models.causal_lm import CausalLMOutput, DecoderLayer, _dtypes, shifted_by_depth
 from nnx_zoo.models.decoder_config import FULL
-from nnx_zoo.models.deepseek.axes import MTP_EMBED
+from nnx_zoo.models.deepseek.axes import MTP_EMBED, MTP_LAYERS
 from nnx_zoo.models.moe_causal_lm import MoECausalLM, MoEDecoderLayer, _batch_split_layer
 from nnx_zoo.models.qwen3_next import hf
 from nnx_zoo.models.qwen3_next.config import Qwen3NextConfig
@@ -81,8 +82,9 @@ class HybridMoELayer(_HybridLayer, MoEDecoderLayer):
 class MTPBlock(nnx.Module):
     """The multi-token-prediction depth (HF ``mtp.*``): ``norm(layers(fc([embed_norm(e) | hidden_norm(h)])))``,
     ``e`` the next token's embedding, ``h`` the main model's final (normed) hidden state; ``layers`` are
-    ``mtp_num_hidden_layers`` full-attention decoder layers of the model's own kind, stacked on the main stacks'
-    axis (``layers``). Its output goes through the model's head: at position ``i`` it predicts token ``i + 2``.
+    ``mtp_num_hidden_layers`` full-attention decoder layers of the model's own kind, stacked on the MTP heads' axis
+    (``mtp_layers``: whole on every pipeline stage). Its output goes through the model's head: at position ``i``
+    it predicts token ``i + 2``.
 
     >>> config = Qwen3NextConfig.preset("qwen3-next-tiny", mtp_num_hidden_layers=1)
     >>> block = MTPBlock(config, rngs=nnx.Rngs(0))
@@ -99,8 +101,9 @@ class MTPBlock(nnx.Module):
                          kernel_init=nnx.initializers.normal(c.initializer_range), rngs=rngs, **dtypes)
         kind = c.mtp_layer_kind()
         layer_class = HybridMoELayer if kind.moe else HybridDenseLayer
+        # Stacked on the MTP heads' axis, never on 'stage': the depth runs after the pipeline, on every stage.
         self.layers = create_stack(lambda r: layer_class(c, kind=kind, rngs=r), c.mtp_num_hidden_layers, rngs,
-                                   STACK_AXIS)
+                                   MTP_LAYERS)
         self.norm = centred_norm(h, c.rms_norm_eps, **dtypes)
 
     def __call__(self, token_embeddings: jax.Array, final_hidden: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -194,23 +197,42 @@ class Qwen3Next(MoECausalLM):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
         """``MoECausalLM.forward``, and with ``with_mtp`` the MTP depth's ``mtp_hidden`` / ``mtp_logits`` ``[1,
         batch, seq, ...]`` (position ``i`` predicts token ``i + 2``). The MTP layers read the ids shifted left by
         one (padded with 0; position ``i`` is padding when token ``i`` or ``i + 1`` is) at the main tokens' rope
         positions (vLLM's; a shift
         of every position leaves attention unchanged), attend within the documents of ``segment_ids``, and add
-        nothing to ``aux_loss``, ``expert_load`` or ``expert_indices`` (the main layers' only)."""
+        nothing to ``aux_loss``, ``expert_load`` or ``expert_indices`` (the main layers' only).
+
+        Pipelined (a ``stage`` mesh axis): the MTP depth runs after the GPipe pipeline, whole on every stage (its
+        weights) and on each stage's share of the batch (``outside_pipeline``), as DeepSeek-V3's MTP heads do;
+        with the schedules that run the loss inside the pipeline (1F1B, interleaved) it is not supported yet (a
+        clear error)."""
+        pipeline = dict(pipeline_microbatches=pipeline_microbatches, pipeline_schedule=pipeline_schedule,
+                        pipeline_virtual_stages=pipeline_virtual_stages, loss_targets=loss_targets)
         kwargs = dict(segment_ids=segment_ids, position_ids=position_ids, with_hidden_states=with_hidden_states,
-                      with_expert_load=with_expert_load, with_routing=with_routing)
+                      with_expert_load=with_expert_load, with_routing=with_routing, **pipeline)
         if not with_mtp:
             return super().forward(input_ids, attention_mask, with_logits=with_logits, **kwargs)
         if self.mtp is None:
             raise ValueError(f"with_mtp=True but this {type(self).__name__} has no MTP heads (multi-token "
                              "prediction; mtp_num_hidden_layers=0 where its config has the field); build it with "
                              "mtp_num_hidden_layers=1, as the Qwen3-Next / Qwen3.5 releases have")
+        with self._parameter_mesh():
+            pipelined = stage_count() > 1
+        if pipelined and resolve_schedule(pipeline_schedule, pipeline_virtual_stages).loss_inside:
+            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} with the MTP depth (with_mtp=True) is not "
+                             f"supported yet for {type(self).__name__}: those schedules run the loss inside the "
+                             "pipeline, and the MTP depth does not run there. Use pipeline_schedule='gpipe' "
+                             "(--pipeline-schedule gpipe), or train without MTP (--mtp-weight 0)")
         out = super().forward(input_ids, attention_mask, with_logits=False, **kwargs)
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            # Pipelined: after the pipeline, the batch split over 'stage' as the head's (each stage its share).
+            rules = self._outside_pipeline_rules(input_ids.shape[0]) if pipelined else self.rules
+        with use_rules(rules, allow_partial=self.allow_partial), self._parameter_mesh():
             c, seq_len = self.config, input_ids.shape[1]
             ids, masks = shifted_by_depth(input_ids, attention_mask, 1)
             positions = jnp.arange(seq_len)[None, :] if position_ids is None else position_ids
