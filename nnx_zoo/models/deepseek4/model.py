@@ -27,18 +27,10 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.hyper_connection import HyperConnection, HyperHead, widen
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
-from nnx_zoo.layers.pipeline import (
-    STAGE_AXIS,
-    Schedule,
-    pipeline_chunk,
-    pipeline_stack,
-    resolve_schedule,
-    stage_count,
-)
+from nnx_zoo.layers.pipeline import Schedule, pipeline_chunk, pipeline_stack, resolve_schedule, stage_count
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
 from nnx_zoo.layers.sparse_moe import SparseMoE
-from nnx_zoo.layers.spec import resolve_activation
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, shifted_by_depth
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
 from nnx_zoo.models.deepseek.model import _mean_over_sequences, _real_rows
@@ -49,8 +41,8 @@ from nnx_zoo.models.deepseek4.cache import V4Cache, extend
 from nnx_zoo.models.deepseek4.compressor import windows
 from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config, kind_name
 from nnx_zoo.models.deepseek4.hf import load_pretrained, save_pretrained
-from nnx_zoo.sharding import axes_tuple, get_rules, shard, use_rules
-from nnx_zoo.sharding.rules import Rules, outside_pipeline
+from nnx_zoo.sharding import get_rules, shard, use_rules
+from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
 _STREAMS = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
@@ -289,12 +281,8 @@ class DeepSeekV4(CausalLMBase):
             if pipelined:
                 prefix = self._check_pipelined(resolve_schedule(pipeline_schedule, pipeline_virtual_stages),
                                                with_hidden_states=with_hidden_states, with_routing=with_routing)
-            outside_rules = self.rules
-            # The prefix and what follows the pipeline split the batch over 'stage' too (where it splits: a batch
-            # that does not stays whole over it, as the embedding's).
-            if pipelined and STAGE_AXIS in axes_tuple(resolve_activation(
-                    ("activation_embed_and_logits_batch",), input_ids.shape[:1])[0]):
-                outside_rules = outside_pipeline(self.rules)
+            # The prefix and what follows the pipeline split the batch over 'stage' too (where it splits).
+            outside_rules = self._outside_pipeline_rules(input_ids.shape[0]) if pipelined else self.rules
 
             def outside() -> Any:
                 return use_rules(outside_rules, allow_partial=self.allow_partial)
