@@ -39,6 +39,10 @@ CONFIG = DeepSeekV4Config.preset(
     qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=2,
     compress_rate_hca=8, sliding_window=8, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
     hc_sinkhorn_iters=3, seq_aux_loss_alpha=0.01, indexer_training="sparse", moe_impl="dense")
+# Interleaved (2 virtual stages on stage 2) needs 4 identical chunks of the pipelined layers: (CSA, HCA) four times.
+INTERLEAVED = dataclasses.replace(CONFIG, num_hidden_layers=9, layer_types=(SLIDING,) + (CSA, HCA) * 4,
+                                  mlp_layer_types=hash_schedule(9, 1))
+CONFIGS = {"5": CONFIG, "9": INTERLEAVED}
 METRICS = ("loss", "grad_norm", "mtp1", "aux_loss", "indexer_loss", "expert_max_over_mean")
 STEP = dict(mtp_weight=0.3, routing_bias_rate=1e-3, metric_names=METRICS,
             model_kwargs=(("with_mtp", True), ("with_expert_load", True)))
@@ -48,7 +52,9 @@ MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
 CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe")]
-    CASES += [("stage2-fsdp2", mode, 2, "gpipe") for mode in ("auto", "explicit")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "1f1b") for mode in ("auto", "explicit")]
+    CASES += [("stage2-fsdp2", mode, 2, schedule) for mode in ("auto", "explicit") for schedule in ("gpipe", "1f1b")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "interleaved") for mode in ("auto", "explicit")]
 
 
 @functools.cache
@@ -63,8 +69,8 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def _parts():
-    return drawn_parts(lambda: DeepSeekV4(CONFIG, rngs=nnx.Rngs(0)))
+def _parts(layers: str = "5"):
+    return drawn_parts(lambda: DeepSeekV4(CONFIGS[layers], rngs=nnx.Rngs(0)))
 
 
 def _biases(model: DeepSeekV4) -> list[np.ndarray]:
@@ -72,8 +78,8 @@ def _biases(model: DeepSeekV4) -> list[np.ndarray]:
 
 
 @functools.cache
-def _one_device():
-    history, model, optimizer = train_two_steps(None, parts=_parts(), batch=_batch(), **STEP)
+def _one_device(layers: str = "5"):
+    history, model, optimizer = train_two_steps(None, parts=_parts(layers), batch=_batch(), **STEP)
     moments = nnx.state(optimizer, nnx.optimizer.OptState)
     # Adam's first moment per parameter (the 'mu' subtree: the parameters' paths, in their order); an element is
     # noise where it is below 1e-6 of its tensor's largest.
@@ -87,9 +93,13 @@ def _one_device():
 def test_pipelined_deepseek4_adamw_steps_match_one_device(mesh_name, mode, accum_steps, schedule):
     sizes, micro, devices = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
-    history, model, optimizer = train_two_steps(mesh, accum_steps, micro // accum_steps, schedule, parts=_parts(),
-                                                batch=_batch(), **STEP)
-    want_history, want_params, want_moments, want_biases, want_noise = _one_device()
+    step, layers = dict(STEP), "5"
+    if schedule == "interleaved":
+        step["model_kwargs"] += (("pipeline_virtual_stages", 2),)
+        layers = "9"
+    history, model, optimizer = train_two_steps(mesh, accum_steps, micro // accum_steps, schedule,
+                                                parts=_parts(layers), batch=_batch(), **step)
+    want_history, want_params, want_moments, want_biases, want_noise = _one_device(layers)
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0] and min(min(h[3:5]) for h in history) > 0  # learns; aux losses are on
     # As in test_pipeline_deepseek, plus one V4 case: the first layer's attention hyper-connection reads identical
@@ -126,8 +136,10 @@ def test_what_the_pipelined_deepseek4_forward_does_not_run_is_refused():
         (hash_late, {}, r"hash-routed layers before the pipeline, so they must be the first layers; this config's "
                         r"are layers \[1\]"),
         ({}, dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
-        ({}, dict(pipeline_schedule="1f1b", loss_targets=(ids, ids)),
-         "DeepSeekV4 pipelines in GPipe order only so far: pipeline_schedule='1f1b'.*use --pipeline-schedule gpipe"),
+        ({}, dict(pipeline_schedule="interleaved", pipeline_virtual_stages=2, loss_targets=(ids, ids)),
+         r"its 4 top-k routed layers .*do not split into 4 identical chunks \(2 pipeline stages x 2 virtual stages\)"),
+        ({}, dict(pipeline_schedule="1f1b"), "pipeline_schedule='1f1b' runs the loss on the last stage: pass "
+                                             "loss_targets"),
     ]:
         config = dataclasses.replace(CONFIG, **overrides)
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
