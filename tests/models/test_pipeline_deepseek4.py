@@ -1,5 +1,5 @@
 """DeepSeek-V4 (hyper-connection streams, hash-routed prefix, CSA / HCA attention with the indexer loss, MTP,
-sequence-wise balance loss, routing-bias balancing) pipelined over the ``stage`` axis.
+sequence-wise balance loss, routing-bias balancing) pipelined over the ``stage`` axis, every schedule.
 
 A tiny DeepSeek-V4 (1 hash-routed sliding layer, then CSA, HCA, CSA, HCA top-k layers; 8 experts top-2, 2 streams,
 MTP depth 1, the indexer's sparse stage, batch 8 x 16): two AdamW steps of the trainer with the top-k layers
@@ -7,12 +7,16 @@ pipelined give the main loss, the MTP loss, the balance loss, the indexer loss, 
 gradient norm, the Adam moments, the updated parameters and the routing biases moved by the expert loads of the
 un-pipelined model on one device (float32). The hash-routed layer runs before the pipeline (its stack whole on
 every stage, its batch split over 'stage'); the streams ``[batch, seq, 2, embed]`` go through the pipeline with each
-micro-batch's tokens and context; its per-layer expert loads come out in model order, summed over the micro-batches.
-Helpers are ``test_pipeline``'s; tolerances are ``test_pipeline_deepseek``'s.
+micro-batch's tokens and context; the per-layer expert loads come out in model order, summed over the micro-batches.
+GPipe: the stream collapse, head and MTP head after the pipeline. 1F1B and interleaved (2 virtual stages, on a
+9-layer model whose (CSA, HCA) pairs make 4 chunks): on the last stage, the balance and indexer losses
+differentiated in the layers' backward with the trainer's weights. Helpers are ``test_pipeline``'s; tolerances
+``test_pipeline_deepseek``'s.
 
-Cost: one pipelined train step compiled per case plus the one-device reference. CI runs GPipe on stage 2 x expert 2
-x fsdp 2 under Explicit; ``NNX_ZOO_FULL_MATRIX=1`` adds it under Auto, and stage 2 x fsdp 2 (4 devices) with 2
-accumulation steps in both modes.
+Cost: one pipelined train step compiled per case plus the one-device reference. CI runs GPipe on stage 2 x expert
+2 x fsdp 2 under Explicit (~60 s of CPU with its reference; paid for by moving DeepSeek-V3's interleaved Auto case
+to the full matrix); ``NNX_ZOO_FULL_MATRIX=1`` adds it under Auto, 1F1B and interleaved in both modes, and stage 2 x
+fsdp 2 (4 devices) with 2 accumulation steps for GPipe and 1F1B in both modes.
 """
 
 from __future__ import annotations
