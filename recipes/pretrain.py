@@ -546,10 +546,11 @@ class Extras(NamedTuple):
                      ) + self.pipeline
 
 
-def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = None) -> tuple[tuple[str, Any], ...]:
     """The forward's pipeline keywords for ``--mesh stage=S,...``, ``--microbatches`` and ``--pipeline-schedule``
     (none without a stage axis); a model whose forward cannot pipeline, a count that does not divide the
-    accumulation step's rows, or micro-batches without stages are errors saying what to change."""
+    accumulation step's rows, micro-batches without stages, or (given ``config``) layers that do not split into
+    the stages' chunks (naming the ``--model.pipeline_layers`` that fit) are errors saying what to change."""
     import inspect
 
     from nnx_zoo.layers.pipeline import resolve_schedule
@@ -577,6 +578,11 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace) -> tuple[tuple[
         raise ValueError(f"--microbatches {micro} must be >= 1 and divide the {rows} rows of each accumulation step "
                          f"(--batch {args.batch} / --accum-steps {args.accum_steps})")
     settings = (("pipeline_microbatches", micro), ("pipeline_schedule", schedule.name))
+    if hasattr(config, "check_pipeline"):  # before anything is built: which layers split, which pipeline_layers fit
+        try:
+            config.check_pipeline(stages, schedule.virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"--mesh stage={stages}: {e}") from None
     if not schedule.interleaved:
         return settings
     if micro % stages:
@@ -826,7 +832,7 @@ def _train(args: argparse.Namespace, source: ModelSource, entry: Entry, config: 
     from nnx_zoo.train import train
     from nnx_zoo.train.run_spec import EXIT_DONE, EXIT_STOPPED
 
-    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args)  # before the memory plan
+    pipeline = pipeline_settings(AutoModelForCausalLM.model_class(config), args, config)  # before the memory plan
     remat_line = None
     if remat_is_auto(args):  # the memory plan: after the lock, as it takes a while
         config, remat_line = auto_remat(args, source, config)

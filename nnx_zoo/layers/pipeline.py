@@ -110,17 +110,36 @@ def check_stages(layers: int, stages: int, what: str = "the layer stack") -> Non
         )
 
 
-def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages: int = 1) -> tuple[Hashable, ...]:
+def _chunks_fit(kinds: tuple[Hashable, ...], chunks: int) -> bool:
+    """Whether ``kinds`` is ``chunks`` identical chunks."""
+    return len(kinds) % chunks == 0 and kinds == kinds[:len(kinds) // chunks] * chunks
+
+
+def pipeline_layer_counts(kinds: Sequence[Hashable], chunks: int) -> list[int]:
+    """The values of a model's ``pipeline_layers`` (its last ``P`` layers pipelined, the ones before run ahead of
+    the pipeline) whose layers split into ``chunks`` identical chunks, largest first; ``kinds``: each layer's kind
+    (stack name) in model order.
+
+    >>> pipeline_layer_counts(["dense"] * 3 + ["moe"] * 58, 16)
+    [48, 32, 16]
+    """
+    kinds = tuple(kinds)
+    return [p for p in range(len(kinds), 0, -1) if _chunks_fit(kinds[len(kinds) - p:], chunks)]
+
+
+def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages: int = 1, *,
+                   unpipelined: Sequence[Hashable] = ()) -> tuple[Hashable, ...]:
     """The stack names of one chunk's layers when ``layer_stacks`` (the stack name of each layer, in model order)
     is ``stages * virtual_stages`` identical chunks; else a clear error naming the chunk counts that fit (or saying
-    that none does) and how to fix it.
+    that none does), the ``pipeline_layers`` values that fit (``unpipelined``: the kinds of the layers that run
+    before the pipeline, for that advice) and how to fix it.
 
     >>> pipeline_chunk(["sliding", "sliding", "full"] * 4, stages=2)
     ('sliding', 'sliding', 'full', 'sliding', 'sliding', 'full')
     """
     kinds = tuple(layer_stacks)
     layers, wanted = len(kinds), stages * virtual_stages
-    fits = [n for n in range(1, layers + 1) if layers % n == 0 and kinds == kinds[:layers // n] * n]
+    fits = [n for n in range(1, layers + 1) if _chunks_fit(kinds, n)]
     if wanted in fits:
         return kinds[:layers // wanted]
     runs: list[list[Any]] = []
@@ -144,7 +163,14 @@ def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages
         fix = (f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer "
                f"count that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that "
                f"{wanted} chunks hold whole repeats")
-    raise ValueError(f"the {layers} layers (stack of each, in model order: {shown}) do not split into {split}: "
+    whole = tuple(unpipelined) + kinds
+    counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3]
+    if counts:  # MaxText's pipeline_parallel_layers: only the last layers pipelined, the first ones ahead of it
+        fix += "; or pipeline only the last layers: " + ", ".join(
+            f"--model.pipeline_layers {p} (the first {len(whole) - p} layers run before the pipeline)"
+            for p in counts)
+    lead = f"the {layers} pipelined layers (of {len(whole)})" if unpipelined else f"the {layers} layers"
+    raise ValueError(f"{lead} (stack of each, in model order: {shown}) do not split into {split}: "
                      "every chunk must hold the same sequence of layer kinds, so that each stage's contiguous "
                      f"block of every stack holds its chunks' layers; {fix}")
 
@@ -215,6 +241,22 @@ def _run_chunk(graphdefs: dict[Hashable, Any], states: dict[Hashable, Any], chun
         else:  # a stack whose layers ran in several segments or pattern positions: back into its order
             aux[name] = jax.tree.map(lambda *a, order=order: jnp.concatenate(a)[order], *(out for _, out in parts))
     return h, aux
+
+
+def run_unpipelined(stacks: Mapping[Hashable, Any], layer_fn: Callable[..., tuple[jax.Array, Any]], x: jax.Array,
+                    *args: Any, layer_stacks: Sequence[Hashable], scan: bool = True, remat_policy: str = "none"
+                    ) -> tuple[jax.Array, dict[Hashable, Any]]:
+    """The layers of ``stacks`` (by name; ``layer_stacks`` the stack name of each layer, in model order) on ``x`` in
+    model order, not pipelined, each ``layer_fn(name, layer, h, *args) -> (h, aux)``: the layers a model runs
+    before its pipeline (``pipeline_layers``). Returns ``h`` and, per stack name, the layers' ``aux`` stacked in
+    that stack's order, as ``pipeline_stack(..., with_aux=True)`` gives them.
+
+    >>> h, stats = run_unpipelined({"prefix_layers": model.prefix_layers}, layer_fn, h, ropes, mask,
+    ...                            layer_stacks=("prefix_layers",))
+    """
+    parts = _stacks_of(stacks, layer_fn, layer_stacks)
+    return _run_chunk(parts.graphdefs, parts.states, parts.layer_stacks, parts.layer_fn, x, args, scan=scan,
+                      remat_policy=remat_policy)
 
 
 def pipeline_stack(

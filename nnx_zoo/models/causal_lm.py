@@ -47,6 +47,7 @@ from nnx_zoo.layers.pipeline import (
     pipeline_1f1b_value_and_grad,
     pipeline_stack,
     resolve_schedule,
+    run_unpipelined,
     stage_count,
 )
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
@@ -56,6 +57,7 @@ from nnx_zoo.models.decoder_config import FULL, DecoderConfig
 from nnx_zoo.models.inputs import check_forward_inputs
 from nnx_zoo.models.inputs import check_ids_fit as check_ids_fit  # re-exported: its old home
 from nnx_zoo.sharding import abstract_module, axes_tuple, create_sharded, get_rules, shard, use_rules
+from nnx_zoo.sharding.axes import UNPIPELINED_STACK
 from nnx_zoo.sharding.rules import Rules, outside_pipeline
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
@@ -407,11 +409,13 @@ class CausalLM(CausalLMBase):
         self.rope_inv_freq = tuple(float(f) for f in inv_freq)  # static and hashable: part of the graph definition
 
     def _init_layers(self, c: DecoderConfig, rngs: nnx.Rngs) -> None:
-        """One scanned stack per layer kind, named by ``config.layer_stacks()`` (a plain dense model: ``layers``)."""
+        """One scanned stack per layer kind, named by ``config.layer_stacks()`` (a plain dense model: ``layers``);
+        the stacks of the layers before ``pipeline_layers`` on ``unpipelined_layers`` (whole on every stage)."""
         for name, kind, indices in c.layer_stacks():
             layer_class = self.layer_class(kind)
+            axis = UNPIPELINED_STACK if indices[0] < c.unpipelined_layers else STACK_AXIS
             setattr(self, name, create_stack(lambda r, cls=layer_class, kind=kind: cls(c, kind=kind, rngs=r),
-                                             len(indices), rngs, STACK_AXIS))
+                                             len(indices), rngs, axis))
 
     def layer_class(self, kind: Any) -> type[nnx.Module]:
         """The module of a layer of ``kind``, built as ``cls(config, kind=kind, rngs=rngs)``."""
@@ -424,9 +428,7 @@ class CausalLM(CausalLMBase):
 
     def layer_segments(self) -> list[Segment]:
         """The layers in model order as scan segments (``nnx_zoo.layers.scan.segments``)."""
-        c = self.config
-        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
-        return segments([name_of[kind] for kind in c.layer_kinds()], self.layer_stacks())
+        return segments(self.config.layer_stack_names(), self.layer_stacks())
 
     def _kinds_by_stack(self) -> dict[str, Any]:
         return {name: kind for name, kind, _ in self.config.layer_stacks()}
@@ -481,7 +483,9 @@ class CausalLM(CausalLMBase):
         per stage, default 2; the embedding split over ``stage`` as GPipe's) need ``loss_targets=(targets, loss_mask)``
         (``[batch, seq]`` each): the final norm, head and cross-entropy run on the last stage, each micro-batch's
         backward right after its forward, and the output carries only ``loss_sum`` (its gradient computed in the
-        same program). Without a ``stage`` axis these are ignored.
+        same program). Without a ``stage`` axis these are ignored. With ``config.pipeline_layers`` only the last
+        layers are pipelined; the ones before run ahead of the pipeline (``_unpipelined_prefix``), on each stage's
+        share of the batch.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
@@ -512,6 +516,9 @@ class CausalLM(CausalLMBase):
                                      "axis (the pipeline hands on only the last layer's output and per-layer sums); "
                                      "run it without 'stage'")
                 schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                c.check_pipeline(stage_count(), schedule.virtual_stages)  # says which pipeline_layers fit
+                # config.pipeline_layers: the layers before the pipeline, outside it; their stats join its own.
+                h, prefix_stats = self._unpipelined_prefix(h, ropes, mask, with_expert_load)
                 if schedule.loss_inside:
                     if loss_targets is None:
                         raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
@@ -520,12 +527,13 @@ class CausalLM(CausalLMBase):
                     loss, stats = self._one_f_one_b_loss(shard(h, _BLE), ropes, mask, loss_targets,
                                                          pipeline_microbatches, schedule.virtual_stages,
                                                          with_expert_load)
-                    return CausalLMOutput(logits=None, loss_sum=loss, **self._pipeline_outputs(stats))
+                    return CausalLMOutput(logits=None, loss_sum=loss,
+                                          **self._pipeline_outputs({**prefix_stats, **stats}))
                 # In whole over stage (the embedding's rows gathered), out split over it again: the final norm
                 # and the head run on each stage's share of the batch.
                 h, stats = self._pipelined_layers(shard(h, _BLE), ropes, mask, pipeline_microbatches,
                                                   pipeline_schedule, with_expert_load)
-                aux = self._pipeline_outputs(stats)
+                aux = self._pipeline_outputs({**prefix_stats, **stats})
                 h = shard(h, _OUT_BLE)
             for segment in self.layer_segments() if stage_count() == 1 else ():
                 h, outputs = run_stack(segment.group, segment_body(segment.pattern), h, scan=c.scan_layers,
@@ -555,18 +563,40 @@ class CausalLM(CausalLMBase):
 
     def _pipeline_parts(self, with_expert_load: bool = False
                         ) -> tuple[dict[str, nnx.Module], tuple[str, ...], Callable[..., Any]]:
-        """What the pipeline runs: the layer stacks by name, the stack name of each layer in model order (the
-        pipeline splits that sequence into identical chunks, one per stage and virtual stage, or says which chunk
-        counts fit), and ``layer_fn(name, layer, h, ropes, mask) -> (h, stats)``, one layer of stack ``name``
-        (``_pipeline_layer``)."""
+        """What the pipeline runs: the pipelined layer stacks by name (all but those of the ``pipeline_layers``
+        prefix), the stack name of each of their layers in model order (the pipeline splits that sequence into
+        identical chunks, one per stage and virtual stage, or says which chunk counts fit), and ``layer_fn(name,
+        layer, h, ropes, mask) -> (h, stats)``, one layer of stack ``name`` (``_pipeline_layer``)."""
         c = self.config
-        name_of = {kind: name for name, kind, _ in c.layer_stacks()}
+        names = c.layer_stack_names()[c.unpipelined_layers:]
 
         def layer_fn(name: str, layer: nnx.Module, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask
                      ) -> tuple[jax.Array, dict[str, Any]]:
             return self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
 
-        return self.layer_stacks(), tuple(name_of[kind] for kind in c.layer_kinds()), layer_fn
+        return {name: self.layer_stacks()[name] for name in dict.fromkeys(names)}, names, layer_fn
+
+    def _unpipelined_prefix(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask,
+                            with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:
+        """The layers before the pipeline (``config.pipeline_layers``: the first ``unpipelined_layers``) on ``h``,
+        outside it: their weights whole on every stage, their batch split over ``stage`` where it divides
+        (``outside_pipeline``: each stage computes its share, as the embedding does). Returns ``(h, stats)``, their
+        ``_pipeline_layer`` stats by stack (in model order), to join the pipelined layers' (``_pipeline_outputs``)."""
+        c = self.config
+        split = c.unpipelined_layers
+        if not split:
+            return h, {}
+        names = c.layer_stack_names()[:split]
+        stacks = self.layer_stacks()
+        placed = resolve_activation(("activation_embed_and_logits_batch",), h.shape[:1])[0]
+        rules = outside_pipeline(self.rules) if STAGE_AXIS in axes_tuple(placed) else self.rules
+
+        def layer_fn(name: str, layer: nnx.Module, h: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+            return self._pipeline_layer(layer, h, *ropes[name], mask, with_expert_load=with_expert_load)
+
+        with use_rules(rules, allow_partial=self.allow_partial):
+            return run_unpipelined({name: stacks[name] for name in dict.fromkeys(names)}, layer_fn, h,
+                                   layer_stacks=names, scan=c.scan_layers, remat_policy=c.remat_policy)
 
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
                           schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:

@@ -23,7 +23,11 @@ import jax.numpy as jnp
 from nnx_zoo.hf.config_io import config_json_path, read_json_object
 from nnx_zoo.hf.errors import CheckpointFormatError
 from nnx_zoo.layers.kernel_choices import kernel_setting_problems
+from nnx_zoo.layers.pipeline import pipeline_chunk
 from nnx_zoo.layers.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling, rope_from_hf, rope_to_hf
+
+# The stack-name prefix of the layers that run before the pipeline (``pipeline_layers``): ``prefix_layers``, ...
+PREFIX = "prefix_"
 
 # The dtype names a model computes and stores parameters in (``jnp.dtype`` aliases such as jnp.bfloat16 map here).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
@@ -298,6 +302,11 @@ class DecoderConfig(FamilyConfig):
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
     attention_impl: str = "auto"  # 'auto' | 'xla' (einsum, the reference) | 'blockwise' (portable flash) | 'cudnn'
     # | 'tokamax' (nnx_zoo.layers.attention.choose_attention_impl)
+    # How many of the last decoder layers a 'stage' mesh axis pipelines (None: all). The layers before them live in
+    # their own stacks (``prefix_`` + the stack name, placed like ``unpipelined_layers``: whole on every stage) and
+    # run before the pipeline; without 'stage' every layer runs in order, the same model. It changes the parameter
+    # tree (not the HF checkpoint: the key table maps both stacks to their HF layers).
+    pipeline_layers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -335,6 +344,7 @@ class DecoderConfig(FamilyConfig):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 p.append(f"{name} must be a positive number, got {value!r}")
+        p += self._pipeline_layers_problems()
         if not isinstance(self.rope_scaling, (LinearScaling, Llama3Scaling, YarnScaling, type(None))):
             p.append(f"rope_scaling must be None, LinearScaling, Llama3Scaling, YarnScaling or an HF rope dict, got "
                      f"{self.rope_scaling!r}")
@@ -395,14 +405,55 @@ class DecoderConfig(FamilyConfig):
             "dense_" if mixed and not kind.moe else "") + "layers"
 
     def layer_stacks(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        """``(stack name, kind, layer indices)`` per kind, in order of the kinds' first layers.
+        """``(stack name, kind, layer indices)`` per kind, in order of the kinds' first layers; with
+        ``pipeline_layers`` the layers before the last ``pipeline_layers`` in stacks of their own first
+        (``prefix_`` + the name: ``unpipelined_layers`` stacks, run before the pipeline).
 
         >>> Llama3Config.preset("llama3-tiny").layer_stacks()
         [('layers', LayerKind(attention='full', moe=False), (0, 1, 2, 3))]
+        >>> split = Llama3Config.preset("llama3-tiny", pipeline_layers=2)
+        >>> [(name, indices) for name, _, indices in split.layer_stacks()]
+        [('prefix_layers', (0, 1)), ('layers', (2, 3))]
         """
-        kinds = self.layer_kinds()
-        return [(self.stack_name(kind), kind, tuple(i for i, k in enumerate(kinds) if k == kind))
-                for kind in dict.fromkeys(kinds)]
+        kinds, split = self.layer_kinds(), self.unpipelined_layers
+        out = []
+        for prefix, layers in ((PREFIX, range(split)), ("", range(split, len(kinds)))):
+            for kind in dict.fromkeys(kinds[i] for i in layers):
+                out.append((prefix + self.stack_name(kind), kind, tuple(i for i in layers if kinds[i] == kind)))
+        return out
+
+    def layer_stack_names(self) -> tuple[str, ...]:
+        """The stack name of each decoder layer, in model order (``layer_stacks``' names)."""
+        names = [""] * self.num_hidden_layers
+        for name, _, indices in self.layer_stacks():
+            for i in indices:
+                names[i] = name
+        return tuple(names)
+
+    @property
+    def unpipelined_layers(self) -> int:
+        """How many leading decoder layers run before the pipeline, outside it (``num_hidden_layers -
+        pipeline_layers``; 0 when ``pipeline_layers`` is None)."""
+        return 0 if self.pipeline_layers is None else self.num_hidden_layers - self.pipeline_layers
+
+    def check_pipeline(self, stages: int, virtual_stages: int = 1) -> tuple[str, ...]:
+        """The stack names of one pipeline chunk's layers when the pipelined layers (the last ``pipeline_layers``)
+        split into ``stages * virtual_stages`` identical chunks; else a ``ValueError`` naming the
+        ``pipeline_layers`` values that fit (``nnx_zoo.layers.pipeline.pipeline_chunk``)."""
+        names, split = self.layer_stack_names(), self.unpipelined_layers
+        # The advice compares layer kinds, not stack names (a prefix stack holds the same kind as its pipelined one).
+        kinds = [self.stack_name(kind) for kind in self.layer_kinds()]
+        pipeline_chunk(kinds[split:], stages, virtual_stages, unpipelined=kinds[:split])
+        return names[split:split + len(names[split:]) // (stages * virtual_stages)]
+
+    def _pipeline_layers_problems(self) -> list[str]:
+        value, layers = self.pipeline_layers, self.num_hidden_layers
+        if value is None or not _positive_int(layers):
+            return []
+        if not _positive_int(value) or value > layers:
+            return [f"pipeline_layers={value!r} must be None (every layer pipelined) or a layer count in [1, "
+                    f"num_hidden_layers={layers}]: the last pipeline_layers layers form the pipeline's stacks"]
+        return []
 
     # ---- Hugging Face config.json (``FamilyConfig.from_hf`` reads the file) ----
     @classmethod

@@ -4,7 +4,10 @@ A rule set places every layer stack's leading dim on ``stage``, so a device of s
 parameters (embedding, final norm, head; they run on every stage) at their sharding over the other axes, and its
 stage's share of every stack. Where a stack's ``L`` layers do not divide the ``S`` stages the plan counts the
 fullest stage, ``ceil(L / S)`` layers (what an uneven split such as Megatron's holds at most); nnx_zoo's pipeline
-itself needs an even split, and the table says so. Gradients and AdamW's two float32 moments follow the parameters.
+itself needs an even split, and the table says so. With ``pipeline_layers`` (the model config's: only the last
+layers pipelined) the layers before them are on unpipelined stacks: counted whole on every stage, their
+activations as the dense prefix's (run before the pipeline on the stage's share of the rows). Gradients and AdamW's
+two float32 moments follow the parameters.
 
 Activations of the fullest stage by schedule, ``M`` micro-batches of ``m`` rows (each batch shard's rows over
 ``M``), ``S`` stages, ``V`` virtual stages; ``keep(m)``: what the stage's layers keep for the backward for one
@@ -109,7 +112,8 @@ class PipelinePlan:
                  f"  stage layers                {held}"]
         if not self.even:
             lines.append("  (a stack above does not divide the stages: this counts the fullest stage of an uneven "
-                         "split; nnx_zoo's pipeline trains only with a 'stage' size that divides every stack)")
+                         "split; nnx_zoo's pipeline trains only with a 'stage' size that divides every stack: "
+                         "--model.pipeline_layers pipelines only the last layers, the rest before the pipeline)")
         lines += [f"  parameters                  {_human(self.param_bytes)}  (the stage's layers + every stage's "
                   "embedding, norm and head)",
                   f"  gradients                   {_human(self.param_bytes)}",
@@ -163,16 +167,21 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
     # the rows (activation_embed_and_logits_batch: the batch over 'stage' too; rows that do not divide stay whole).
     share = dataclasses.replace(base.local, batch=b // stages if b % stages == 0 else b)
     fullest = lambda n: _fullest(n, stages)  # noqa: E731
-    # Dense layers outside the pipeline (a dense prefix on unpipelined stacks): run before it on this stage's rows.
-    prefix = max(0, s.dense_layers + s.moe_layers - sum(total for _, total in stacks.values()))
+    # Layers outside the pipeline (a dense prefix, and with pipeline_layers the MoE layers before the pipelined
+    # ones, on unpipelined stacks): run before it on this stage's rows. A pipelined stack with experts is MoE.
+    moe_stacks = {r.path.split(".")[0] for r in base.report.rows if r.names and "exp" in r.names}
+    piped_moe = sum(total for name, (_, total) in stacks.items() if name in moe_stacks)
+    piped_dense = sum(total for _, total in stacks.values()) - piped_moe
+    prefix_dense, prefix_moe = max(0, s.dense_layers - piped_dense), max(0, s.moe_layers - piped_moe)
+    prefix = prefix_dense + prefix_moe
 
     def stage_shapes(chunks: int) -> Any:
-        return dataclasses.replace(s, dense_layers=_fullest(fullest(s.dense_layers - prefix), chunks),
-                                   moe_layers=_fullest(fullest(s.moe_layers), chunks), mtp_layers=0)
+        return dataclasses.replace(s, dense_layers=_fullest(fullest(piped_dense), chunks),
+                                   moe_layers=_fullest(fullest(piped_moe), chunks), mtp_layers=0)
 
     def prefix_keep(remat: str) -> int:
-        parts = activation_breakdown(dataclasses.replace(s, dense_layers=prefix, moe_layers=0, mtp_layers=0),
-                                     share, remat)
+        parts = activation_breakdown(dataclasses.replace(s, dense_layers=prefix_dense, moe_layers=prefix_moe,
+                                                         mtp_layers=0), share, remat)
         return sum(v for k, v in parts.items() if PART_PHASES[k] == "held" and k not in _OUTSIDE)
 
     row_input = micro.seq * s.dtype_bytes * s.hidden  # one row's [seq, hidden] in the compute dtype
@@ -215,7 +224,9 @@ def _stage_activations(base: MemoryPlan, stages: int, microbatches: int, virtual
                     parts["mtp heads"] = whole["mtp heads"] * m // b
             if prefix:
                 rows = "whole batch" if share.batch == b else f"1/{stages} rows"
-                parts[f"dense prefix ({prefix} layers), {rows}"] = prefix_keep(remat)
+                what = (f"dense prefix ({prefix} layers)" if not prefix_moe else
+                        f"prefix ({prefix_dense} dense + {prefix_moe} MoE)")
+                parts[f"{what}, {rows}"] = prefix_keep(remat)
             by_remat[remat] = {**parts, **one_layer, **weights}
         out[schedule] = by_remat
     return out

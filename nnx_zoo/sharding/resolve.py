@@ -239,7 +239,10 @@ def resolve(
                 f"{_where(path)}the {shape[dim]} layers of this stack (logical {names[dim]!r}) do not split into "
                 f"{shards[dim]} pipeline stages (mesh axes {axes_tuple(resolved[dim])}): every stage holds the same "
                 f"number of layers. Use a 'stage' mesh size that divides {shape[dim]} (one of {fits}), or a layer "
-                f"count that is a multiple of {shards[dim]}."
+                f"count that is a multiple of {shards[dim]}"
+                + (f", or pipeline only the model's last layers: --model.pipeline_layers with a multiple of "
+                   f"{shards[dim]} (e.g. {shape[dim] - shape[dim] % shards[dim]}; the layers before them run "
+                   "before the pipeline, whole on every stage)" if shape[dim] > shards[dim] else "") + "."
             )
         raise ShardingError(
             f"{_where(path)}dimension {dim} (logical {names[dim]!r}, size {shape[dim]}) cannot be split over mesh "

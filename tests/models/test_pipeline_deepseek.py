@@ -13,11 +13,12 @@ moved back into model order (the routing biases they move would differ otherwise
 ``test_pipeline``'s.
 
 Cost: one pipelined train step compiled per case plus the one-device reference. CI runs stage 2 x expert 2 x
-fsdp 2, GPipe under Explicit. Interleaved (V = 2) under Auto (10-11 s here after the reference) is in the full
-matrix, paying for ``test_pipeline_deepseek4``'s CI case: DeepSeek's 1F1B code is in CI (below), and interleaved
-with per-layer expert loads moved back into model order and the routing biases they move is in CI on MiniMax-M2
-(``test_pipeline_moe``, Auto) and per stack in ``tests/layers/test_pipeline_stacks.py``. 1F1B is interleaved's
-``V = 1`` case: the
+fsdp 2, no case: interleaved (V = 2) under Auto (10-11 s here after the reference) is in the full matrix, paying for
+``test_pipeline_deepseek4``'s CI case (interleaved runs DeepSeek's 1F1B code below with ``V`` passed on; its chunk
+moves with per-layer expert loads back in model order and the routing biases they move are in CI on MiniMax-M2,
+``test_pipeline_moe``, Auto, and per stack in ``tests/layers/test_pipeline_stacks.py``); GPipe under Explicit there
+runs in CI in ``test_pipeline_uneven`` (on a model with an MoE layer before the pipeline), and here in the full
+matrix. 1F1B is interleaved's ``V = 1`` case: the
 DeepSeek code (``DeepSeekV3._one_f_one_b``: layer aux terms, MTP heads and losses on the last stage) is one path
 for both, ``V`` only passed on, and what ``V`` changes (chunks moved to their stages and back) is inside
 ``pipeline_1f1b_value_and_grad``, whose 1F1B case CI covers in ``test_pipeline`` and ``test_pipeline_1f1b``.
@@ -63,10 +64,13 @@ MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
           "stage2-tensor2-fsdp2": ({"stage": 2, "tensor": 2, "fsdp": 2}, 2, 8),
           "stage2-tensor2-expert2": ({"stage": 2, "tensor": 2, "expert": 2}, 2, 8),
           "stage4-tensor2": ({"stage": 4, "tensor": 2}, 4, 8)}
-CASES = [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-tensor2-fsdp2", "explicit", 1, "1f1b")]
+# GPipe Explicit on stage 2 x expert 2 x fsdp 2 runs in CI in test_pipeline_uneven (the same mesh, mode and
+# schedule, on 1 dense + 5 MoE layers with the first MoE layer before the pipeline); interleaved under Auto is in the
+# full matrix, paying for test_pipeline_deepseek4's CI case (module docstring).
+CASES = [("stage2-tensor2-fsdp2", "explicit", 1, "1f1b")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [("stage2-expert2-fsdp2", "auto", 1, "interleaved")]
-    CASES += [("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "interleaved") for mode in ("auto", "explicit")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "gpipe") for mode in ("auto", "explicit")]
     CASES += [("stage2-expert2-fsdp2", mode, 1, "1f1b") for mode in ("auto", "explicit")]
     CASES += [("stage4-fsdp2", mode, accum, schedule) for mode in ("auto", "explicit") for accum in (1, 2)
               for schedule in ("gpipe", "1f1b")]
@@ -143,8 +147,8 @@ def test_what_the_pipelined_deepseek_forward_does_not_run_is_refused():
     for kwargs, message in [
         # 4 MoE layers do not split into 8 chunks; checked before anything runs.
         (dict(pipeline_schedule="interleaved", pipeline_virtual_stages=4, loss_targets=(ids, ids)),
-         r"DeepSeekV3 pipelines its 4 MoE layers \(num_hidden_layers 5 - first_k_dense_replace 1\), which do not "
-         r"split into 8 equal chunks \(2 stages x 4 virtual stages\); use --virtual-stages one of \[1, 2\]"),
+         r"the 4 pipelined MoE layers \(num_hidden_layers 5 - first_k_dense_replace 1\) do not split into 8 equal "
+         r"chunks \(2 stages x 4 virtual stages\); use --virtual-stages one of \[1, 2\]"),
         (dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
     ]:
         with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):

@@ -72,6 +72,17 @@ def test_pipeline_large_moe_splits_deepseeks_moe_stack_over_stages_strictly():
     whole, gpipe = plan.base.activations["none"], plan.activations["gpipe"]["none"]
     assert gpipe["mtp heads"] == whole["mtp heads"] // 2
     assert gpipe["embeddings and logits"] < whole["embeddings and logits"]
+    # pipeline_layers 2: the first 2 MoE layers go before the pipeline with the dense ones, whole on every stage.
+    split = config.with_overrides(pipeline_layers=2)
+    staged = pipeline_memory_plan(lambda: DeepSeekV3(split, rngs=nnx.Rngs(0)), split, mesh, "pipeline-large-moe",
+                                  seq_len=32, batch_per_device=2)
+    assert staged.stacks == {"moe_layers": (1, 2)} and staged.even
+    # The stage held 2 of the 4 MoE layers; now 1 of the 2 pipelined ones and the 2 before them: one layer more.
+    one_layer = sum(r.bytes_per_device for r in plan.base.report.rows
+                    if r.is_param and r.path.startswith("moe_layers.")) / 4
+    assert staged.param_bytes - plan.param_bytes == pytest.approx(one_layer, abs=16)
+    assert staged.activations["1f1b"]["none"]["prefix (2 dense + 2 MoE), 1/2 rows"] > (
+        plan.activations["1f1b"]["none"]["dense prefix (2 layers), 1/2 rows"])
 
 
 TINY = AutoConfig.preset("llama3-tiny")  # 4 layers, width 128, MLP 384, 4 heads + 2 kv heads of 32, vocab 32000

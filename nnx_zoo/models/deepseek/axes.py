@@ -28,6 +28,10 @@ ACTIVATION_KV_LORA = declare_axis("activation_kv_lora", like=None, doc="key/valu
 DENSE_LAYERS = declare_axis("dense_layers", like="unpipelined_layers",
                             doc="stack axis of the first_k_dense_replace dense layers")
 MOE_LAYERS = declare_axis("moe_layers", like="layers", doc="stack axis of the MoE decoder layers")
+# The MoE layers before the last pipeline_layers ones (config.pipeline_layers): run before the pipeline with the dense
+# prefix, whole on every stage.
+PREFIX_MOE_LAYERS = declare_axis("prefix_moe_layers", like="unpipelined_layers",
+                                 doc="stack axis of the MoE layers run before the pipeline (pipeline_layers)")
 MTP_LAYERS = declare_axis("mtp_layers", like="unpipelined_layers",
                           doc="stack axis of the multi-token-prediction heads")
 # DeepSeek-V3.2's lightning indexer: its heads are few and narrow (64 x 128); placed like attention heads.

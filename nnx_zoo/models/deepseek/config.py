@@ -22,6 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 
+from nnx_zoo.layers.pipeline import STAGE_AXIS
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
@@ -78,8 +79,11 @@ _HF_ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 # The decoder-layer stacks of a model (attribute names, each a scan over its layers): (is MoE, reuses an earlier
 # layer's top-k). A stack holds its kind's layers in model order; ``DeepSeekV3Config.layer_stacks`` says which.
+# ``prefix_moe_layers``: the MoE layers before the last ``pipeline_layers`` ones, run before the pipeline (a model
+# without ``pipeline_layers`` has none); ``moe_layers`` is the stack a 'stage' axis pipelines.
 LAYER_STACKS: dict[str, tuple[bool, bool]] = {
     "dense_layers": (False, False),
+    "prefix_moe_layers": (True, False),
     "moe_layers": (True, False),
     "shared_topk_dense_layers": (False, True),
     "shared_topk_moe_layers": (True, True),
@@ -170,6 +174,11 @@ class DeepSeekV3Config(FamilyConfig):
     # (portable flash) | 'cudnn' | 'tokamax' (nnx_zoo.layers.attention.choose_attention_impl)
     indexer_training: str = "off"  # DSA's indexer signal (INDEXER_TRAINING): 'off' | 'dense_warmup' | 'sparse'
     indexer_loss_weight: float = 1.0  # the indexer's KL loss in the training loss (gradients reach only the indexer)
+    # How many of the last MoE layers a 'stage' mesh axis pipelines (None: every MoE layer). The MoE layers before
+    # them live in ``prefix_moe_layers`` (whole on every stage, like the dense prefix) and run before the pipeline
+    # with it; without 'stage' the layers run in order, the same model. V3's 58 MoE layers on 16 stages: 48 (the
+    # first 10 MoE layers outside). It changes the parameter tree, not the HF checkpoint (the key table maps both).
+    pipeline_layers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -225,7 +234,43 @@ class DeepSeekV3Config(FamilyConfig):
             p.append(f"batch_split_factor must be a positive integer (1 = off), got {self.batch_split_factor!r}")
         if not isinstance(self.seq_aux_loss_alpha, (int, float)) or self.seq_aux_loss_alpha < 0:
             p.append(f"seq_aux_loss_alpha must be a number >= 0 (0 = off), got {self.seq_aux_loss_alpha!r}")
-        return p + self._indexer_problems()
+        return p + self._indexer_problems() + self._pipeline_layers_problems()
+
+    def _pipeline_layers_problems(self) -> list[str]:
+        value = self.pipeline_layers
+        if value is None or not isinstance(self.num_hidden_layers, int) or not isinstance(
+                self.first_k_dense_replace, int):
+            return []
+        moe = self.num_moe_layers
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= moe:
+            return [f"pipeline_layers={value!r} must be None (every MoE layer pipelined) or a count of MoE layers in "
+                    f"[1, {moe}] (num_hidden_layers {self.num_hidden_layers} - first_k_dense_replace "
+                    f"{self.first_k_dense_replace}): the last pipeline_layers MoE layers form the pipelined stack"]
+        if self.shares_topk:
+            return [f"pipeline_layers={value}: a model whose layers reuse an earlier layer's top-k is not pipelined; "
+                    "leave it None"]
+        return []
+
+    def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:
+        """A ``ValueError`` saying which ``pipeline_layers`` fit when the pipelined MoE layers (the last
+        ``pipeline_layers``, default all) do not split into ``stages * virtual_stages`` equal chunks."""
+        moe, chunks = len(self.layer_stacks()["moe_layers"]), stages * virtual_stages
+        if moe % chunks == 0:
+            return
+        total = self.num_moe_layers
+        fits = [n for n in range(total - total % chunks, 0, -chunks)][:3]
+        counts = ", ".join(f"--model.pipeline_layers {n}: the first {total - n} MoE layers run before the pipeline"
+                           for n in fits)
+        others = [v for v in range(1, moe // stages + 1) if moe % (v * stages) == 0]
+        fix = (f"--virtual-stages one of {others}" if virtual_stages > 1 and moe % stages == 0 else
+               f"a '{STAGE_AXIS}' mesh size that divides {moe}")
+        raise ValueError(f"the {moe} pipelined MoE layers (num_hidden_layers {self.num_hidden_layers} - "
+                         f"first_k_dense_replace {self.first_k_dense_replace}"
+                         + (f", the last pipeline_layers={self.pipeline_layers}" if self.pipeline_layers else "")
+                         + f") do not split into {chunks} equal chunks ({stages} stages x {virtual_stages} virtual "
+                         f"stages); use {fix}" + (f", or pipeline only the last MoE layers ({counts}; they run with "
+                         "the dense prefix, whole on every stage)" if fits else "")
+                         + f", or num_hidden_layers with a multiple of {chunks} MoE layers")
 
     def _indexer_problems(self) -> list[str]:
         p: list[str] = []
@@ -331,9 +376,12 @@ class DeepSeekV3Config(FamilyConfig):
         the dense and MoE layers, and apart from them those that reuse an earlier layer's top-k (they have no
         indexer, so no stack can hold both kinds)."""
         kinds = {name: [] for name in LAYER_STACKS}
-        by_kind = {kind: name for name, kind in LAYER_STACKS.items()}
+        by_kind = {kind: name for name, kind in LAYER_STACKS.items() if name != "prefix_moe_layers"}
         for i in range(self.num_hidden_layers):
             kinds[by_kind[(self.is_moe_layer(i), self.reuses_topk(i))]].append(i)
+        if self.pipeline_layers is not None:  # the MoE layers before the pipelined ones: a stack of their own
+            split = len(kinds["moe_layers"]) - self.pipeline_layers
+            kinds["prefix_moe_layers"], kinds["moe_layers"] = kinds["moe_layers"][:split], kinds["moe_layers"][split:]
         return {name: tuple(layers) for name, layers in kinds.items()}
 
     def query_scale(self, positions: jax.Array) -> jax.Array | None:

@@ -27,7 +27,6 @@ from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.mlp import SwiGLU
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.pipeline import (
-    STAGE_AXIS,
     Schedule,
     pipeline_1f1b_value_and_grad,
     pipeline_stack,
@@ -233,10 +232,12 @@ class DeepSeekV3(CausalLMBase):
 
         def stack(name: str) -> nnx.Module | None:
             moe, reuses = LAYER_STACKS[name]
+            axis = "prefix_moe_layers" if name == "prefix_moe_layers" else "moe_layers" if moe else "dense_layers"
             return self._stack(lambda r: DecoderLayer(c, moe=moe, reuses_topk=reuses, rngs=r), len(stacks[name]),
-                               rngs, "moe_layers" if moe else "dense_layers")
+                               rngs, axis)
 
         self.dense_layers = stack("dense_layers")
+        self.prefix_moe_layers = stack("prefix_moe_layers")  # None unless config.pipeline_layers leaves some out
         self.moe_layers = stack("moe_layers")
         self.shared_topk_dense_layers = stack("shared_topk_dense_layers")  # None unless layers reuse a top-k
         self.shared_topk_moe_layers = stack("shared_topk_moe_layers")
@@ -369,17 +370,20 @@ class DeepSeekV3(CausalLMBase):
             records, moe_records = [], []
             balance_sum = None  # pipelined: the balance loss summed over MoE layers and real sequences
             for name, stack, _ in self.layer_runs():
-                if pipelined and LAYER_STACKS[name][0] and schedule.loss_inside:  # 1F1B, interleaved
+                if pipelined and name == "moe_layers" and schedule.loss_inside:  # 1F1B, interleaved
+                    prefix = _LayerRecord(*(_cat([getattr(r, f) for r in moe_records]) for f in _LayerRecord._fields))
                     return self._one_f_one_b(  # its input whole over stage, as GPipe's
                         stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask,
                         segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
-                        pipeline_microbatches, schedule)
-                if pipelined and LAYER_STACKS[name][0]:
+                        pipeline_microbatches, schedule, prefix)
+                if pipelined and name == "moe_layers":
                     # In whole over stage (the prefix's rows gathered), out split over it again.
                     h, record, balance_sum = self._pipelined_moe(
                         stack, shard(carry[0], _BLE), cos, sin, mask, query_scale, attention_mask, with_expert_load,
                         pipeline_microbatches)
                     carry = (shard(h, _OUT_BLE), None)
+                    if len(moe_records):  # MoE layers ran before the pipeline: their stats join these, whole
+                        record = jax.tree.map(_unsplit, record)
                     records.append(record)
                     moe_records.append(record)
                     continue
@@ -411,10 +415,13 @@ class DeepSeekV3(CausalLMBase):
             elif with_logits:
                 logits = self._logits(final_hidden)
             aux_loss = None
-            if moe.balance_loss is not None:
+            if balance_sum is not None:  # pipelined: sums over the real sequences, the prefix's MoE layers' added
+                real = _real_rows(input_ids, attention_mask)
+                if moe.balance_loss is not None:
+                    balance_sum = balance_sum + jnp.sum(jnp.sum(moe.balance_loss, axis=0) * real)
+                aux_loss = balance_sum / jnp.maximum(jnp.sum(real), 1.0)
+            elif moe.balance_loss is not None:
                 aux_loss = _mean_over_sequences(moe.balance_loss, attention_mask)
-            elif balance_sum is not None:
-                aux_loss = balance_sum / jnp.maximum(jnp.sum(_real_rows(input_ids, attention_mask)), 1.0)
             return CausalLMOutput(
                 logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                 expert_indices=moe.expert_indices, expert_load=moe.expert_load, dropped_tokens=moe.dropped_tokens,
@@ -429,22 +436,14 @@ class DeepSeekV3(CausalLMBase):
         if with_hidden_states or with_routing:
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
-        moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0]]
+        moe_runs = [name for name, _, _ in self.layer_runs() if LAYER_STACKS[name][0] and name != "prefix_moe_layers"]
         if c.index_topk or moe_runs not in ([], ["moe_layers"]):
             raise ValueError(f"{type(self).__name__} pipelines one stack of MoE layers after the dense prefix; this "
                              f"config's MoE layers run as {moe_runs} (sparse attention's top-k handed between layers "
                              "or its indexer loss are not pipelined yet). Train it on a mesh without 'stage'")
-        # Only the MoE layers are on 'stage' (the dense prefix runs before the pipeline): say so, not "the stack".
-        moe, stages, virtual = len(c.layer_stacks()["moe_layers"]), stage_count(), schedule.virtual_stages
-        if moe % (stages * virtual):
-            fix = (f"--virtual-stages one of {[v for v in range(1, moe // stages + 1) if moe % (v * stages) == 0]}"
-                   if schedule.interleaved and moe % stages == 0 else
-                   f"a '{STAGE_AXIS}' mesh size that divides {moe}")
-            raise ValueError(f"{type(self).__name__} pipelines its {moe} MoE layers (num_hidden_layers "
-                             f"{c.num_hidden_layers} - first_k_dense_replace {c.first_k_dense_replace}), which do not "
-                             f"split into {stages * virtual} equal chunks ({stages} stages x {virtual} virtual "
-                             f"stages); use {fix}, or num_hidden_layers with a multiple of {stages * virtual} MoE "
-                             "layers")
+        # Only the (last pipeline_layers) MoE layers are on 'stage' (the dense prefix runs before the pipeline): say
+        # so, not "the stack", and which pipeline_layers fit.
+        c.check_pipeline(stage_count(), schedule.virtual_stages)
 
     def _pipelined_layer(self, layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array,
                          mask: AttentionMask, query_scale: jax.Array | None, rows: jax.Array,
@@ -494,7 +493,7 @@ class DeepSeekV3(CausalLMBase):
                      attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,
                      depth: int, loss_targets: tuple[jax.Array, jax.Array] | None,
                      loss_scale: tuple[float, Any] | None, with_expert_load: bool, microbatches: int,
-                     schedule: Schedule) -> CausalLMOutput:
+                     schedule: Schedule, prefix: _LayerRecord | None = None) -> CausalLMOutput:
         """The MoE stack, final norm, MTP heads, head and losses on ``h`` (the dense prefix's output) in 1F1B order
         (``pipeline_1f1b_value_and_grad(..., with_aux=True)``), as a function autodiff differentiates: a
         ``custom_vjp`` whose gradients (MoE stack, head modules, ``h``) come from the same program.
@@ -510,7 +509,11 @@ class DeepSeekV3(CausalLMBase):
         tokens / step real sequences``): the MoE layers add theirs in their stage's backward, the head the rest.
         ``loss_scale = (mtp_weight, counts)`` gives them (``counts`` None: this micro-batch is the step). The
         returned ``loss_sum`` is valued as the cross-entropy alone and carries that whole gradient; the trainer adds
-        the MTP and aux values (``mtp_loss_sums``, ``aux_loss``, without gradient) with the same weights."""
+        the MTP and aux values (``mtp_loss_sums``, ``aux_loss``, without gradient) with the same weights.
+
+        ``prefix``: the records of the MoE layers that ran before the pipeline (``config.pipeline_layers``), joined
+        in front of the pipelined layers' expert loads and dropped counts (model order); their balance loss enters
+        ``aux_loss`` with its gradient (the trainer weighs it as the pipelined layers' inside)."""
         c = self.config
         if loss_targets is None:
             raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage: pass "
@@ -563,10 +566,16 @@ class DeepSeekV3(CausalLMBase):
         stats, ce, mtp_sums = jax.lax.stop_gradient((stats, ce, mtp_sums))
         aux_loss = None
         if balance_on:
-            aux_loss = jnp.sum(stats["balance"]) / jnp.maximum(jnp.sum(rows), 1.0)
+            balance = jnp.sum(stats["balance"])
+            if prefix is not None and prefix.balance_loss is not None:  # differentiated here, by the trainer
+                balance = balance + jnp.sum(jnp.sum(prefix.balance_loss, axis=0) * rows)
+            aux_loss = balance / jnp.maximum(jnp.sum(rows), 1.0)
+        load, dropped = stats.get("load"), stats.get("dropped")
+        if prefix is not None and load is not None and prefix.expert_load is not None:  # whole, as the prefix's
+            load = jnp.concatenate([jax.lax.stop_gradient(prefix.expert_load), _unsplit(load)])
+            dropped = jnp.concatenate([prefix.dropped_tokens, _unsplit(dropped)])
         return CausalLMOutput(logits=None, loss_sum=total - jax.lax.stop_gradient(total - ce),
-                              mtp_loss_sums=mtp_sums, expert_load=stats.get("load"),
-                              dropped_tokens=stats.get("dropped"), aux_loss=aux_loss)
+                              mtp_loss_sums=mtp_sums, expert_load=load, dropped_tokens=dropped, aux_loss=aux_loss)
 
     # ---- generation: a fixed-size MLA cache (nnx_zoo.models.deepseek.cache), driven by nnx_zoo.generate ----
     def init_cache(self, batch: int, max_len: int) -> MLACache:
@@ -726,6 +735,12 @@ def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
     if attention_mask is None:
         return jnp.ones(x.shape[:1], jnp.float32)
     return jnp.any(attention_mask.astype(bool), axis=-1).astype(jnp.float32)
+
+
+def _unsplit(a: jax.Array) -> jax.Array:
+    """A per-layer stat out of the pipeline (its layer dim on ``stage``) whole, to join those of the layers run
+    before it (whole on every stage: one array of one sharding under Explicit meshes)."""
+    return shard(a, (None,) * a.ndim)
 
 
 def _slice_stack(stack: nnx.Module, start: int, stop: int) -> nnx.Module:
