@@ -134,11 +134,11 @@ def test_what_the_pipelined_deepseek4_forward_does_not_run_is_refused():
     hash_late = dict(mlp_layer_types=(TOPK_MOE, HASH_MOE) + (TOPK_MOE,) * 3)
     for overrides, kwargs, message in [
         # Checked before anything runs (traced abstractly).
-        (uneven, {}, r"DeepSeekV4 pipelines its 3 top-k routed layers \(num_hidden_layers 4 after 1 hash-routed ones, "
+        (uneven, {}, r"DeepSeek-V4 pipelines its 3 top-k routed layers \(num_hidden_layers 4 after 1 hash-routed ones, "
                      r"which run before the pipeline\): the 3 layers \(stack of each, in model order: csa_moe x1, "
                      r"hca_moe x1, csa_moe x1\) do not split into 2 identical chunks"),
         (hash_late, {}, r"hash-routed layers before the pipeline, so they must be the first layers; this config's "
-                        r"are layers \[1\]"),
+                        r"layers \[1\] are hash-routed after top-k ones"),
         ({}, dict(with_routing=True), "with_hidden_states / with_routing are not supported on a mesh with a 'stage'"),
         ({}, dict(pipeline_schedule="interleaved", pipeline_virtual_stages=2, loss_targets=(ids, ids)),
          r"its 4 top-k routed layers .*do not split into 4 identical chunks \(2 pipeline stages x 2 virtual stages\)"),

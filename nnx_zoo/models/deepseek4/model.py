@@ -31,8 +31,7 @@ from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.pipeline import (
     Schedule,
     pipeline_1f1b_value_and_grad,
-    pipeline_chunk,
-    pipeline_stack,
+        pipeline_stack,
     resolve_schedule,
     stage_count,
 )
@@ -417,20 +416,8 @@ class DeepSeekV4(CausalLMBase):
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's streams and per-layer sums); run without "
                              "'stage'")
-        hashed = [i for i, kind in enumerate(c.layer_kinds) if kind[1] == HASH_MOE]
-        if hashed != list(range(len(hashed))):
-            raise ValueError(f"{type(self).__name__} runs its hash-routed layers before the pipeline, so they must be "
-                             f"the first layers; this config's are layers {hashed} (mlp_layer_types). Make them the "
-                             "first ones (as num_hash_layers does), or train on a mesh without 'stage'")
-        prefix = len(hashed)
-        piped = [kind_name(kind) for kind in c.layer_kinds[prefix:]]
-        try:
-            pipeline_chunk(piped, stage_count(), schedule.virtual_stages)
-        except ValueError as e:
-            raise ValueError(f"{type(self).__name__} pipelines its {len(piped)} top-k routed layers (num_hidden_layers "
-                             f"{c.num_hidden_layers} after {prefix} hash-routed ones, which run before the pipeline): "
-                             f"{e}") from None
-        return prefix
+        c.check_pipeline(stage_count(), schedule.virtual_stages)
+        return c.hash_prefix
 
     def _pipeline_parts(self, prefix: int, with_expert_load: bool
                         ) -> tuple[dict[str, nnx.Module], list[str], Callable[..., Any]]:
