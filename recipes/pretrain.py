@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -118,9 +119,11 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 def _field_parser(annotation: Any) -> Callable[[str], Any]:
     """A string -> value parser for a config field's type annotation ('none' means None where allowed)."""
-    args = typing.get_args(annotation)
+    # Only a union (``X | None``) is unwrapped: ``tuple[str, ...]``'s arguments are its items' type, not the field's.
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    as_tuple = typing.get_origin(base) is tuple
 
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
@@ -136,7 +139,8 @@ def _field_parser(annotation: Any) -> Callable[[str], Any]:
                 return base(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
-        return json.loads(text)  # dicts such as rope_scaling, lists such as eos_token_id
+        value = json.loads(text)  # dicts such as rope_scaling, lists such as eos_token_id or layer_types
+        return tuple(value) if as_tuple and isinstance(value, list) else value
 
     return parse
 
@@ -544,9 +548,10 @@ class Extras(NamedTuple):
 
 def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = None) -> tuple[tuple[str, Any], ...]:
     """The forward's pipeline keywords for ``--mesh stage=S,...``, ``--microbatches`` and ``--pipeline-schedule``
-    (none without a stage axis); a model whose forward cannot pipeline, a count that does not divide the
-    accumulation step's rows, micro-batches without stages, or (given ``config``) layers that do not split into
-    the stages' chunks (naming the ``--model.pipeline_layers`` that fit) are errors saying what to change."""
+    (none without a stage axis); a model whose forward cannot pipeline (or, given ``config``, whose
+    ``pipeline_problem`` says why not), a count that does not divide the accumulation step's rows, micro-batches
+    without stages, or (given ``config``) layers that do not split into the stages' chunks (naming the
+    ``--model.pipeline_layers`` that fit) are errors saying what to change."""
     import inspect
 
     from nnx_zoo.layers.pipeline import resolve_schedule
@@ -568,6 +573,9 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = N
     if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
         raise ValueError(f"--mesh stage={stages}: {model_cls.__name__} does not run pipelined yet (its forward "
                          "takes no pipeline_microbatches); train it on a mesh without 'stage'")
+    problem = None if config is None else getattr(model_cls, "pipeline_problem", lambda _: None)(config)
+    if problem is not None:
+        raise ValueError(f"--mesh stage={stages}: {problem}")
     micro = stages if args.microbatches is None else args.microbatches
     rows = args.batch // max(args.accum_steps, 1)
     if micro < 1 or rows % micro:

@@ -231,10 +231,28 @@ class CausalLMBase(nnx.Module):
         ``allow_partial=True``: a dimension that does not divide over its rule's mesh axes goes on the longest
         dividing prefix of them (``create_sharded``), and so do the model's activations under Explicit meshes.
         """
+        cls._check_pipelinable(config, mesh)
+
         def make() -> M:
             return cls(config, rngs=nnx.Rngs(seed), rules=rules, allow_partial=allow_partial or None)
 
         return make() if mesh is None else create_sharded(make, mesh, rules, allow_partial=allow_partial)
+
+    @classmethod
+    def pipeline_problem(cls, config: Any) -> str | None:
+        """Why a model of ``config`` cannot run pipelined over a ``stage`` mesh axis (a sentence saying what to do
+        instead), or None when it can (as far as its layer kinds go; the stage count is checked where it is known).
+        The recipe asks before it builds anything; ``create`` and ``from_pretrained`` on a mesh with stages too."""
+        del config
+        return None
+
+    @classmethod
+    def _check_pipelinable(cls, config: Any, mesh: Mesh | None) -> None:
+        """``pipeline_problem`` as an error when ``mesh`` has a ``stage`` axis of size > 1."""
+        if mesh is not None and dict(mesh.shape).get(STAGE_AXIS, 1) > 1:
+            problem = cls.pipeline_problem(config)
+            if problem is not None:
+                raise ValueError(problem)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:
@@ -450,6 +468,7 @@ class CausalLM(CausalLMBase):
         overrides = pretrained_overrides(dtype, config_overrides)
         rules = get_rules(rules if rules is not None else "default")
         config = cls.config_from_hf(directory, overrides)
+        cls._check_pipelinable(config, mesh)
         with SafetensorsCheckpoint(directory) as ckpt:
             abstract = abstract_module(lambda: cls(config, rngs=nnx.Rngs(0), rules=rules,
                                                    allow_partial=allow_partial or None))
@@ -598,6 +617,11 @@ class CausalLM(CausalLMBase):
             return run_unpipelined({name: stacks[name] for name in dict.fromkeys(names)}, layer_fn, h,
                                    layer_stacks=names, scan=c.scan_layers, remat_policy=c.remat_policy)
 
+    def _pipeline_hidden(self, carry: jax.Array) -> jax.Array:
+        """The hidden state in what the pipeline hands from layer to layer (``_pipeline_parts``' ``h``): all of it
+        here; a family that carries per-layer inputs beside it (Gemma 4) takes its part."""
+        return carry
+
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
                           schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:
         """Every layer on ``h``, pipelined over the ``stage`` axis (``pipeline_stack``): stage ``s`` runs the
@@ -630,7 +654,7 @@ class CausalLM(CausalLMBase):
 
         def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> Any:
             norm, head = nnx.merge(head_graph, head_state)
-            logits = self._logits(norm(h), head=head).astype(jnp.float32)
+            logits = self._logits(norm(self._pipeline_hidden(h)), head=head).astype(jnp.float32)
             targets, loss_mask = targets_and_mask
             vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
             target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
