@@ -101,3 +101,40 @@ def test_stacks_by_name_give_the_unpipelined_loss_gradients_and_per_stack_aux(sc
 
             value, d_stacks, d_w, d_x, stats, _ = run(state, w, x)
             _check(value, (d_stacks, d_w, d_x), stats)
+
+
+def _carrying_layer(name, layer, carry, scale):
+    """``a`` layers hand their input on (the chunk's carried value); ``b`` layers add the last one handed."""
+    h, skip = carry
+    if name == "a":
+        return (jnp.tanh(layer(h) * scale), h), jnp.sum(h, axis=(0, 1))
+    return (jnp.sin(layer(h)) + 0.5 * skip, skip), jnp.sum(h, axis=(0, 1))
+
+
+def test_a_chunk_carry_is_handed_on_inside_each_stage_chunk():
+    """``pipeline_stack(..., chunk_carry=)``: a value the layers of a chunk hand on among themselves (GLM-5's
+    top-k), made afresh at each chunk's start (each chunk ``(a, a, b) x 4`` starts with a writer): the loss and
+    gradients equal the layers run one by one with the value handed through all of them. Under GPipe on stage 2."""
+    mesh = make_mesh({"stage": 2}, devices=jax.devices()[:2])
+    x, target, scale, w = map(jnp.asarray, _inputs())
+    graphdef, state = nnx.split(create_sharded(_stacks, mesh, "default"))
+
+    def reference(state, w, x):
+        stacks, taken, carry = nnx.merge(graphdef, state), dict.fromkeys(COUNTS, 0), (x, jnp.zeros_like(x))
+        for name in KINDS:
+            layer_graph, layer_state = nnx.split(stacks[name])
+            layer = nnx.merge(layer_graph, jax.tree.map(lambda a, i=taken[name]: a[i], layer_state))
+            taken[name] += 1
+            carry, _ = _carrying_layer(name, layer, carry, scale)
+        return _head(w, carry[0], target)
+
+    def pipelined(state, w, x):
+        h, _ = pipeline_stack(dict(nnx.merge(graphdef, state).items()), _carrying_layer, x, scale, microbatches=4,
+                              with_aux=True, layer_stacks=KINDS, chunk_carry=jnp.zeros_like)
+        return _head(w, h, target)
+
+    with jax.set_mesh(mesh), use_rules("default"):
+        got = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2)))(state, w, x)
+        want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(state, w, x)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
