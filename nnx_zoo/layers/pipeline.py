@@ -461,6 +461,7 @@ def pipeline_1f1b_value_and_grad(
     virtual_stages: int = 1,
     with_aux: bool = False,
     layer_stacks: Sequence[Hashable] | None = None,
+    chunk_carry: Callable[[jax.Array], Any] | None = None,
 ) -> tuple[Any, ...]:
     """The summed loss of ``head_fn(head_params, layers(x), targets)`` over ``microbatches`` micro-batches and its
     gradients ``(loss, d stack state, d head_params, d x)``, computed in 1F1B order over the ``stage`` axis;
@@ -476,7 +477,8 @@ def pipeline_1f1b_value_and_grad(
     are split like ``x`` (rows ``j, j + M, ...``) when their leading dim is the batch. ``layer_fn`` as in
     ``pipeline_stack``.
     Needs a ``stage`` axis; with ``V > 1``, ``M`` a multiple of ``S``. ``stack`` and ``layer_stacks`` as in
-    ``pipeline_stack`` (several stacks by name: ``d stack state`` is then a dict of their states' gradients): the
+    ``pipeline_stack`` (several stacks by name: ``d stack state`` is then a dict of their states' gradients), and
+    ``chunk_carry`` too (each virtual stage's chunk starts it afresh): the
     layer sequence must be ``V S`` identical chunks (``pipeline_chunk``), chunk ``k`` holding the ``k``-th ``1 / (V
     S)`` of every stack, run as that chunk's scan segments.
 
@@ -580,7 +582,7 @@ def pipeline_1f1b_value_and_grad(
         def stage_fn(chunk: Any, h: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
             """The chunk on ``h``: ``(h, its layers' summed loss_part, their stats per stack [n, ...])``."""
             _, margs = micro_inputs(index)
-            h, aux = _run_chunk(stacks.graphdefs, chunk, chunk_kinds, fn, h, margs)
+            h, aux = _run_chunk(stacks.graphdefs, chunk, chunk_kinds, fn, h, margs, chunk_carry=chunk_carry)
             return h, sum(jnp.sum(parts) for parts, _ in aux.values()), {name: st for name, (_, st) in aux.items()}
 
         def head_value_and_grad(head_params: Any, h: jax.Array, tgt: Any) -> tuple[Any, Any]:

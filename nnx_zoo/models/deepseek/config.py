@@ -248,7 +248,7 @@ class DeepSeekV3Config(FamilyConfig):
                     f"{self.first_k_dense_replace}): the last pipeline_layers MoE layers form the pipelined stack"]
         if self.shares_topk:
             return [f"pipeline_layers={value}: a model whose layers reuse an earlier layer's top-k pipelines every "
-                    "MoE layer after the dense prefix (GPipe); leave it None"]
+                    "MoE layer after the dense prefix; leave it None"]
         return []
 
     def check_pipeline(self, stages: int, virtual_stages: int = 1) -> None:

@@ -377,11 +377,11 @@ class DeepSeekV3(CausalLMBase):
             for name, stack, _ in self.layer_runs(_PIPELINED_STACKS if pipelined else ()):
                 if pipelined and name in _PIPELINED_STACKS and pipeline_ran:
                     continue  # GLM-5: the later runs of the pipelined stacks ran in the pipeline
-                if pipelined and name == "moe_layers" and schedule.loss_inside:  # 1F1B, interleaved
+                if pipelined and name in _PIPELINED_STACKS and schedule.loss_inside:  # 1F1B, interleaved
                     prefix = _LayerRecord(*(_cat([getattr(r, f) for r in moe_records]) for f in _LayerRecord._fields))
                     return self._one_f_one_b(  # its input whole over stage, as GPipe's
-                        stack, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids, attention_mask,
-                        segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
+                        self.moe_layers, shard(carry[0], _BLE), (cos, sin, mask, query_scale), input_ids,
+                        attention_mask, segment_ids, positions, depth, loss_targets, loss_scale, with_expert_load,
                         pipeline_microbatches, schedule, prefix,
                         [r.indexer_loss for r in records if r.indexer_loss is not None])
                 if pipelined and name in _PIPELINED_STACKS:
@@ -452,10 +452,6 @@ class DeepSeekV3(CausalLMBase):
         if with_hidden_states or with_routing:
             raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
                              "pipeline hands on only the last layer's output and per-layer sums); run without 'stage'")
-        if "shared_topk_moe_layers" in c.pipelined_kinds() and schedule.loss_inside:
-            raise ValueError(f"pipeline_schedule={schedule.name!r}: layers reusing an earlier layer's top-k (GLM-5's "
-                             "indexer 'shared') pipeline with 'gpipe' only; use pipeline_schedule='gpipe', or train "
-                             "it on a mesh without 'stage'")
         # Only the (last pipeline_layers) MoE layers are on 'stage' (the dense prefix runs before the pipeline): say
         # so, not "the stack", and which pipeline_layers fit.
         c.check_pipeline(stage_count(), schedule.virtual_stages)
@@ -512,29 +508,32 @@ class DeepSeekV3(CausalLMBase):
 
             h, aux = pipeline_stack(self.moe_layers, layer_fn, h, cos, sin, mask, query_scale, token_rows, **run)
         else:
-            def named_layer_fn(name: str, layer: DecoderLayer, carry: Any, *args: Any) -> tuple[Any, Any]:
-                h, topk = carry if share else (carry, None)
-                out, stats = self._pipelined_layer(layer, h, *args, with_expert_load,
-                                                   topk_indices=topk if LAYER_STACKS[name][1] else None)
-                if not share:
-                    return out.hidden, stats
-                return (out.hidden, topk if out.topk_indices is None else out.topk_indices), stats
-
-            def no_topk(h: jax.Array) -> jax.Array:  # never read: each chunk's first layer chooses
-                return jnp.broadcast_to(jnp.zeros_like(h[..., :1], dtype=jnp.int32), (*h.shape[:2], c.index_topk))
-
             stacks = {name: getattr(self, name) for name in _PIPELINED_STACKS}
-            h, by_stack = pipeline_stack(stacks, named_layer_fn, h, cos, sin, mask, query_scale, token_rows,
-                                         layer_stacks=kinds, chunk_carry=no_topk if share else None, **run)
-            # Model order: the rows of both stacks' stats, joined, then sorted by the layer each belongs to.
-            order = np.argsort([i for name in _PIPELINED_STACKS for i, k in enumerate(kinds) if k == name])
-            aux = {key: jnp.concatenate([_unsplit(by_stack[n][key]) for n in _PIPELINED_STACKS])[order]
-                   for key in ("load", "dropped") if key in by_stack["moe_layers"]}
-            aux |= {key: sum(jnp.sum(by_stack[n][key]) for n in _PIPELINED_STACKS if key in by_stack[n])
-                    for key in ("balance", "indexer") if any(key in by_stack[n] for n in _PIPELINED_STACKS)}
+            h, by_stack = pipeline_stack(stacks, self._shared_layer_fn(share, with_expert_load), h, cos, sin, mask,
+                                         query_scale, token_rows, layer_stacks=kinds,
+                                         chunk_carry=self._no_topk_of if share else None, **run)
+            aux = _in_model_order(by_stack, kinds)
         record = _LayerRecord(hidden=None, expert_indices=None, expert_load=aux.get("load"),
                               dropped_tokens=aux.get("dropped"), balance_loss=None)
         return h, record, {key: jnp.sum(aux[key]) for key in ("balance", "indexer") if key in aux}
+
+    def _shared_layer_fn(self, share: bool, with_expert_load: bool) -> Any:
+        """``layer_fn(name, layer, carry, cos, sin, mask, query_scale, rows)`` for the MoE stacks by name (GLM-5's
+        shared layers among them): with ``share`` the carry is ``(h, top-k)``, the top-k handed on to the layers
+        that reuse it (``chunk_carry``); ``(h, stats)`` as ``_pipelined_layer``'s."""
+        def layer_fn(name: str, layer: DecoderLayer, carry: Any, *args: Any) -> tuple[Any, Any]:
+            h, topk = carry if share else (carry, None)
+            out, stats = self._pipelined_layer(layer, h, *args, with_expert_load,
+                                               topk_indices=topk if LAYER_STACKS[name][1] else None)
+            if not share:
+                return out.hidden, stats
+            return (out.hidden, topk if out.topk_indices is None else out.topk_indices), stats
+
+        return layer_fn
+
+    def _no_topk_of(self, h: jax.Array) -> jax.Array:
+        """A chunk's starting top-k for ``h`` (never read: each chunk's first layer chooses), typed as ``h``."""
+        return jnp.broadcast_to(jnp.zeros_like(h[..., :1], dtype=jnp.int32), (*h.shape[:2], self.config.index_topk))
 
     def _one_f_one_b(self, stack: nnx.Module, h: jax.Array, layer_inputs: tuple[Any, ...], input_ids: jax.Array,
                      attention_mask: jax.Array | None, segment_ids: jax.Array | None, positions: jax.Array,
@@ -587,17 +586,30 @@ class DeepSeekV3(CausalLMBase):
                        rows, w_bal)
         modules = [self.norm, self.embed if self.lm_head is None else self.lm_head]
         head_graph, head_state = nnx.split(nnx.List(modules + ([self.embed, self.mtp_layers] if depth else [])))
-        stack_graph, stack_state = nnx.split(stack)
         run = dict(scan=c.scan_layers, remat_policy=c.remat_policy)
+        kinds = c.pipelined_kinds()
+        named = "shared_topk_moe_layers" in kinds  # GLM-5's shared layers: both MoE stacks by name
+        share = named and c.sparse_attention_keys(input_ids.shape[1]) > 0
+        stacks = {name: getattr(self, name) for name in _PIPELINED_STACKS} if named else {"moe_layers": stack}
+        stack_graphs = {name: nnx.graphdef(s) for name, s in stacks.items()}
+        stack_state = {name: nnx.state(s) for name, s in stacks.items()}
+        shared_fn = self._shared_layer_fn(share, with_expert_load)
+
+        def weighed(stats: dict[str, jax.Array], w_bal: jax.Array) -> jax.Array:
+            part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
+            if "indexer" in stats:  # V3.2's indexer KL, weighed as the trainer weighs indexer_loss
+                part = part + w_bal * c.indexer_loss_weight * stats["indexer"]
+            return part
 
         def layer_fn(layer: DecoderLayer, h: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask,
                      query_scale: jax.Array | None, rows: jax.Array, w_bal: jax.Array) -> tuple[jax.Array, Any]:
             out, stats = self._pipelined_layer(layer, h, cos, sin, mask, query_scale, rows, with_expert_load)
-            hidden = out.hidden
-            part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
-            if "indexer" in stats:  # V3.2's indexer KL, weighed as the trainer weighs indexer_loss
-                part = part + w_bal * c.indexer_loss_weight * stats["indexer"]
-            return hidden, (part, stats)
+            return out.hidden, (weighed(stats, w_bal), stats)
+
+        def named_layer_fn(name: str, layer: DecoderLayer, carry: Any, *args: Any) -> tuple[Any, Any]:
+            *args, w_bal = args
+            carry, stats = shared_fn(name, layer, carry, *args)
+            return carry, (weighed(stats, w_bal), stats)
 
         def head_fn(head_state: Any, h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
             norm, head, *mtp = nnx.merge(head_graph, head_state)
@@ -618,14 +630,18 @@ class DeepSeekV3(CausalLMBase):
             return total + w_bal * c.indexer_loss_weight * kl_sum, (ce, jnp.stack(sums), kl_sum)
 
         def program(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
+            merged = {name: nnx.merge(stack_graphs[name], state) for name, state in stack_state.items()}
+            by_name = dict(layer_stacks=kinds, chunk_carry=self._no_topk_of if share else None) if named else {}
             total, d_stack, d_head, d_h, stats, head_stats = pipeline_1f1b_value_and_grad(
-                nnx.merge(stack_graph, stack_state), layer_fn, head_fn, head_state, h, head_inputs,
-                *layer_inputs, rows, w_bal, microbatches=microbatches, virtual_stages=schedule.virtual_stages,
-                with_aux=True)
-            return (total, stats, head_stats), (d_stack, d_head, d_h)
+                merged if named else merged["moe_layers"], named_layer_fn if named else layer_fn, head_fn,
+                head_state, h, head_inputs, *layer_inputs, rows, w_bal, microbatches=microbatches,
+                virtual_stages=schedule.virtual_stages, with_aux=True, **by_name)
+            return (total, stats, head_stats), (d_stack if named else {"moe_layers": d_stack}, d_head, d_h)
 
         total, stats, (ce, mtp_sums, mtp_kl) = differentiated_by(program, stack_state, head_state, h)
         stats, ce, mtp_sums, mtp_kl = jax.lax.stop_gradient((stats, ce, mtp_sums, mtp_kl))
+        if named:  # the stacks' stats in model order, their sums added
+            stats = _in_model_order(stats, kinds)
         indexer_loss = None
         if "indexer" in stats:  # the pipeline's and MTP heads' values (differentiated inside), the prefix's with
             kl_sum = jnp.sum(stats["indexer"]) + (0.0 if mtp_kl is None else mtp_kl)  # its gradient, here
@@ -798,6 +814,17 @@ def differentiated_by(program: Any, *primals: Any) -> Any:
 
     value.defvjp(program, backward)
     return value(*primals)
+
+
+def _in_model_order(by_stack: dict[str, dict[str, jax.Array]], kinds: tuple[str, ...]) -> dict[str, jax.Array]:
+    """The pipelined MoE stacks' stats (per stack name, stacked per layer in the stack's order, on ``stage``) as
+    one model's: ``load`` / ``dropped`` per layer in model order (``kinds``: each pipelined layer's stack), whole;
+    ``balance`` / ``indexer`` summed over every layer."""
+    order = np.argsort([i for name in _PIPELINED_STACKS for i, k in enumerate(kinds) if k == name])
+    stats = {key: jnp.concatenate([_unsplit(by_stack[n][key]) for n in _PIPELINED_STACKS])[order]
+             for key in ("load", "dropped") if key in by_stack["moe_layers"]}
+    return stats | {key: sum(jnp.sum(by_stack[n][key]) for n in _PIPELINED_STACKS if key in by_stack[n])
+                    for key in ("balance", "indexer") if any(key in by_stack[n] for n in _PIPELINED_STACKS)}
 
 
 def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
