@@ -336,6 +336,7 @@ def pipeline_stack(
         return isinstance(a, jax.Array) and a.ndim > 0 and a.shape[0] == batch
 
     leaves, treedef = jax.tree.flatten(args)
+    leaves = [jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in leaves]  # a numpy mask is split too
     # Arrays go through shard_map's arguments; other leaves (python ints) stay static.
     dynamic = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     batched = tuple(is_batched(leaves[i]) for i in dynamic)
@@ -539,6 +540,7 @@ def pipeline_1f1b_value_and_grad(
         return jnp.reshape(a, (batch // micro, micro) + a.shape[1:], out_sharding=spec)
 
     leaves, treedef = jax.tree.flatten((targets, args))
+    leaves = [jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in leaves]  # a numpy mask is split too
     dynamic = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     batched = tuple(leaves[i].ndim > 0 and leaves[i].shape[0] == batch for i in dynamic)
     operands = [split(leaves[i]) if b else leaves[i] for i, b in zip(dynamic, batched)]
