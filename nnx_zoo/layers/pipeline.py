@@ -159,10 +159,16 @@ def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages
         fix = (f"use a '{STAGE_AXIS}' mesh size (times --virtual-stages, when interleaved) that is one of {more}, "
                "the chunk counts that fit")
     else:
-        period = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i - p] for i in range(p, layers)))
-        fix = (f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer "
-               f"count that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that "
-               f"{wanted} chunks hold whole repeats")
+        # Leading layers whose kind never comes back (a dense prefix) are no part of the repeating pattern.
+        lead = next(i for i in range(layers) if i == layers - 1 or kinds[i] in kinds[i + 1:])
+        rest = kinds[lead:]
+        period = next(p for p in range(1, len(rest) + 1)
+                      if all(rest[i] == rest[i - p] for i in range(p, len(rest))))
+        fix = f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer count "
+        fix += (f"that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that {wanted} "
+                "chunks hold whole repeats" if not lead else
+                f"of {lead} + a multiple of {period * wanted} (the first {lead} layers' kinds never recur, the rest "
+                f"repeat every {period} layers) with --model.pipeline_layers that multiple")
     whole = tuple(unpipelined) + kinds
     counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3]
     if counts:  # MaxText's pipeline_parallel_layers: only the last layers pipelined, the first ones ahead of it

@@ -70,6 +70,9 @@ NAMED_FIXES: list[tuple[str, dict[str, Any], str]] = [
     ("qwen3-moe-tiny", dict(mlp_only_layers=(0,)), r"dense_layers x1, layers x3.*--model.pipeline_layers 2 "),
     ("llama4-tiny", {}, r"no chunk count above 1 fits.*a layer count that is a multiple of 8 \(its kinds repeat "
                         r"every 4 layers\)"),
+    ("kimi-linear-tiny", {}, r"the 4 layers .*no chunk count above 1 fits.*a layer count of 1 \+ a multiple of 4 "
+                             r"\(the first 1 layers' kinds never recur, the rest repeat every 2 layers\) with "
+                             r"--model.pipeline_layers that multiple"),
     ("kimi-linear-tiny", KIMI_5, r"the 5 layers .* do not split into 2 identical chunks.*--model.pipeline_layers 4 "
                                  r"\(the first 1 layers run before"),
     ("deepseek2-tiny", {}, r"the 3 pipelined MoE layers .* do not split into 2 equal chunks.*"
