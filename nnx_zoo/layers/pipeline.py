@@ -159,11 +159,13 @@ def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages
         fix = (f"use a '{STAGE_AXIS}' mesh size (times --virtual-stages, when interleaved) that is one of {more}, "
                "the chunk counts that fit")
     else:
-        # Leading layers whose kind never comes back (a dense prefix) are no part of the repeating pattern.
-        lead = next(i for i in range(layers) if i == layers - 1 or kinds[i] in kinds[i + 1:])
-        rest = kinds[lead:]
-        period = next(p for p in range(1, len(rest) + 1)
-                      if all(rest[i] == rest[i - p] for i in range(p, len(rest))))
+        def period_of(seq: tuple[Hashable, ...]) -> int:
+            return next(p for p in range(1, len(seq) + 1) if all(seq[i] == seq[i - p] for i in range(p, len(seq))))
+
+        # Leading layers of kinds that never come back (a dense prefix) are no part of a repeating rest.
+        lead = next((i for i in range(1, layers) if not set(kinds[:i]) & set(kinds[i:])
+                     and period_of(kinds[i:]) < layers - i), 0)
+        period = period_of(kinds[lead:])
         fix = f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer count "
         fix += (f"that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that {wanted} "
                 "chunks hold whole repeats" if not lead else

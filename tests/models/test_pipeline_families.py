@@ -75,6 +75,10 @@ NAMED_FIXES: list[tuple[str, dict[str, Any], str]] = [
                              r"--model.pipeline_layers that multiple"),
     ("kimi-linear-tiny", KIMI_5, r"the 5 layers .* do not split into 2 identical chunks.*--model.pipeline_layers 4 "
                                  r"\(the first 1 layers run before"),
+    # Real presets, refused by create's check before anything is built.
+    ("glm4.5", {}, r"the 92 layers .*a layer count of 3 \+ a multiple of 2 \(the first 3 layers' kinds never recur, "
+                   r"the rest repeat every 1 layers\).*--model.pipeline_layers 88 \(the first 4 layers run before"),
+    ("kimi-linear-48b-a3b", {}, r"the 27 layers .*--model.pipeline_layers 6 \(the first 21 layers run before"),
     ("deepseek2-tiny", {}, r"the 3 pipelined MoE layers .* do not split into 2 equal chunks.*"
                            r"--model.pipeline_layers 2: the first 1 MoE layers run before the pipeline"),
     ("deepseek3.2-tiny", dict(pipeline_layers=2), r"DeepSeekV3 with sparse attention \(index_topk=32"),
