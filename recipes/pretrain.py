@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -118,9 +119,11 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 def _field_parser(annotation: Any) -> Callable[[str], Any]:
     """A string -> value parser for a config field's type annotation ('none' means None where allowed)."""
-    args = typing.get_args(annotation)
+    # Only a union (``X | None``) is unwrapped: ``tuple[str, ...]``'s arguments are its items' type, not the field's.
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    as_tuple = typing.get_origin(base) is tuple
 
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
@@ -136,7 +139,8 @@ def _field_parser(annotation: Any) -> Callable[[str], Any]:
                 return base(text)
             except ValueError:
                 raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
-        return json.loads(text)  # dicts such as rope_scaling, lists such as eos_token_id
+        value = json.loads(text)  # dicts such as rope_scaling, lists such as eos_token_id or layer_types
+        return tuple(value) if as_tuple and isinstance(value, list) else value
 
     return parse
 

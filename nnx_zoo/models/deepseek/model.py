@@ -533,18 +533,8 @@ class DeepSeekV3(CausalLMBase):
             raise ValueError(f"pipeline_schedule={schedule.name!r} with MTP heads or a balance loss needs "
                              "loss_scale=(mtp_weight, counts) to weigh them inside the pipeline "
                              "(nnx_zoo.train.step.loss_terms passes it)")
-        mtp_weight, counts = (0.0, None) if loss_scale is None else loss_scale
-        targets, loss_mask = loss_targets
         rows = shard(_real_rows(h, attention_mask), ("activation_batch",))
-        shifted_targets, shifted_masks = shifted_by_depth(targets, loss_mask, depth)  # [1 + depth, batch, seq]
-        tokens_k = [jnp.sum(m.astype(jnp.float32)) for m in shifted_masks]
-        if counts is None:
-            step_tokens, step_sequences, head_tokens = tokens_k[0], jnp.sum(rows), tokens_k[1:]
-        else:
-            step_tokens, step_sequences = counts["tokens"], counts["sequences"]
-            head_tokens = [counts[f"mtp{k}_tokens"] for k in range(1, depth + 1)]
-        w_mtp = tuple(mtp_weight / depth * step_tokens / jnp.maximum(n, 1.0) for n in head_tokens)
-        w_bal = step_tokens / jnp.maximum(step_sequences, 1.0)
+        shifted_targets, shifted_masks, w_mtp, w_bal = pipeline_loss_weights(loss_targets, loss_scale, rows, depth)
         ids, id_masks = shifted_by_depth(input_ids, attention_mask, depth)
         batch_first = lambda a: None if a is None else jnp.swapaxes(a, 0, 1)  # noqa: E731  (split by rows)
         head_inputs = (batch_first(shifted_targets), batch_first(shifted_masks), batch_first(ids[1:]),
@@ -560,23 +550,17 @@ class DeepSeekV3(CausalLMBase):
             part = w_bal * stats["balance"] if "balance" in stats else jnp.zeros((), jnp.float32)
             return hidden, (part, stats)
 
-        def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-            logits = logits.astype(jnp.float32)  # a comparison, not a gather: vocab-sharded logits stay sharded
-            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-            target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-            return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target_logit) * mask.astype(jnp.float32))
-
         def head_fn(head_state: Any, h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
             norm, head, *mtp = nnx.merge(head_graph, head_state)
             targets, masks, ids, id_masks, segments, positions, w_mtp = inputs
             final = norm(h)
-            ce = cross_entropy(self._logits(final, head=head), targets[:, 0], masks[:, 0])
+            ce = masked_cross_entropy(self._logits(final, head=head), targets[:, 0], masks[:, 0])
             if not depth:
                 return ce, (ce, None)
             embed, heads = mtp
             hidden, _ = self._mtp(embed(jnp.swapaxes(ids, 0, 1)), batch_first(id_masks), segments, final, run,
                                   positions, heads=heads)
-            sums = [cross_entropy(self._logits(hidden[k], head=head), targets[:, k + 1], masks[:, k + 1])
+            sums = [masked_cross_entropy(self._logits(hidden[k], head=head), targets[:, k + 1], masks[:, k + 1])
                     for k in range(depth)]
             return ce + sum(w * s for w, s in zip(w_mtp, sums)), (ce, jnp.stack(sums))
 
@@ -587,15 +571,7 @@ class DeepSeekV3(CausalLMBase):
                 with_aux=True)
             return (total, stats, head_stats), (d_stack, d_head, d_h)
 
-        @jax.custom_vjp
-        def loss_of(stack_state: Any, head_state: Any, h: jax.Array) -> Any:
-            return program(stack_state, head_state, h)[0]
-
-        def backward(grads: Any, g: Any) -> Any:
-            return jax.tree.map(lambda d: (g[0] * d).astype(d.dtype), grads)  # only the total is differentiated
-
-        loss_of.defvjp(program, backward)
-        total, stats, (ce, mtp_sums) = loss_of(stack_state, head_state, h)
+        total, stats, (ce, mtp_sums) = differentiated_by(program, stack_state, head_state, h)
         stats, ce, mtp_sums = jax.lax.stop_gradient((stats, ce, mtp_sums))
         aux_loss = None
         if balance_on:
@@ -705,6 +681,62 @@ class DeepSeekV3(CausalLMBase):
         _, (hidden, indexer_loss) = run_stack(self.mtp_layers if heads is None else heads, head_body, final_hidden,
                                               xs, **run)
         return hidden, indexer_loss
+
+
+class PipelineLossWeights(NamedTuple):
+    """What a pipeline that runs the loss on its last stage weighs its terms with (``pipeline_loss_weights``):
+    the targets and loss masks shifted for each depth ``[1 + depth, batch, seq]``, ``w_k`` per MTP depth, and the
+    weight of a per-sequence loss summed over the real sequences (balance, indexer)."""
+
+    targets: jax.Array
+    masks: jax.Array
+    mtp: tuple[jax.Array, ...]
+    sequence: jax.Array
+
+
+def pipeline_loss_weights(loss_targets: tuple[jax.Array, jax.Array], loss_scale: tuple[float, Any] | None,
+                          rows: jax.Array, depth: int) -> PipelineLossWeights:
+    """The trainer's weights (``nnx_zoo.train.step.loss_terms``) of this micro-batch's loss terms, for a pipeline
+    that differentiates them beside the cross-entropy sum: ``w_k = mtp_weight / depth * step tokens / depth k's
+    step tokens`` and ``step tokens / step real sequences`` (``loss_scale = (mtp_weight, counts)``, ``counts``
+    None: this micro-batch is the step; ``rows [batch]``: 1 for a row holding a real token)."""
+    targets, loss_mask = loss_targets
+    mtp_weight, counts = (0.0, None) if loss_scale is None else loss_scale
+    shifted_targets, shifted_masks = shifted_by_depth(targets, loss_mask, depth)  # [1 + depth, batch, seq]
+    tokens_k = [jnp.sum(m.astype(jnp.float32)) for m in shifted_masks]
+    if counts is None:
+        step_tokens, step_sequences, head_tokens = tokens_k[0], jnp.sum(rows), tokens_k[1:]
+    else:
+        step_tokens, step_sequences = counts["tokens"], counts["sequences"]
+        head_tokens = [counts[f"mtp{k}_tokens"] for k in range(1, depth + 1)]
+    w_mtp = tuple(mtp_weight / depth * step_tokens / jnp.maximum(n, 1.0) for n in head_tokens)
+    return PipelineLossWeights(shifted_targets, shifted_masks, w_mtp, step_tokens / jnp.maximum(step_sequences, 1.0))
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """The cross-entropy summed over the tokens where ``mask``, in float32: a comparison with the vocabulary ids,
+    not a gather, so vocab-sharded logits stay sharded (inside a pipeline's ``shard_map``)."""
+    logits = logits.astype(jnp.float32)
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target_logit) * mask.astype(jnp.float32))
+
+
+def differentiated_by(program: Any, *primals: Any) -> Any:
+    """``program(*primals)[0]`` as a function autodiff differentiates with the gradients ``program`` computed
+    itself (``program(*primals) -> (outputs, grads)``, ``grads`` one per primal, of ``outputs[0]``: a 1F1B
+    pipeline's loss): a ``custom_vjp`` whose backward scales them by the cotangent of ``outputs[0]`` (the other
+    outputs are values the caller reads without gradient)."""
+
+    @jax.custom_vjp
+    def value(*primals: Any) -> Any:
+        return program(*primals)[0]
+
+    def backward(grads: Any, g: Any) -> Any:
+        return jax.tree.map(lambda d: (g[0] * d).astype(d.dtype), grads)
+
+    value.defvjp(program, backward)
+    return value(*primals)
 
 
 def _real_rows(x: jax.Array, attention_mask: jax.Array | None) -> jax.Array:

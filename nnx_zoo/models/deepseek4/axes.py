@@ -14,3 +14,7 @@ ACTIVATION_V4_KV = declare_axis("activation_v4_kv", like=None,
 # The grouped output projection: its groups are blocks of consecutive heads, split as heads are.
 O_GROUPS = declare_axis("o_groups", like="heads", doc="head groups of DeepSeek-V4's grouped output projection")
 O_LORA = declare_axis("o_lora", like="latent", doc="per-group low-rank width of DeepSeek-V4's output projection")
+# The hash-routed first layers (num_hash_layers) run before the pipeline, whole on every stage, as DeepSeek-V3's
+# dense prefix does; the top-k layers' stacks are the shared 'layers' (split over 'stage').
+HASH_LAYERS = declare_axis("hash_layers", like="unpipelined_layers",
+                           doc="stack axis of DeepSeek-V4's hash-routed first layers (num_hash_layers)")

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from nnx_zoo.layers.pipeline import pipeline_chunk
 from nnx_zoo.layers.rope import YarnScaling
 from nnx_zoo.models.decoder_config import FamilyConfig, ParameterCount
 
@@ -210,6 +211,31 @@ class DeepSeekV4Config(FamilyConfig):
     def layer_kinds(self) -> tuple[tuple[str, str], ...]:
         """``(attention type, MLP type)`` of each layer: layers of one kind share a stack of parameters."""
         return tuple(zip(self.layer_types, self.mlp_layer_types, strict=True))
+
+    @property
+    def hash_prefix(self) -> int:
+        """How many leading layers are hash-routed (``num_hash_layers``): under a ``stage`` axis they run before the
+        pipeline, their stacks whole on every stage."""
+        return next((i for i, (_, mlp) in enumerate(self.layer_kinds) if mlp != HASH_MOE), self.num_hidden_layers)
+
+    def check_pipeline(self, stages: int, virtual_stages: int = 1) -> tuple[str, ...]:
+        """The stack names of one pipeline chunk's layers when the top-k routed layers after the hash-routed prefix
+        split into ``stages * virtual_stages`` identical chunks of kinds; else a ``ValueError`` saying how to fix it
+        (hash-routed layers that are not the first ones, or a layer sequence that does not split: the chunk counts
+        that fit, ``nnx_zoo.layers.pipeline.pipeline_chunk``). The recipe calls it before building the model."""
+        prefix = self.hash_prefix
+        late = [i for i in range(prefix, self.num_hidden_layers) if self.mlp_layer_types[i] == HASH_MOE]
+        if late:
+            raise ValueError(f"DeepSeek-V4 runs its hash-routed layers before the pipeline, so they must be the first "
+                             f"layers; this config's layers {late} are hash-routed after top-k ones (mlp_layer_types). "
+                             "Make them the first ones (as num_hash_layers does), or train on a mesh without 'stage'")
+        piped = [kind_name(kind) for kind in self.layer_kinds[prefix:]]
+        try:
+            return pipeline_chunk(piped, stages, virtual_stages)
+        except ValueError as e:
+            raise ValueError(f"DeepSeek-V4 pipelines its {len(piped)} top-k routed layers (num_hidden_layers "
+                             f"{self.num_hidden_layers} after {prefix} hash-routed ones, which run before the "
+                             f"pipeline): {e}") from None
 
     @property
     def num_moe_layers(self) -> int:

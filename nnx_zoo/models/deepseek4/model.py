@@ -15,6 +15,7 @@ segment one scan over slices of its kinds' stacks, so a 61-layer model compiles 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -27,15 +28,28 @@ from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.hyper_connection import HyperConnection, HyperHead, widen
 from nnx_zoo.layers.linear import Linear
 from nnx_zoo.layers.norm import RMSNorm
+from nnx_zoo.layers.pipeline import (
+    Schedule,
+    pipeline_1f1b_value_and_grad,
+        pipeline_stack,
+    resolve_schedule,
+    stage_count,
+)
 from nnx_zoo.layers.rope import rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import create_stack, periodic_runs, run_stack, take_layers
 from nnx_zoo.layers.sparse_moe import SparseMoE
 from nnx_zoo.models.causal_lm import CausalLMBase, CausalLMOutput, check_forward_inputs, shifted_by_depth
 from nnx_zoo.models.deepseek.dsa import mean_over_real_queries
-from nnx_zoo.models.deepseek.model import _mean_over_sequences
+from nnx_zoo.models.deepseek.model import (
+    _mean_over_sequences,
+    _real_rows,
+    differentiated_by,
+    masked_cross_entropy,
+    pipeline_loss_weights,
+)
 from nnx_zoo.models.deepseek.moe import sequence_balance_loss
-from nnx_zoo.models.deepseek4 import axes  # noqa: F401  (declares V4's logical names)
 from nnx_zoo.models.deepseek4.attention import Context, Rope, V4Attention
+from nnx_zoo.models.deepseek4.axes import HASH_LAYERS
 from nnx_zoo.models.deepseek4.cache import V4Cache, extend
 from nnx_zoo.models.deepseek4.compressor import windows
 from nnx_zoo.models.deepseek4.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, DeepSeekV4Config, kind_name
@@ -44,7 +58,16 @@ from nnx_zoo.sharding import get_rules, shard, use_rules
 from nnx_zoo.sharding.rules import Rules
 
 _BLE = ("activation_batch", "activation_length", "activation_embed")
-STACK_AXIS = "layers"
+_STREAMS = ("activation_batch", "activation_length", "activation_hc", "activation_embed")
+# The pipeline's output, and what runs after it: the batch split over 'stage' too (activation_batch's without it).
+_OUT_STREAMS = ("activation_embed_and_logits_batch", "activation_length", "activation_hc", "activation_embed")
+STACK_AXIS = "layers"  # the top-k routed layers' stacks: the pipelined ones, split over 'stage'
+
+
+def stack_axis(kind: tuple[str, str]) -> str:
+    """The leading logical axis of ``kind``'s stack: the hash-routed first layers run before the pipeline, whole
+    on every stage (``hash_layers``); the top-k routed ones are the pipelined stacks (``layers``)."""
+    return HASH_LAYERS if kind[1] == HASH_MOE else STACK_AXIS
 
 
 def _dtypes(c: DeepSeekV4Config) -> dict[str, Any]:
@@ -173,8 +196,9 @@ class DeepSeekV4(CausalLMBase):
         init = nnx.initializers.normal(c.initializer_range)
         self.embed = Embed(c.vocab_size, c.hidden_size, embedding_init=init, rngs=rngs, **_dtypes(c))
         self.kinds = tuple(dict.fromkeys(c.layer_kinds))  # static: part of the graph definition
-        self.stacks = nnx.Dict({kind_name(k): create_stack(
-            lambda r, k=k: DecoderLayer(c, *k, rngs=r), c.layer_kinds.count(k), rngs, STACK_AXIS) for k in self.kinds})
+        self.stacks = nnx.Dict({kind_name(k): create_stack(lambda r, k=k: DecoderLayer(c, *k, rngs=r),
+                                                            c.layer_kinds.count(k), rngs, stack_axis(k))
+                                for k in self.kinds})
         self.head_hc = HyperHead(c.hidden_size, streams=c.hc_mult, eps=c.hc_eps, norm_eps=c.rms_norm_eps,
                                  kernel_init=init, rngs=rngs)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, **_dtypes(c))
@@ -215,13 +239,15 @@ class DeepSeekV4(CausalLMBase):
         hca = windows(c.compress_rate_hca, token_mask, positions, segment_ids) if HCA in types else None
         return Context(main, compress, token_mask, segment_ids, csa, hca)
 
-    def _segments(self) -> list[tuple[nnx.Module, tuple[tuple[str, str], ...], int]]:
+    def _segments(self, kinds: tuple[tuple[str, str], ...] | None = None
+                  ) -> list[tuple[nnx.Module, tuple[tuple[str, str], ...], int]]:
         """``(group, pattern, repeats)`` per segment of the schedule: ``group`` holds, for each kind of the
-        pattern, the slice of its stack the segment's repeats use (``periodic_runs``)."""
+        pattern, the slice of its stack the segment's repeats use (``periodic_runs``). ``kinds``: the first layers
+        of the schedule only (default: all), e.g. the hash-routed prefix that runs before a pipeline."""
         c = self.config
         taken = dict.fromkeys(self.kinds, 0)
         out = []
-        for pattern, repeats in periodic_runs(c.layer_kinds):
+        for pattern, repeats in periodic_runs(c.layer_kinds if kinds is None else kinds):
             parts = []
             for kind in pattern:
                 stack = self.stacks[kind_name(kind)]
@@ -235,79 +261,322 @@ class DeepSeekV4(CausalLMBase):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None, loss_scale: tuple[float, Any] | None = None
+                ) -> CausalLMOutput:
         """``CausalLMOutput`` for ``input_ids [batch, seq]`` (inputs as in ``__call__``). ``expert_indices`` /
         ``expert_load`` / ``dropped_tokens`` cover every layer (all are MoE layers), in model order;
-        ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``."""
+        ``hidden_states`` as the class docstring says; ``with_mtp``: ``mtp_logits`` / ``mtp_hidden``.
+
+        On a mesh with a ``stage`` axis the top-k routed layers run pipelined: ``pipeline_microbatches``
+        micro-batches in ``pipeline_schedule`` order, the streams ``[batch, seq, hc_mult, embed]`` handed from stage
+        to stage, each micro-batch's tokens (the hash routers' and the balance loss's) and context split with it.
+        The layer sequence after the hash-routed prefix must be ``S V`` identical chunks of layer kinds (each
+        stack's contiguous block per stage; ``V`` virtual stages, 1 but for interleaved). The embedding and the
+        hash-routed first layers (``num_hash_layers``: their stacks' axis is ``hash_layers``, whole on every stage,
+        as DeepSeek-V3's dense prefix) run before the pipeline on each stage's share of the batch
+        (``outside_pipeline``). GPipe (``_pipelined``): the stream collapse, final norm, MTP head and output head
+        run after it, on each stage's share of the batch as well. 1F1B and interleaved (``_one_f_one_b``;
+        ``loss_targets=(targets, loss_mask)`` and the trainer's ``loss_scale=(mtp_weight, counts)``): they run on
+        the last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the
+        whole loss), ``mtp_loss_sums``, and the losses below as values. Per-layer ``expert_load`` and
+        ``dropped_tokens`` leave the pipeline summed over the micro-batches, in model order (what the routing-bias
+        update reads); the balance and indexer losses as sums over the real sequences, divided by their count
+        here: both exactly the whole batch's (a capacity factor's dropping counts per micro-batch, as gradient
+        accumulation does). Without a ``stage`` axis the pipeline arguments are ignored.
+        """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
             raise ValueError("with_mtp=True but the model has no MTP heads (num_nextn_predict_layers=0)")
         c = self.config
         with use_rules(self.rules, allow_partial=self.allow_partial), self._parameter_mesh():
+            pipelined = stage_count() > 1  # the ambient mesh's, or the one the parameters live on
+            prefix = len(c.layer_kinds)
+            if pipelined:
+                schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                prefix = self._check_pipelined(schedule, with_hidden_states=with_hidden_states,
+                                               with_routing=with_routing)
+            # The prefix and what follows the pipeline split the batch over 'stage' too (where it splits).
+            outside_rules = self._outside_pipeline_rules(input_ids.shape[0]) if pipelined else self.rules
+
+            def outside() -> Any:
+                return use_rules(outside_rules, allow_partial=self.allow_partial)
+
             seq = input_ids.shape[1]
             positions = jnp.arange(seq)[None, :] if position_ids is None else position_ids
             token_mask = jnp.ones((1, seq), bool) if attention_mask is None else attention_mask.astype(bool)
-            ctx = self._context(positions, token_mask, segment_ids)
-            embeddings = self.embed(input_ids)
-            h = widen(embeddings, c.hc_mult)
+            with outside():
+                ctx = self._context(positions, token_mask, segment_ids)
+                embeddings = self.embed(input_ids)
+                h = widen(embeddings, c.hc_mult)
+
+            def layer_record(result: LayerResult) -> _Record:
+                load = None
+                if with_expert_load:
+                    load = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts, dtype=jnp.float32),
+                                   axis=(0, 1, 2))
+                # Layers without an indexer (or with the loss off) hand up zeros, so every record has a shape.
+                kl = result.indexer_loss
+                if kl is None and c.indexer_training != "off":
+                    kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
+                if kl is not None:  # one layout for every layer's, so the layers' records concatenate
+                    kl = shard(kl, ("activation_batch",))
+                return _Record(None, result.expert_indices if with_routing else None, load,
+                               result.dropped_tokens if with_expert_load else None, result.balance_loss, kl)
 
             def body(group: nnx.List, h: jax.Array, _: Any) -> tuple[jax.Array, list[_Record]]:
                 records = []
                 for layer in group:
                     streams = h
                     h, result = layer(h, ctx, input_ids, token_mask)
-                    load = None
-                    if with_expert_load:
-                        load = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts, dtype=jnp.float32),
-                                       axis=(0, 1, 2))
-                    # Layers without an indexer (or with the loss off) hand up zeros, so every record has a shape.
-                    kl = result.indexer_loss
-                    if kl is None and c.indexer_training != "off":
-                        kl = jnp.zeros((input_ids.shape[0],), jnp.float32)
-                    if kl is not None:  # one layout for every layer's, so the layers' records concatenate
-                        kl = shard(kl, ("activation_batch",))
-                    records.append(_Record(streams if with_hidden_states else None,
-                                           result.expert_indices if with_routing else None, load,
-                                           result.dropped_tokens if with_expert_load else None,
-                                           result.balance_loss, kl))
+                    records.append(layer_record(result)._replace(streams=streams if with_hidden_states else None))
                 return h, records
 
             per_segment = []
-            for group, _, _ in self._segments():
-                h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
-                # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
-                per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
-                                                *records))
-            layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *per_segment)
-            final_hidden = self.norm(self.head_hc(h))
-            hidden_states = None
-            if with_hidden_states:
-                last = jnp.broadcast_to(final_hidden[:, :, None, :], h.shape)
-                hidden_states = jnp.concatenate([layers.streams, last[None]], axis=0)
-            mtp_hidden = None
-            if with_mtp:
-                mtp_hidden = self._mtp(input_ids, attention_mask, segment_ids, positions, h)
+            with outside():
+                for group, _, _ in self._segments(c.layer_kinds[:prefix]):
+                    h, records = run_stack(group, body, h, scan=c.scan_layers, remat_policy=c.remat_policy)
+                    # [repeats, ...] per pattern position -> model order: repeat-major, then pattern position
+                    per_segment.append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]),
+                                                    *records))
+            layers = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *per_segment) if per_segment else _Record()
+            rows = sums = losses = None
+            if pipelined:
+                rows = _real_rows(input_ids, attention_mask)
+                if schedule.loss_inside:  # 1F1B, interleaved: the head and losses on the last stage
+                    depth = c.num_nextn_predict_layers if with_mtp else 0
+                    losses, piped, sums = self._one_f_one_b(
+                        h, prefix, positions, token_mask, segment_ids, input_ids, attention_mask, rows, depth,
+                        loss_targets, loss_scale, with_expert_load, pipeline_microbatches, schedule)
+                else:
+                    h, piped, sums = self._pipelined(h, positions, token_mask, segment_ids, input_ids, rows, prefix,
+                                                     with_expert_load, pipeline_microbatches)
+                    h = shard(h, _OUT_STREAMS)
+                if prefix:  # the prefix's per-layer counts (whole, small) before the pipelined layers'
+                    piped = piped._replace(**{
+                        f: jnp.concatenate([shard(getattr(layers, f), (None,) * getattr(piped, f).ndim),
+                                            getattr(piped, f)])
+                        for f in ("expert_load", "dropped_tokens") if getattr(piped, f) is not None})
+                layers = layers._replace(expert_load=piped.expert_load, dropped_tokens=piped.dropped_tokens)
+            if losses is not None:
+                return CausalLMOutput(logits=None, loss_sum=losses[0], mtp_loss_sums=losses[1],
+                                      expert_load=layers.expert_load, dropped_tokens=layers.dropped_tokens,
+                                      **self._sequence_losses(layers, sums, rows, prefix))
+            with outside():
+                final_hidden = self.norm(self.head_hc(h))
+                hidden_states = None
+                if with_hidden_states:
+                    last = jnp.broadcast_to(final_hidden[:, :, None, :], h.shape)
+                    hidden_states = jnp.concatenate([layers.streams, last[None]], axis=0)
+                mtp_hidden = None
+                if with_mtp:
+                    mtp_hidden = self._mtp(input_ids, attention_mask, segment_ids, positions, h)
             logits = mtp_logits = None
             if with_logits and with_mtp:
                 both = self._logits(jnp.concatenate([final_hidden[None], mtp_hidden]))
                 logits, mtp_logits = both[0], both[1:]
             elif with_logits:
                 logits = self._logits(final_hidden)
-            aux_loss = indexer_loss = None
-            if layers.balance_loss is not None:  # summed over the layers, a mean over the sequences with a token
-                aux_loss = _mean_over_sequences(layers.balance_loss, attention_mask)
-            if layers.indexer_loss is not None:
-                indexer_loss = c.indexer_loss_weight * _mean_over_sequences(layers.indexer_loss, attention_mask)
+            if sums is not None:  # pipelined: each loss summed over the layers and the real sequences
+                aux = self._sequence_losses(layers, sums, rows, prefix)
+            else:  # summed over the layers, a mean over the sequences with a token
+                aux = dict(aux_loss=None if layers.balance_loss is None else _mean_over_sequences(
+                    layers.balance_loss, attention_mask), indexer_loss=None if layers.indexer_loss is None else
+                    c.indexer_loss_weight * _mean_over_sequences(layers.indexer_loss, attention_mask))
             return CausalLMOutput(logits=logits, hidden_states=hidden_states, mtp_logits=mtp_logits,
                                   expert_indices=layers.expert_indices, expert_load=layers.expert_load,
-                                  dropped_tokens=layers.dropped_tokens, aux_loss=aux_loss, final_hidden=final_hidden,
-                                  mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
+                                  dropped_tokens=layers.dropped_tokens, final_hidden=final_hidden,
+                                  mtp_hidden=mtp_hidden, **aux)
+
+    def _sequence_losses(self, prefix_layers: _Record, sums: dict[str, jax.Array], rows: jax.Array, prefix: int
+                         ) -> dict[str, jax.Array | None]:
+        """Pipelined: ``aux_loss`` (balance) and ``indexer_loss``, each summed over the layers (the hash-routed
+        prefix's per-sequence losses ``[layers, batch]``, the pipelined layers' ``sums`` over the real sequences)
+        and divided by the real sequence count once, as the un-pipelined ``_mean_over_sequences``."""
+        count = jnp.maximum(jnp.sum(rows), 1.0)
+
+        def total(per_sequence: jax.Array | None, key: str) -> jax.Array | None:
+            if key not in sums:
+                return None
+            before = 0.0 if prefix == 0 else jnp.sum(jnp.sum(per_sequence, axis=0) * rows)
+            return (before + sums[key]) / count
+
+        indexer = total(prefix_layers.indexer_loss, "indexer")
+        return dict(aux_loss=total(prefix_layers.balance_loss, "balance"),
+                    indexer_loss=None if indexer is None else self.config.indexer_loss_weight * indexer)
+
+    # ---- pipeline parallelism over the mesh's 'stage' axis ----
+    def _check_pipelined(self, schedule: Schedule, *, with_hidden_states: bool, with_routing: bool) -> int:
+        """The number of hash-routed prefix layers (run before the pipeline), after clear errors for what the
+        pipelined forward does not run: hidden states or routing per layer, hash-routed layers that are not the
+        first ones, and pipelined layers that are not ``S V`` identical chunks of kinds."""
+        c = self.config
+        if with_hidden_states or with_routing:
+            raise ValueError("with_hidden_states / with_routing are not supported on a mesh with a 'stage' axis (the "
+                             "pipeline hands on only the last layer's streams and per-layer sums); run without "
+                             "'stage'")
+        c.check_pipeline(stage_count(), schedule.virtual_stages)
+        return c.hash_prefix
+
+    def _pipeline_parts(self, prefix: int, with_expert_load: bool
+                        ) -> tuple[dict[str, nnx.Module], list[str], Callable[..., Any]]:
+        """What the pipeline runs: the stacks of the layers from ``prefix`` on by name, the stack name of each of
+        those layers in model order, and ``layer_fn(name, layer, h, ctx, input_ids, token_mask, rows) -> (h,
+        stats)``: one layer and its sums over the micro-batch's rows, which the pipeline adds up over the
+        micro-batches: ``load`` (tokens per expert) and ``dropped`` with ``with_expert_load``, and the balance
+        (``balance``) and indexer (``indexer``) losses summed over the real rows ``rows`` where they are on (each
+        sequence's loss is its own). ``ctx`` comes without its frequencies (``_pipeline_context``)."""
+        c = self.config
+        names = [kind_name(kind) for kind in c.layer_kinds[prefix:]]
+        stacks = {name: self.stacks[name] for name in dict.fromkeys(names)}
+        indexer_on = c.indexer_training != "off"
+
+        def layer_fn(name: str, layer: DecoderLayer, h: jax.Array, ctx: Context, input_ids: jax.Array,
+                     token_mask: jax.Array, rows: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            ctx = ctx._replace(
+                main=ctx.main._replace(inv_freq=jnp.asarray(self.rope_inv_freq, jnp.float32)),
+                compress=ctx.compress._replace(inv_freq=jnp.asarray(self.compress_inv_freq, jnp.float32)))
+            h, result = layer(h, ctx, input_ids, token_mask)
+            stats = {}
+            if with_expert_load:
+                stats["load"] = jnp.sum(jax.nn.one_hot(result.expert_indices, c.n_routed_experts,
+                                                       dtype=jnp.float32), axis=(0, 1, 2))
+                stats["dropped"] = result.dropped_tokens
+            if result.balance_loss is not None:
+                stats["balance"] = jnp.sum(result.balance_loss * rows)
+            if indexer_on:
+                kl = result.indexer_loss
+                stats["indexer"] = jnp.zeros((), jnp.float32) if kl is None else jnp.sum(kl * rows)
+            return h, stats
+
+        return stacks, names, layer_fn
+
+    def _pipeline_context(self, positions: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None
+                          ) -> Context:
+        """The layers' context for the pipeline: its batched arrays are split into micro-batches with the rows; its
+        frequencies (whose length could equal the batch's) stay out and ``layer_fn`` puts them back."""
+        ctx = self._context(positions, token_mask, segment_ids)
+        return ctx._replace(main=ctx.main._replace(inv_freq=None), compress=ctx.compress._replace(inv_freq=None))
+
+    @staticmethod
+    def _model_order(stats: dict[str, dict[str, jax.Array]], names: list[str]) -> _Record:
+        """Per-layer ``load`` / ``dropped`` stats by stack (each stack's layers in its order, the layer dim on
+        'stage') -> ``expert_load`` / ``dropped_tokens`` over the pipelined layers in model order (small per-layer
+        sums: gathered whole over 'stage' first)."""
+        seen = dict.fromkeys(stats, 0)
+        order = []
+        for name in names:
+            order.append((name, seen[name]))
+            seen[name] += 1
+
+        def field(key: str) -> jax.Array | None:
+            if key not in next(iter(stats.values())):
+                return None
+            whole = {name: shard(s[key], (None,) * s[key].ndim) for name, s in stats.items()}
+            return jnp.stack([whole[name][i] for name, i in order])
+
+        return _Record(expert_load=field("load"), dropped_tokens=field("dropped"))
+
+    @staticmethod
+    def _summed(stats: dict[str, dict[str, jax.Array]], key: str) -> jax.Array | None:
+        """``stats``' ``key`` summed over every pipelined layer (None when the layers report none)."""
+        if key not in next(iter(stats.values())):
+            return None
+        return jnp.sum(jnp.stack([jnp.sum(s[key]) for s in stats.values()]))
+
+    def _pipelined(self, h: jax.Array, positions: jax.Array, token_mask: jax.Array, segment_ids: jax.Array | None,
+                   input_ids: jax.Array, rows: jax.Array, prefix: int, with_expert_load: bool, microbatches: int
+                   ) -> tuple[jax.Array, _Record, dict[str, jax.Array]]:
+        """The layers from ``prefix`` on, on the streams ``h``, pipelined over ``stage`` in GPipe order
+        (``pipeline_stack`` with the kinds' stacks by name): ``(h, record, sums)``, the record's ``expert_load
+        [layers, experts]`` and ``dropped_tokens [layers]`` in model order, summed over the micro-batches, and
+        ``sums``: the balance and indexer losses summed over the layers and the real sequences."""
+        c = self.config
+        stacks, names, layer_fn = self._pipeline_parts(prefix, with_expert_load)
+        h, stats = pipeline_stack(stacks, layer_fn, shard(h, _STREAMS),
+                                  self._pipeline_context(positions, token_mask, segment_ids), input_ids, token_mask,
+                                  shard(rows, ("activation_batch",)), microbatches=microbatches, scan=c.scan_layers,
+                                  remat_policy=c.remat_policy, with_aux=True, layer_stacks=names)
+        sums = {key: self._summed(stats, key) for key in ("balance", "indexer")}
+        return h, self._model_order(stats, names), {k: v for k, v in sums.items() if v is not None}
+
+    def _one_f_one_b(self, h: jax.Array, prefix: int, positions: jax.Array, token_mask: jax.Array,
+                     segment_ids: jax.Array | None, input_ids: jax.Array, attention_mask: jax.Array | None,
+                     rows: jax.Array, depth: int, loss_targets: tuple[jax.Array, jax.Array] | None,
+                     loss_scale: tuple[float, Any] | None, with_expert_load: bool, microbatches: int,
+                     schedule: Schedule) -> tuple[Any, _Record, dict[str, jax.Array]]:
+        """The layers from ``prefix`` on, the stream collapse, final norm, MTP head, head and losses on the streams
+        ``h`` in 1F1B order (interleaved with ``schedule.virtual_stages`` > 1; ``pipeline_1f1b_value_and_grad``),
+        as DeepSeek-V3's ``_one_f_one_b`` runs V3's (its weights, cross-entropy and ``custom_vjp``:
+        ``pipeline_loss_weights``, ``masked_cross_entropy``, ``differentiated_by``): the loss differentiated is
+        the trainer's share of this micro-batch, the cross-entropy sum plus ``w_k`` times each MTP depth's sum plus
+        ``step tokens / step real sequences`` times each layer's balance and (weighted) indexer sums, which the
+        layers add in their stage's backward. Returns ``(loss_sum, mtp_loss_sums)`` (``loss_sum`` valued as the
+        cross-entropy, carrying the whole gradient), the record (loads in model order) and the sums (values)."""
+        c = self.config
+        if loss_targets is None:
+            raise ValueError(f"pipeline_schedule={schedule.name!r} runs the loss on the last stage: pass "
+                             "loss_targets=(targets, loss_mask) (and loss_scale=(mtp_weight, counts), as "
+                             "nnx_zoo.train.step does), or use pipeline_schedule='gpipe'")
+        if loss_scale is None and (depth or c.seq_aux_loss_alpha or c.indexer_training != "off"):
+            raise ValueError(f"pipeline_schedule={schedule.name!r} with MTP heads, a balance loss or an indexer loss "
+                             "needs loss_scale=(mtp_weight, counts) to weigh them inside the pipeline "
+                             "(nnx_zoo.train.step.loss_terms passes it)")
+        rows = shard(rows, ("activation_batch",))
+        targets, masks, w_mtp, w_seq = pipeline_loss_weights(loss_targets, loss_scale, rows, depth)
+        stacks, names, stats_fn = self._pipeline_parts(prefix, with_expert_load)
+        batch_first = lambda a: jnp.swapaxes(a, 0, 1)  # noqa: E731  (split by rows)
+        head_inputs = (batch_first(targets), batch_first(masks), input_ids, attention_mask, segment_ids, positions,
+                       w_mtp)
+        modules = [self.head_hc, self.norm, self.embed if self.lm_head is None else self.lm_head]
+        head_graph, head_state = nnx.split(nnx.List(modules + ([self.embed, self.mtp_layers] if depth else [])))
+        stack_graphs = {name: nnx.graphdef(stack) for name, stack in stacks.items()}
+        stack_state = {name: nnx.state(stack) for name, stack in stacks.items()}
+        indexer_weight = c.indexer_loss_weight
+
+        def layer_fn(*args: Any) -> tuple[jax.Array, Any]:
+            *args, w_seq = args
+            h, stats = stats_fn(*args)
+            part = stats.get("balance", 0.0) + indexer_weight * stats.get("indexer", 0.0)
+            return h, (w_seq * jnp.asarray(part, jnp.float32), stats)
+
+        def head_fn(head_state: Any, h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
+            hc, norm, head, *mtp = nnx.merge(head_graph, head_state)
+            targets, masks, ids, id_mask, segments, positions, w_mtp = inputs
+            ce = masked_cross_entropy(self._logits(norm(hc(h)), head=head), targets[:, 0], masks[:, 0])
+            if not depth:
+                return ce, (ce, None)
+            embed, heads = mtp
+            hidden = self._mtp(ids, id_mask, segments, positions, h, embed=embed, heads=heads)
+            sums = [masked_cross_entropy(self._logits(hidden[k], head=head), targets[:, k + 1], masks[:, k + 1])
+                    for k in range(depth)]
+            return ce + sum(w * s for w, s in zip(w_mtp, sums)), (ce, jnp.stack(sums))
+
+        def program(stack_state: Any, head_state: Any, h: jax.Array) -> tuple[Any, Any]:
+            total, d_stack, d_head, d_h, stats, head_stats = pipeline_1f1b_value_and_grad(
+                {name: nnx.merge(stack_graphs[name], state) for name, state in stack_state.items()}, layer_fn,
+                head_fn, head_state, h, head_inputs, self._pipeline_context(positions, token_mask, segment_ids),
+                input_ids, token_mask, rows, w_seq, microbatches=microbatches,
+                virtual_stages=schedule.virtual_stages, layer_stacks=names, with_aux=True)
+            return (total, stats, head_stats), (d_stack, d_head, d_h)
+
+        total, stats, (ce, mtp_sums) = differentiated_by(program, stack_state, head_state, shard(h, _STREAMS))
+        stats, ce, mtp_sums = jax.lax.stop_gradient((stats, ce, mtp_sums))
+        sums = {key: self._summed(stats, key) for key in ("balance", "indexer")}
+        return ((total - jax.lax.stop_gradient(total - ce), mtp_sums), self._model_order(stats, names),
+                {k: v for k, v in sums.items() if v is not None})
 
     def _mtp(self, input_ids: jax.Array, attention_mask: jax.Array | None, segment_ids: jax.Array | None,
-             positions: jax.Array, streams: jax.Array) -> jax.Array:
+             positions: jax.Array, streams: jax.Array, *, embed: Embed | None = None,
+             heads: nnx.Module | None = None) -> jax.Array:
         """Each MTP depth's normed hidden state ``[depth, b, s, embed]``: depth ``k`` reads the tokens shifted left
-        by ``k`` (at their own positions) and the previous depth's streams (depth 1: the main model's last)."""
+        by ``k`` (at their own positions) and the previous depth's streams (depth 1: the main model's last).
+        ``embed`` / ``heads``: the modules to run (default the model's; the 1F1B head passes its differentiated
+        copies)."""
         c = self.config
+        embed = self.embed if embed is None else embed
+        heads = self.mtp_layers if heads is None else heads
         depth = c.num_nextn_predict_layers
         ids, masks = shifted_by_depth(input_ids, attention_mask, depth)
         seq = input_ids.shape[1]
@@ -315,9 +584,9 @@ class DeepSeekV4(CausalLMBase):
         for k in range(1, depth + 1):
             mask = jnp.ones((1, seq), bool) if masks is None else masks[k].astype(bool)
             ctx = self._context(positions + k, mask, segment_ids)
-            graphdef, state = nnx.split(self.mtp_layers)
+            graphdef, state = nnx.split(heads)
             head = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k - 1], state))
-            streams, hidden, _ = head(self.embed(ids[k]), streams, ctx, ids[k], mask)
+            streams, hidden, _ = head(embed(ids[k]), streams, ctx, ids[k], mask)
             outputs.append(hidden)
         return jnp.stack(outputs)
 
