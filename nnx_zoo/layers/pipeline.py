@@ -128,11 +128,12 @@ def pipeline_layer_counts(kinds: Sequence[Hashable], chunks: int) -> list[int]:
 
 
 def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages: int = 1, *,
-                   unpipelined: Sequence[Hashable] = ()) -> tuple[Hashable, ...]:
+                   unpipelined: Sequence[Hashable] = (), suffix_advice: bool = True) -> tuple[Hashable, ...]:
     """The stack names of one chunk's layers when ``layer_stacks`` (the stack name of each layer, in model order)
     is ``stages * virtual_stages`` identical chunks; else a clear error naming the chunk counts that fit (or saying
     that none does), the ``pipeline_layers`` values that fit (``unpipelined``: the kinds of the layers that run
-    before the pipeline, for that advice) and how to fix it.
+    before the pipeline, for that advice; ``suffix_advice=False``: none, for a model without that setting) and how
+    to fix it.
 
     >>> pipeline_chunk(["sliding", "sliding", "full"] * 4, stages=2)
     ('sliding', 'sliding', 'full', 'sliding', 'sliding', 'full')
@@ -172,7 +173,7 @@ def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages
                 f"of {lead} + a multiple of {period * wanted} (the first {lead} layers' kinds never recur, the rest "
                 f"repeat every {period} layers) with --model.pipeline_layers that multiple")
     whole = tuple(unpipelined) + kinds
-    counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3]
+    counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3] if suffix_advice else []
     if counts:  # MaxText's pipeline_parallel_layers: only the last layers pipelined, the first ones ahead of it
         fix += "; or pipeline only the last layers: " + ", ".join(
             f"--model.pipeline_layers {p} (the first {len(whole) - p} layers run before the pipeline)"

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from nnx_zoo.models.deepseek4.config import CSA, HCA, SLIDING, hash_schedule
 from nnx_zoo.models.registry import MODEL_TYPES, AutoConfig, AutoModelForCausalLM
 from nnx_zoo.sharding import get_rules, make_mesh, state_shardings
 from tests.models.dense_reference import rel_err
@@ -54,11 +55,12 @@ PIPELINED: dict[str, tuple[str, dict[str, Any]]] = {
     "Llama4": ("llama4-tiny", dict(num_hidden_layers=8)),
     # A dense KDA layer, then (MLA, KDA) MoE pairs: the dense layer before the pipeline, two pairs in it.
     "KimiLinear": ("kimi-linear-tiny", dict(KIMI_5, pipeline_layers=4)),
+    # The hash-routed first layer runs before the pipeline; the top-k layers (CSA, HCA) twice in it.
+    "DeepSeekV4": ("deepseek4-tiny", dict(num_hidden_layers=5, layer_types=(SLIDING, CSA, HCA, CSA, HCA),
+                                          mlp_layer_types=hash_schedule(5, 1))),
 }
 # family -> (tiny preset, overrides, the refusal).
 REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
-    "DeepSeekV4": ("deepseek4-tiny", {}, r"DeepSeekV4 does not run pipelined yet \(its forward takes no "
-                                         r"pipeline_microbatches\); use a mesh without 'stage'"),
     "Gemma4": ("gemma4-tiny", {}, r"Gemma4 does not run pipelined yet \(its forward takes no pipeline_microbatches\)"),
     "Glm5": ("glm5-tiny", {}, r"Glm5 with sparse attention \(index_topk=32: the lightning indexer's loss and top-k "
                               r"handed between layers\) does not run pipelined yet"),
@@ -81,6 +83,8 @@ NAMED_FIXES: list[tuple[str, dict[str, Any], str]] = [
     ("kimi-linear-48b-a3b", {}, r"the 27 layers .*--model.pipeline_layers 6 \(the first 21 layers run before"),
     ("deepseek2-tiny", {}, r"the 3 pipelined MoE layers .* do not split into 2 equal chunks.*"
                            r"--model.pipeline_layers 2: the first 1 MoE layers run before the pipeline"),
+    ("deepseek4-tiny", {}, r"DeepSeek-V4 pipelines its 3 top-k routed layers \(num_hidden_layers 4 after 1 "
+                           r"hash-routed ones.*a layer count that is a multiple of 4 \(its kinds repeat every 2"),
     ("deepseek3.2-tiny", dict(pipeline_layers=2), r"DeepSeekV3 with sparse attention \(index_topk=32"),
 ]
 
@@ -156,3 +160,11 @@ def test_pipelined_logits_equal_unpipelined(family):
         got = jax.jit(lambda s, x: nnx.merge(graphdef, s).forward(x, pipeline_microbatches=2).logits)(state, ids)
     # The measure of the pipeline tests (max error over max value); plain FSDP against one device differs ~1e-6.
     assert rel_err(got, want) < 1e-5
+
+
+def test_a_family_without_pipeline_layers_is_not_advised_it():
+    """DeepSeek-V4 runs only its hash-routed layers before the pipeline (no ``pipeline_layers`` setting): its
+    refusal names the stage counts that fit, not a setting the config would reject."""
+    with pytest.raises(ValueError, match=r"one of \[2, 4, 5, 10, 20\], the chunk counts that fit") as caught:
+        AutoConfig.preset("deepseek4-flash").check_pipeline(8)
+    assert "pipeline_layers" not in str(caught.value)
