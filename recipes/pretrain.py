@@ -548,9 +548,10 @@ class Extras(NamedTuple):
 
 def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = None) -> tuple[tuple[str, Any], ...]:
     """The forward's pipeline keywords for ``--mesh stage=S,...``, ``--microbatches`` and ``--pipeline-schedule``
-    (none without a stage axis); a model whose forward cannot pipeline, a count that does not divide the
-    accumulation step's rows, micro-batches without stages, or (given ``config``) layers that do not split into
-    the stages' chunks (naming the ``--model.pipeline_layers`` that fit) are errors saying what to change."""
+    (none without a stage axis); a model whose forward cannot pipeline (or, given ``config``, whose
+    ``pipeline_problem`` says why not), a count that does not divide the accumulation step's rows, micro-batches
+    without stages, or (given ``config``) layers that do not split into the stages' chunks (naming the
+    ``--model.pipeline_layers`` that fit) are errors saying what to change."""
     import inspect
 
     from nnx_zoo.layers.pipeline import resolve_schedule
@@ -572,6 +573,9 @@ def pipeline_settings(model_cls: type, args: argparse.Namespace, config: Any = N
     if "pipeline_microbatches" not in inspect.signature(model_cls.forward).parameters:
         raise ValueError(f"--mesh stage={stages}: {model_cls.__name__} does not run pipelined yet (its forward "
                          "takes no pipeline_microbatches); train it on a mesh without 'stage'")
+    problem = None if config is None else getattr(model_cls, "pipeline_problem", lambda _: None)(config)
+    if problem is not None:
+        raise ValueError(f"--mesh stage={stages}: {problem}")
     micro = stages if args.microbatches is None else args.microbatches
     rows = args.batch // max(args.accum_steps, 1)
     if micro < 1 or rows % micro:

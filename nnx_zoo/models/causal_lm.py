@@ -630,6 +630,11 @@ class CausalLM(CausalLMBase):
             return run_unpipelined({name: stacks[name] for name in dict.fromkeys(names)}, layer_fn, h,
                                    layer_stacks=names, scan=c.scan_layers, remat_policy=c.remat_policy)
 
+    def _pipeline_hidden(self, carry: jax.Array) -> jax.Array:
+        """The hidden state in what the pipeline hands from layer to layer (``_pipeline_parts``' ``h``): all of it
+        here; a family that carries per-layer inputs beside it (Gemma 4) takes its part."""
+        return carry
+
     def _pipelined_layers(self, h: jax.Array, ropes: dict[str, Any], mask: AttentionMask, microbatches: int,
                           schedule: str, with_expert_load: bool = False) -> tuple[jax.Array, dict[str, Any]]:
         """Every layer on ``h``, pipelined over the ``stage`` axis (``pipeline_stack``): stage ``s`` runs the
@@ -662,7 +667,7 @@ class CausalLM(CausalLMBase):
 
         def head_fn(head_state: Any, h: jax.Array, targets_and_mask: tuple[jax.Array, jax.Array]) -> Any:
             norm, head = nnx.merge(head_graph, head_state)
-            logits = self._logits(norm(h), head=head).astype(jnp.float32)
+            logits = self._logits(norm(self._pipeline_hidden(h)), head=head).astype(jnp.float32)
             targets, loss_mask = targets_and_mask
             vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
             target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)

@@ -11,14 +11,13 @@ stages: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3; the head and loss o
 
 Cost: each case compiles one pipelined train step (~7 s here, the one-device reference once more), so CI runs three:
 GPipe on stage 4 x FSDP 2, Auto, 2 accumulation steps; 1F1B on stage 4 x FSDP 2, Explicit, and on stage 2 x tensor
-2 x FSDP 2, Auto. Interleaved on stage 2 x FSDP 4, Auto, and GPipe under Explicit run in CI on Gemma 3
-(``test_pipeline_gemma3``: the same ``CausalLM`` code, which runs Llama's one stack as the one-kind case of its
-stacks by name); GPipe under Explicit (and interleaved under Auto) also on MiniMax-M2 (``test_pipeline_moe``: the
-same walk with the MoE layer hook), so Llama's GPipe on stage 2 x FSDP 4, Explicit, is in the full matrix.
-``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4 devices), with FSDP,
-with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and Explicit, with and
-without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per stage and the
-micro-batches into groups of the stages).
+2 x FSDP 2, Auto. Interleaved runs in CI on Gemma 4 (``test_pipeline_gemma4``, stage 2 x FSDP 4, Explicit) and on
+MiniMax-M2 (``test_pipeline_moe``, Auto), GPipe under Explicit on Gemma 3 (``test_pipeline_gemma3``) and MiniMax-M2:
+the same ``CausalLM`` walk, which runs Llama's one stack as the one-kind case of its stacks by name, so Llama's GPipe
+on stage 2 x FSDP 4, Explicit, is in the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` runs stage 2 and 4, alone (on 2 and 4
+devices), with FSDP, with tensor (stage 4 x tensor 2) and with both (stage 2 x tensor 2 x FSDP 2) (on 8), Auto and
+Explicit, with and without accumulation, every schedule (interleaved where the 4 layers split into 2 chunks per
+stage and the micro-batches into groups of the stages).
 """
 
 from __future__ import annotations
@@ -111,9 +110,10 @@ def _step(graphdef, state, batch, **kwargs):
 
 def train_two_steps(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microbatches: int = 1,
                     schedule: str = "gpipe", *, parts=None, batch=None, metric_names=("loss", "grad_norm"),
-                    model_kwargs=(), **step_kwargs):
+                    model_kwargs=(), optimizer_config=None, **step_kwargs):
     """Two AdamW steps (one compiled step, called twice) of the model ``parts`` (``drawn_parts``'s; default this
-    module's Llama) on ``batch`` (default ``_batch()``): [(each of ``metric_names``)], the model, the optimizer."""
+    module's Llama) on ``batch`` (default ``_batch()``) with ``optimizer_config`` (default ``OPTIMIZER``): [(each of
+    ``metric_names``)], the model, the optimizer."""
     graphdef, state = _model_parts() if parts is None else parts
     if mesh is not None:
         leaves = map(jax.device_put, jax.tree.leaves(state), state_shardings(state, mesh, get_rules("default")))
@@ -122,7 +122,7 @@ def train_two_steps(mesh: jax.sharding.Mesh | None, accum_steps: int = 1, microb
                                                          ("pipeline_schedule", schedule)), **step_kwargs)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         model = nnx.merge(graphdef, state)
-        optimizer = make_optimizer(OPTIMIZER, model, total_steps=2)
+        optimizer = make_optimizer(optimizer_config or OPTIMIZER, model, total_steps=2)
         both_graph, both = nnx.split((model, optimizer))
         batch = {k: jnp.asarray(v) for k, v in (_batch() if batch is None else batch).items()}
         step = functools.partial(_step, **kwargs)

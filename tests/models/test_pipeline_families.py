@@ -40,6 +40,7 @@ PIPELINED: dict[str, tuple[str, dict[str, Any]]] = {
     "Llama3": ("llama3-tiny", {}),
     "Qwen3": ("qwen3-tiny", {}),
     "Gemma3": ("gemma3-tiny", {}),
+    "Gemma4": ("gemma4-tiny", {}),  # (sliding, global) twice, per-layer inputs, no K/V sharing
     "Mixtral": ("mixtral-tiny", {}),
     "MiniMaxM2": ("minimax-m2-tiny", {}),
     "GptOss": ("gpt-oss-tiny", {}),
@@ -61,7 +62,6 @@ PIPELINED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # family -> (tiny preset, overrides, the refusal).
 REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
-    "Gemma4": ("gemma4-tiny", {}, r"Gemma4 does not run pipelined yet \(its forward takes no pipeline_microbatches\)"),
     "Glm5": ("glm5-tiny", {}, r"Glm5 with sparse attention \(index_topk=32: the lightning indexer's loss and top-k "
                               r"handed between layers\) does not run pipelined yet"),
 }
@@ -85,6 +85,8 @@ NAMED_FIXES: list[tuple[str, dict[str, Any], str]] = [
                            r"--model.pipeline_layers 2: the first 1 MoE layers run before the pipeline"),
     ("deepseek4-tiny", {}, r"DeepSeek-V4 pipelines its 3 top-k routed layers \(num_hidden_layers 4 after 1 "
                            r"hash-routed ones.*a layer count that is a multiple of 4 \(its kinds repeat every 2"),
+    ("gemma4-small", {}, r"Gemma 4 with K/V sharing \(num_kv_shared_layers=3: layers 3..5 attend to the keys and "
+                         r"values of layers .*\) does not run pipelined"),
     ("deepseek3.2-tiny", dict(pipeline_layers=2), r"DeepSeekV3 with sparse attention \(index_topk=32"),
 ]
 

@@ -20,7 +20,6 @@ from nnx_zoo.layers.moe import RoutedExperts
 from nnx_zoo.layers.norm import RMSNorm
 from nnx_zoo.layers.rope import apply_rope
 from nnx_zoo.layers.routers import Routing, route
-from nnx_zoo.layers.spec import explicit_spec
 from nnx_zoo.models.causal_lm import _dtypes
 from nnx_zoo.models.gemma4.config import Gemma4Config, Gemma4LayerKind
 from nnx_zoo.sharding import restore_sharding, shard, sharding_of
@@ -142,9 +141,11 @@ class Gemma4Router(nnx.Module):
         h = self.norm(x) * self.scale[...].astype(x.dtype) * jnp.asarray(self.root, x.dtype)
         logits = shard(self.proj(h, _BL_EXPERTS), _BL_EXPERTS)
         routing = route("softmax", logits.astype(jnp.float32), self.k, renormalize=True)
-        idx = routing.expert_indices  # a gather: under an Explicit mesh it must name its output's sharding
-        scale = self.per_expert_scale[...].astype(jnp.float32).at[idx].get(
-            out_sharding=explicit_spec(_BL_EXPERTS, idx.shape))
+        # Each chosen expert's scale picked by a one-hot product, not a gather: inside a pipeline stage (a
+        # shard_map over 'stage', the other axes Explicit) JAX cannot lower that gather's nested shard_map (it
+        # closes over the stage-varying micro-batch index). One term of each sum is nonzero: the same values.
+        chosen = jax.nn.one_hot(routing.expert_indices, self.per_expert_scale.shape[0], dtype=jnp.float32)
+        scale = jnp.sum(chosen * self.per_expert_scale[...].astype(jnp.float32), axis=-1)
         return routing._replace(weights=routing.weights * scale)
 
 

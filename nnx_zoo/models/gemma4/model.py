@@ -12,7 +12,16 @@ What ``Gemma4`` adds to the core (``nnx_zoo.models.causal_lm.CausalLM``), and wh
   shared layers attend to what it attended to;
 - two ropes: ``proportional`` on the global layers' wider heads, the default one on the sliding layers;
 - the logits soft-capped by ``final_logit_softcapping``; the MoE block's choices in ``expert_indices``.
-"""
+
+Pipelined (a ``stage`` mesh axis; every schedule of ``nnx_zoo.layers.pipeline``) through the core's one pipeline
+walk (``_pipeline_parts``, ``_pipelined_layers``, ``_one_f_one_b_loss``, a ``pipeline_layers`` prefix by
+``_unpipelined_prefix``), with Gemma 4's layer in its per-layer hook (``_pipeline_layer``). The per-layer inputs
+ride beside the hidden state in what the pipeline hands on (``_pipeline_carry``: ``[batch, seq, hidden + layers *
+width]``): each layer takes the first ``width`` of them and moves its own to the back, so every chunk, on whichever
+stage, finds its layers' inputs first, and their gradients flow back with the hidden state's (1F1B differentiates
+only the stacks, the head and the pipeline's input). The cost: the stage links and each stage's saved inputs carry
+``layers * width`` more per token. K/V sharing does not pipeline (``pipeline_problem``); the MoE block has no loss
+term of its own, so it runs as any layer (its expert loads and choices are not reported from a pipeline)."""
 
 from __future__ import annotations
 
@@ -28,11 +37,12 @@ from nnx_zoo.layers.attention import causal_mask
 from nnx_zoo.layers.embed import Embed
 from nnx_zoo.layers.kv_cache import StackedKVCache, ring_mask, ring_slots
 from nnx_zoo.layers.linear import Linear
+from nnx_zoo.layers.pipeline import resolve_schedule, stage_count
 from nnx_zoo.layers.rope import proportional_rope_frequencies, rope_cos_sin, rope_frequencies
 from nnx_zoo.layers.scan import Segment, model_order, run_stack
 from nnx_zoo.layers.softcap import soft_cap
 from nnx_zoo.layers.spec import explicit_spec
-from nnx_zoo.models.causal_lm import CausalLM, CausalLMOutput, _dtypes, stack_hidden_states
+from nnx_zoo.models.causal_lm import _BLE, _OUT_BLE, CausalLM, CausalLMOutput, _dtypes, stack_hidden_states
 from nnx_zoo.models.gemma3.model import warn_if_multimodal
 from nnx_zoo.models.gemma4 import hf
 from nnx_zoo.models.gemma4.config import Gemma4Config
@@ -43,6 +53,8 @@ from nnx_zoo.sharding.rules import Rules
 
 _BL = ("activation_batch", "activation_length")
 _PER_LAYER = _BL + (None, None)  # [batch, seq, layers, width]
+_CARRY = _BL + (None,)  # the pipeline's carry: [batch, seq, hidden + layers * width], whole along its last dim
+_OUT_CARRY = ("activation_embed_and_logits_batch",) + _CARRY[1:]  # the same outside the pipeline (split over stage)
 
 
 class Gemma4(CausalLM):
@@ -125,6 +137,56 @@ class Gemma4(CausalLM):
         mixed = (self.per_layer_norm(projected) + table) * jnp.asarray(2.0**-0.5, embeddings.dtype)
         return jnp.moveaxis(shard(mixed, _PER_LAYER), 2, 0)
 
+    def _pipeline_carry(self, h: jax.Array, per_layer: jax.Array | None) -> jax.Array:
+        """What the pipeline hands from layer to layer: ``h`` and, with per-layer inputs (``[layers, batch, seq,
+        width]``), those beside it, layer 0's first: ``[batch, seq, hidden + layers * width]``; laid out as the
+        embeddings, the batch split over ``stage`` too (a ``pipeline_layers`` prefix runs on it so; the pipeline
+        gathers it)."""
+        if per_layer is None:
+            return h
+        batch, seq = h.shape[:2]
+        shape = (batch, seq, per_layer.shape[0] * per_layer.shape[-1])
+        flat = jnp.reshape(shard(jnp.moveaxis(per_layer, 0, 2), _PER_LAYER), shape,
+                           out_sharding=explicit_spec(_CARRY, shape))
+        return jnp.concatenate([shard(h, _OUT_CARRY), shard(flat, _OUT_CARRY)], axis=-1)
+
+    def _pipeline_hidden(self, carry: jax.Array) -> jax.Array:
+        return carry if self.embed_per_layer is None else carry[..., :self.config.hidden_size]
+
+    def _pipeline_layer(self, layer: nnx.Module, carry: jax.Array, cos: jax.Array, sin: jax.Array, mask: Any, *,
+                        with_expert_load: bool) -> tuple[jax.Array, dict[str, Any]]:
+        """Gemma 4's layer on the pipeline's carry (``_pipeline_carry``): it reads the first ``width`` per-layer
+        inputs, its own, and moves them to the back (after every layer the inputs are back in their order, and each
+        chunk's first layer, or the first pipelined layer after a ``pipeline_layers`` prefix, finds its own first).
+        No stats: the expert loads are refused from a pipeline (``forward``)."""
+        del with_expert_load
+        if self.embed_per_layer is None:
+            return layer(carry, cos, sin, mask)[0], {}
+        hidden, width = self.config.hidden_size, self.config.hidden_size_per_layer_input
+        carry = shard(carry, _CARRY)  # under the rules in force (a prefix's split the batch over stage too)
+        h, inputs = carry[..., :hidden], carry[..., hidden:]
+        h = layer(h, cos, sin, mask, per_layer_input=inputs[..., :width])[0]
+        return jnp.concatenate([shard(h, _CARRY), inputs[..., width:], inputs[..., :width]], axis=-1), {}
+
+    @classmethod
+    def pipeline_problem(cls, config: Gemma4Config) -> str | None:
+        """K/V sharing: a shared layer attends to the keys and values of its type's storing layer, which the
+        pipeline cannot hand across stages (it hands on only the hidden state), and the storing layers are kinds of
+        one layer each, so the layer sequence never splits into the identical chunks a pipeline needs."""
+        n = config.num_kv_shared_layers
+        if not n:
+            return None
+        kinds = config.layer_kinds()
+        stores = ", ".join(f"{i} ({kind.attention})" for i, kind in enumerate(kinds) if kind.kv == "store")
+        return (f"Gemma 4 with K/V sharing (num_kv_shared_layers={n}: layers {len(kinds) - n}..{len(kinds) - 1} "
+                f"attend to the keys and values of layers {stores}) does not run pipelined: a pipeline splits the "
+                "layers into identical chunks, one per stage (and virtual stage), and hands only the hidden state "
+                "from stage to stage, while the shared layers need the keys and values of one earlier storing layer "
+                "per attention type (a layer kind of its own, so no split into identical chunks exists, and its "
+                "readers would run on later stages). The edge presets (gemma4-e2b, gemma4-e4b) share K/V: train "
+                "them on a mesh without 'stage' (e.g. --mesh fsdp=-1); configs without sharing "
+                "(num_kv_shared_layers=0: gemma4-26b-a4b, gemma4-31b) pipeline")
+
     def _segment_inputs(self, segment: Segment, per_layer: jax.Array | None) -> tuple[jax.Array | None, ...]:
         """Per pattern position of ``segment``, its layers' per-layer inputs ``[repeats, batch, seq, width]``."""
         if per_layer is None:
@@ -142,10 +204,17 @@ class Gemma4(CausalLM):
     def forward(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                 segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None,
                 with_hidden_states: bool = False, with_mtp: bool = False, with_expert_load: bool = False,
-                with_routing: bool = False, with_logits: bool = True) -> CausalLMOutput:
+                with_routing: bool = False, with_logits: bool = True, pipeline_microbatches: int = 1,
+                pipeline_schedule: str = "gpipe", pipeline_virtual_stages: int | None = None,
+                loss_targets: tuple[jax.Array, jax.Array] | None = None) -> CausalLMOutput:
         """``CausalLM.forward``'s outputs plus, with the MoE block, ``expert_indices [layers, batch, seq, k]``
         (``with_routing``), ``expert_load [layers, experts]`` and ``dropped_tokens`` (``with_expert_load``; padding
-        counted, as routed). No aux loss: transformers' Gemma 4 has none."""
+        counted, as routed). No aux loss: transformers' Gemma 4 has none.
+
+        On a mesh with a ``stage`` axis the layers run pipelined as ``CausalLM.forward``'s (the pipeline keywords
+        and ``loss_targets`` mean the same), the per-layer inputs carried beside the hidden state; K/V sharing is
+        refused (``pipeline_problem``), and so are ``with_hidden_states`` and, with the MoE block, ``with_routing``
+        and ``with_expert_load``."""
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp:
             raise ValueError(f"with_mtp=True but {type(self).__name__} has no MTP heads (multi-token prediction)")
@@ -159,6 +228,32 @@ class Gemma4(CausalLM):
             mask = causal_mask(seq_len, attention_mask, segment_ids)
             embeddings = h = self.embed(input_ids)
             per_layer = self._per_layer_inputs(input_ids, embeddings)
+            if stage_count() > 1:  # pipelined over the mesh's stage axis
+                problem = self.pipeline_problem(c)
+                if problem is not None:
+                    raise ValueError(problem)
+                if with_hidden_states or want_routing:
+                    raise ValueError("with_hidden_states, and with the MoE block with_routing / with_expert_load, "
+                                     "are not supported on a mesh with a 'stage' axis (the pipeline hands on only "
+                                     "the last layer's output); run it without 'stage'")
+                schedule = resolve_schedule(pipeline_schedule, pipeline_virtual_stages)
+                c.check_pipeline(stage_count(), schedule.virtual_stages)  # says which pipeline_layers fit
+                # config.pipeline_layers: the layers before the pipeline run outside it, on the carry too.
+                carry, _ = self._unpipelined_prefix(self._pipeline_carry(h, per_layer), ropes, mask)
+                whole = _BLE if per_layer is None else _CARRY  # the pipeline's input whole over stage
+                if schedule.loss_inside:
+                    if loss_targets is None:
+                        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} runs the loss on the last stage: "
+                                         "pass loss_targets=(targets, loss_mask), or use pipeline_schedule='gpipe'")
+                    loss, _ = self._one_f_one_b_loss(shard(carry, whole), ropes, mask, loss_targets,
+                                                     pipeline_microbatches, schedule.virtual_stages)
+                    return CausalLMOutput(logits=None, loss_sum=loss)
+                # Out split over stage again: the final norm and the head run on each stage's share of the batch.
+                carry, _ = self._pipelined_layers(shard(carry, whole), ropes, mask, pipeline_microbatches,
+                                                  pipeline_schedule)
+                final_hidden = self.norm(shard(self._pipeline_hidden(carry), _OUT_BLE))
+                return CausalLMOutput(logits=self._logits(final_hidden) if with_logits else None,
+                                      final_hidden=final_hidden)
             shared: dict[str, SharedKV] = {}  # attention type -> the storing layer's keys and values
 
             def segment_body(pattern: tuple[str, ...]) -> Any:
