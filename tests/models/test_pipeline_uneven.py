@@ -35,7 +35,7 @@ from flax import nnx
 
 from nnx_zoo import DeepSeekV3, Llama3, Llama3Config
 from nnx_zoo.models.minimax_m2 import MiniMaxM2
-from nnx_zoo.sharding import ShardingError, make_mesh
+from nnx_zoo.sharding import ShardingError, create_sharded, make_mesh
 from tests.models import test_pipeline as dense
 from tests.models import test_pipeline_deepseek as ds
 from tests.models import test_pipeline_moe as moe
@@ -176,8 +176,12 @@ def test_layer_counts_that_do_not_split_say_which_pipeline_layers_fit():
         llama.with_overrides(pipeline_layers=4).check_pipeline(3)
     with pytest.raises(ValueError, match=r"pipeline_layers=6 must be None .* \[1, num_hidden_layers=5\]"):
         llama.with_overrides(pipeline_layers=6)
-    # Creating the model on the mesh refuses the stack first (the resolver), pointing at pipeline_layers.
+    # Creating the model on the mesh checks the layer sequence first (CausalLMBase.create); the resolver, below any
+    # model, refuses the stack that does not divide, pointing at pipeline_layers too.
+    small = llama.with_overrides(hidden_size=32, intermediate_size=64, head_dim=8, vocab_size=128)
+    mesh = make_mesh({"stage": 2, "fsdp": 4})
+    with pytest.raises(ValueError, match=r"5 layers .* do not split into 2 identical chunks.*pipeline_layers 4 "):
+        Llama3.create(small, mesh=mesh)
     with pytest.raises(ShardingError, match=r"5 layers .* do not split into 2 pipeline stages.*pipeline_layers "
                                             r"with a multiple of 2 \(e.g. 4"):
-        Llama3.create(llama.with_overrides(hidden_size=32, intermediate_size=64, head_dim=8, vocab_size=128),
-                      mesh=make_mesh({"stage": 2, "fsdp": 4}))
+        create_sharded(lambda: Llama3(small, rngs=nnx.Rngs(0)), mesh)

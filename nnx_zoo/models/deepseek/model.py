@@ -429,6 +429,15 @@ class DeepSeekV3(CausalLMBase):
                 final_hidden=final_hidden, mtp_hidden=mtp_hidden, indexer_loss=indexer_loss)
 
     # ---- pipeline parallelism over the mesh's 'stage' axis ----
+    @classmethod
+    def pipeline_problem(cls, config: Any) -> str | None:
+        """Sparse attention (DeepSeek-V3.2's indexer, GLM-5's top-k reuse) does not pipeline yet: its indexer loss
+        and the top-k handed between layers have no place in the pipeline's per-layer hook."""
+        if config.index_topk:
+            return (f"{cls.__name__} with sparse attention (index_topk={config.index_topk}: the lightning indexer's "
+                    "loss and top-k handed between layers) does not run pipelined yet; use a mesh without 'stage'")
+        return super().pipeline_problem(config)
+
     def _check_pipelined(self, schedule: Schedule, *, with_hidden_states: bool, with_routing: bool) -> None:
         """Clear errors for what the pipelined forward does not run, and for an MoE stack that does not split into
         the schedule's equal chunks (``S`` stages, times ``V`` virtual stages when interleaved)."""
