@@ -58,6 +58,7 @@ from nnx_zoo.layers.spec import (
     without_reduced,
 )
 from nnx_zoo.sharding import axes_tuple, current_rules, logical_to_mesh_axes, shard
+from nnx_zoo.sharding.constrain import shard_to_spec
 
 MOE_IMPLS = ("auto", "dense", "gmm", "ep")  # RoutedExperts' paths ('auto': default_moe_impl)
 
@@ -201,9 +202,11 @@ class RoutedExperts(nnx.Module):
         wi_gate, wi_up = (gather_fsdp_axes("th,ehi->tei", x, w, _WI_NAMES, h_names) for w in (wi_gate, wi_up))
         gate = _expert_in_proj(x, wi_gate, h_names)
         up = _expert_in_proj(x, wi_up, h_names)
-        if biases:  # each expert's own, laid out like its slice of the activations
-            gate = gate + shard(biases[0], h_names[1:])
-            up = up + shard(biases[1], h_names[1:])
+        if biases:  # each expert's own, laid out like the activations' (experts, width) dims: resolved alone, the
+            # expert dim would take a mesh axis that the tokens already hold (GPT-OSS under Explicit with EP)
+            laid_out = (*resolve_activation(h_names, gate.shape), None, None, None)[1:3]
+            gate = gate + shard_to_spec(biases[0], PartitionSpec(*laid_out))
+            up = up + shard_to_spec(biases[1], PartitionSpec(*laid_out))
         h = shard(self.act(gate, up) * combine[:, :, None].astype(self.dtype), h_names)
         out = shard(weight_einsum("tei,eih->th", h, wo, _TOKENS, weight_names=_WO_NAMES), _TOKENS)
         if biases:  # sum_k w_k b_down[e_k]: the combine weights times the output biases

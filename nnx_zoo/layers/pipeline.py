@@ -128,11 +128,12 @@ def pipeline_layer_counts(kinds: Sequence[Hashable], chunks: int) -> list[int]:
 
 
 def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages: int = 1, *,
-                   unpipelined: Sequence[Hashable] = ()) -> tuple[Hashable, ...]:
+                   unpipelined: Sequence[Hashable] = (), suffix_advice: bool = True) -> tuple[Hashable, ...]:
     """The stack names of one chunk's layers when ``layer_stacks`` (the stack name of each layer, in model order)
     is ``stages * virtual_stages`` identical chunks; else a clear error naming the chunk counts that fit (or saying
     that none does), the ``pipeline_layers`` values that fit (``unpipelined``: the kinds of the layers that run
-    before the pipeline, for that advice) and how to fix it.
+    before the pipeline, for that advice; ``suffix_advice=False``: none, for a model without that setting) and how
+    to fix it.
 
     >>> pipeline_chunk(["sliding", "sliding", "full"] * 4, stages=2)
     ('sliding', 'sliding', 'full', 'sliding', 'sliding', 'full')
@@ -159,12 +160,20 @@ def pipeline_chunk(layer_stacks: Sequence[Hashable], stages: int, virtual_stages
         fix = (f"use a '{STAGE_AXIS}' mesh size (times --virtual-stages, when interleaved) that is one of {more}, "
                "the chunk counts that fit")
     else:
-        period = next(p for p in range(1, layers + 1) if all(kinds[i] == kinds[i - p] for i in range(p, layers)))
-        fix = (f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer "
-               f"count that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that "
-               f"{wanted} chunks hold whole repeats")
+        def period_of(seq: tuple[Hashable, ...]) -> int:
+            return next(p for p in range(1, len(seq) + 1) if all(seq[i] == seq[i - p] for i in range(p, len(seq))))
+
+        # Leading layers of kinds that never come back (a dense prefix) are no part of a repeating rest.
+        lead = next((i for i in range(1, layers) if not set(kinds[:i]) & set(kinds[i:])
+                     and period_of(kinds[i:]) < layers - i), 0)
+        period = period_of(kinds[lead:])
+        fix = f"no chunk count above 1 fits; train this model on a mesh without '{STAGE_AXIS}', or use a layer count "
+        fix += (f"that is a multiple of {period * wanted} (its kinds repeat every {period} layers) so that {wanted} "
+                "chunks hold whole repeats" if not lead else
+                f"of {lead} + a multiple of {period * wanted} (the first {lead} layers' kinds never recur, the rest "
+                f"repeat every {period} layers) with --model.pipeline_layers that multiple")
     whole = tuple(unpipelined) + kinds
-    counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3]
+    counts = [p for p in pipeline_layer_counts(whole, wanted) if p < len(whole)][:3] if suffix_advice else []
     if counts:  # MaxText's pipeline_parallel_layers: only the last layers pipelined, the first ones ahead of it
         fix += "; or pipeline only the last layers: " + ", ".join(
             f"--model.pipeline_layers {p} (the first {len(whole) - p} layers run before the pipeline)"
@@ -345,6 +354,7 @@ def pipeline_stack(
         return isinstance(a, jax.Array) and a.ndim > 0 and a.shape[0] == batch
 
     leaves, treedef = jax.tree.flatten(args)
+    leaves = [jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in leaves]  # a numpy mask is split too
     # Arrays go through shard_map's arguments; other leaves (python ints) stay static.
     dynamic = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     batched = tuple(is_batched(leaves[i]) for i in dynamic)
@@ -551,6 +561,7 @@ def pipeline_1f1b_value_and_grad(
         return jnp.reshape(a, (batch // micro, micro) + a.shape[1:], out_sharding=spec)
 
     leaves, treedef = jax.tree.flatten((targets, args))
+    leaves = [jnp.asarray(a) if isinstance(a, np.ndarray) else a for a in leaves]  # a numpy mask is split too
     dynamic = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
     batched = tuple(leaves[i].ndim > 0 and leaves[i].shape[0] == batch for i in dynamic)
     operands = [split(leaves[i]) if b else leaves[i] for i, b in zip(dynamic, batched)]

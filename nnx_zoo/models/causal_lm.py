@@ -24,6 +24,7 @@ A family is a subclass naming its config class and its HF key table (``nnx_zoo.m
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -242,17 +243,29 @@ class CausalLMBase(nnx.Module):
     def pipeline_problem(cls, config: Any) -> str | None:
         """Why a model of ``config`` cannot run pipelined over a ``stage`` mesh axis (a sentence saying what to do
         instead), or None when it can (as far as its layer kinds go; the stage count is checked where it is known).
-        The recipe asks before it builds anything; ``create`` and ``from_pretrained`` on a mesh with stages too."""
+        The recipe asks before it builds anything; ``create`` and ``from_pretrained`` on a mesh with stages too.
+        Here: a forward without the pipeline keywords."""
         del config
+        if "pipeline_microbatches" not in inspect.signature(cls.forward).parameters:
+            return (f"{cls.__name__} does not run pipelined yet (its forward takes no pipeline_microbatches); "
+                    f"use a mesh without '{STAGE_AXIS}'")
         return None
 
     @classmethod
     def _check_pipelinable(cls, config: Any, mesh: Mesh | None) -> None:
-        """``pipeline_problem`` as an error when ``mesh`` has a ``stage`` axis of size > 1."""
-        if mesh is not None and dict(mesh.shape).get(STAGE_AXIS, 1) > 1:
-            problem = cls.pipeline_problem(config)
-            if problem is not None:
-                raise ValueError(problem)
+        """On a mesh with a ``stage`` axis of size > 1: ``pipeline_problem`` as an error, then the config's
+        ``check_pipeline(stages)`` (its layer sequence splits into the stages' identical chunks, or an error naming
+        the ``pipeline_layers`` that fit), before the resolver refuses a stack that does not divide with less to
+        go on."""
+        stages = 1 if mesh is None else dict(mesh.shape).get(STAGE_AXIS, 1)
+        if stages <= 1:
+            return
+        problem = cls.pipeline_problem(config)
+        if problem is not None:
+            raise ValueError(problem)
+        check = getattr(config, "check_pipeline", None)
+        if check is not None:
+            check(stages)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                  segment_ids: jax.Array | None = None, position_ids: jax.Array | None = None) -> jax.Array:

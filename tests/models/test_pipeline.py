@@ -41,6 +41,7 @@ from nnx_zoo.layers.pipeline import check_stages
 from nnx_zoo.sharding import (
     RULE_SETS,
     ShardingError,
+    create_sharded,
     get_rules,
     iter_variables,
     logical_to_mesh_axes,
@@ -196,8 +197,11 @@ def test_stage_axis_places_every_layer_stack_in_every_rule_set():
 
 def test_layers_that_do_not_divide_the_stages_say_how_to_fix_it():
     config = Llama3Config.preset("llama3-tiny", num_hidden_layers=3)
+    mesh = make_mesh({"stage": 2, "fsdp": 4})
+    with pytest.raises(ValueError, match=r"3 layers .* do not split into 2 identical chunks.*pipeline_layers 2 "):
+        Llama3.create(config, mesh=mesh)  # the layer sequence, checked before anything is built
     with pytest.raises(ShardingError, match=r"3 layers .* do not split into 2 pipeline stages.*one of \[1, 3\]"):
-        Llama3.create(config, mesh=make_mesh({"stage": 2, "fsdp": 4}))
+        create_sharded(lambda: Llama3(config, rngs=nnx.Rngs(0)), mesh)  # the resolver, below any model
     with pytest.raises(ValueError, match=r"6 layers, which do not split into 4 pipeline stages.*one of \[1, 2, 3, 6\]"):
         check_stages(6, 4)
 

@@ -50,11 +50,12 @@ def _fake_run_dir(tmp_path: Path) -> Path:
      ["--model", "deepseek3.2-tiny", "--indexer-stage", "sparse"]),
     (["--model", "qwen3-tiny", "--moe-impl=gmm"], "--moe-impl sets moe_impl, which Qwen3Config", None),
     (["--num-processes", "2"], "--num-processes 2 needs --coordinator HOST:PORT", None),
-    # Pipeline parallelism: micro-batches need stages; stages need a model that pipelines; counts must divide.
+    # Pipeline parallelism: micro-batches need stages; the layers must split into the stages; counts must divide.
     (["--microbatches", "2"], "--microbatches 2 needs a pipeline: add a 'stage' axis to --mesh", None),
-    (["--model", "qwen3-moe-tiny", "--mesh", "stage=2,fsdp=4"],
-     "Qwen3MoE does not run pipelined yet (its forward takes no pipeline_microbatches); train it on a mesh "
-     "without 'stage'", ["--model", "qwen3-moe-tiny"]),
+    # A layer count that does not split into the stages: the pipeline_layers that fit.
+    (["--model.num_hidden_layers", "3", "--mesh", "stage=2,fsdp=4"],
+     "--model.pipeline_layers 2 (the first 1 layers run before the pipeline)",
+     ["--model.num_hidden_layers", "3", "--mesh", "stage=2,fsdp=4", "--model.pipeline_layers", "2"]),
     # DeepSeek-V3 runs every schedule (its 4 MoE layers after 3 dense: 2 chunks per stage), interleaved too.
     (["--model", "deepseek3-tiny", "--model.num_hidden_layers", "7", "--mesh", "stage=2,fsdp=4",
       "--pipeline-schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "1"],

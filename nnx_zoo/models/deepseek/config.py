@@ -294,7 +294,7 @@ class DeepSeekV3Config(FamilyConfig):
                              "every MoE layer after the dense prefix: pipeline_layers is not supported, and no dense "
                              f"layer may follow the first MoE layer (dense layers {later} do); train it on a mesh "
                              f"without '{STAGE_AXIS}'")
-        chunk = pipeline_chunk(kinds, stages, virtual_stages)
+        chunk = pipeline_chunk(kinds, stages, virtual_stages, suffix_advice=False)  # (no pipeline_layers here)
         if chunk[0] != "moe_layers":
             first = pipelined[:: len(chunk)]
             raise ValueError(f"each of the {stages * virtual_stages} pipeline chunks of {len(chunk)} MoE layers starts "

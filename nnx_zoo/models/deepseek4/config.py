@@ -231,7 +231,7 @@ class DeepSeekV4Config(FamilyConfig):
                              "Make them the first ones (as num_hash_layers does), or train on a mesh without 'stage'")
         piped = [kind_name(kind) for kind in self.layer_kinds[prefix:]]
         try:
-            return pipeline_chunk(piped, stages, virtual_stages)
+            return pipeline_chunk(piped, stages, virtual_stages, suffix_advice=False)  # V4 has no pipeline_layers
         except ValueError as e:
             raise ValueError(f"DeepSeek-V4 pipelines its {len(piped)} top-k routed layers (num_hidden_layers "
                              f"{self.num_hidden_layers} after {prefix} hash-routed ones, which run before the "
