@@ -14,7 +14,7 @@ handing its top-k on inside.
 
 Cost: one pipelined train step compiled plus the one-device reference. CI: V3.2 GPipe on stage 2 x expert 2 x
 fsdp 2, Explicit. ``NNX_ZOO_FULL_MATRIX=1`` adds it under Auto, 1F1B and interleaved in both modes, stage 2 x fsdp 4
-with 2 accumulation steps (GPipe, 1F1B) in both modes, and GLM-5 GPipe on stage 2 x fsdp 4 in both modes.
+with 2 accumulation steps (GPipe, 1F1B) in both modes, and GLM-5 GPipe and 1F1B on stage 2 x fsdp 4 in both modes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
               for schedule in ("1f1b", "interleaved")]
     CASES += [("v32", "stage2-fsdp4", mode, 2, 1, schedule) for mode in ("auto", "explicit")
               for schedule in ("gpipe", "1f1b")]
-    # GLM-5's shared layers: GPipe (each stage's chunk (full, shared) hands its top-k on inside).
+    # GLM-5's shared layers (each stage's chunk (full, shared) hands its top-k on inside).
     CASES += [("glm5", "stage2-fsdp4", mode, 1, 2, schedule) for mode in ("auto", "explicit")
               for schedule in ("gpipe", "1f1b")]
 VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1

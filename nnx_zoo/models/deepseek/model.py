@@ -317,8 +317,10 @@ class DeepSeekV3(CausalLMBase):
         last stage, and the output carries ``loss_sum`` (valued as the cross-entropy, with the gradient of the whole
         loss: the MTP and balance terms weighted as ``nnx_zoo.train.step.loss_terms`` weighs them),
         ``mtp_loss_sums``, ``aux_loss``, ``expert_load`` and ``dropped_tokens`` (per MoE layer in model order, for
-        every schedule: what the routing-bias update reads). Without a ``stage`` axis the pipeline arguments are
-        ignored.
+        every schedule: what the routing-bias update reads). DeepSeek-V3.2's indexer loss is summed over the real
+        rows in each pipelined layer (``_pipelined_layer``); GLM-5's layers reusing a top-k pipeline beside those
+        that choose it, the top-k handed on inside each stage's chunk (``_pipelined_moe``, ``_one_f_one_b``).
+        Without a ``stage`` axis the pipeline arguments are ignored.
         """
         check_forward_inputs(input_ids, attention_mask, segment_ids, position_ids, config=self.config)
         if with_mtp and self.mtp_layers is None:
