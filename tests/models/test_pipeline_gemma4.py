@@ -13,11 +13,11 @@ gradients of the per-layer input tables (``embed_per_layer``, ``per_layer_proj``
 moments compared, so an input handed to the wrong layer, or one whose gradient does not flow back through the
 pipeline, fails.
 
-Cost: one pipelined train step compiled per case plus the one-device reference. CI: GPipe on stage 4 x FSDP 2
-(Auto, 2 accumulation steps). ``NNX_ZOO_FULL_MATRIX=1`` adds interleaved on stage 2 x FSDP 4 (Explicit: 1F1B's
-program, chunks moved to their stages, the carry crossing the ring; ~40 s), 1F1B on stage 4 x FSDP 2 and on stage 2 alone, GPipe
-on stage 2 x FSDP 4, the other mode of each CI case, and GPipe (Explicit) and 1F1B (Auto) on stage 2 x FSDP 4 with
-``pipeline_layers`` 4 (the first 4 layers ahead of the pipeline, taking their per-layer inputs off the carry).
+Cost: one pipelined train step compiled per case plus the one-device reference. CI: GPipe on stage 4 x FSDP 2 (Auto,
+2 accumulation steps). ``NNX_ZOO_FULL_MATRIX=1`` adds interleaved on stage 2 x FSDP 4 (Explicit: 1F1B's program,
+chunks moved to their stages, the carry crossing the ring; ~40 s), 1F1B on stage 4 x FSDP 2 and on stage 2 alone,
+GPipe on stage 2 x FSDP 4, the other mode of each CI case, and GPipe (Explicit) and 1F1B (Auto) on stage 2 x FSDP 4
+with ``pipeline_layers`` 4 (the first 4 layers ahead of the pipeline, taking their per-layer inputs off the carry).
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ MESHES = {"stage2": ({"stage": 2}, 2), "stage2-fsdp4": ({"stage": 2, "fsdp": 4},
 # A sixth entry: config.pipeline_layers (the layers before them run ahead of the pipeline, on the carry too).
 CASES = [("stage4-fsdp2", "auto", 2, 2, "gpipe")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [("stage2-fsdp4", "auto", 1, 2, "interleaved"), ("stage2-fsdp4", "explicit", 1, 2, "interleaved"), ("stage4-fsdp2", "explicit", 2, 2, "gpipe"),
-              ("stage2-fsdp4", "explicit", 1, 2, "gpipe"), ("stage2", "auto", 1, 4, "1f1b")]
+    CASES += [("stage2-fsdp4", mode, 1, 2, "interleaved") for mode in ("auto", "explicit")]
+    CASES += [("stage4-fsdp2", "explicit", 2, 2, "gpipe"), ("stage2-fsdp4", "explicit", 1, 2, "gpipe"),
+              ("stage2", "auto", 1, 4, "1f1b")]
     CASES += [("stage4-fsdp2", mode, 1, 4, "1f1b") for mode in ("auto", "explicit")]
     CASES += [("stage2-fsdp4", "explicit", 1, 2, "gpipe", 4), ("stage2-fsdp4", "auto", 1, 2, "1f1b", 4)]
 CASES = [case if len(case) == 6 else (*case, None) for case in CASES]

@@ -47,7 +47,8 @@ MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
           "stage4-fsdp2": ({"stage": 4, "fsdp": 2}, 4, 8)}
 CASES = [("stage2-expert2-fsdp2", "auto", 1, "interleaved")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    CASES += [("stage2-expert2-fsdp2", "explicit", 1, "gpipe"), ("stage2-expert2-fsdp2", "auto", 1, "gpipe"), ("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
+    CASES += [("stage2-expert2-fsdp2", mode, 1, "gpipe") for mode in ("auto", "explicit")]
+    CASES += [("stage2-expert2-fsdp2", "explicit", 1, "interleaved")]
     CASES += [("stage2-expert2-fsdp2", mode, 1, "1f1b") for mode in ("auto", "explicit")]
     CASES += [("stage4-fsdp2", mode, accum, schedule) for mode, accum, schedule in
               (("auto", 2, "gpipe"), ("explicit", 1, "gpipe"), ("explicit", 2, "1f1b"), ("auto", 1, "1f1b"))]

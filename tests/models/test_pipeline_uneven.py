@@ -14,13 +14,13 @@ run before the pipeline. Checked here:
 - the errors: a layer count that does not split says which ``pipeline_layers`` fit; a ``pipeline_layers`` that
   does not fit is refused.
 
-Cost: CI runs DeepSeek GPipe (Explicit) and MiniMax-M2 GPipe (Explicit) on stage 2 x expert 2 x fsdp 2 (one
-compiled step each plus the one-device references); DeepSeek's 1F1B with a prefix runs in the full matrix (1F1B's
-DeepSeek code is in CI through ``test_pipeline_deepseek``'s tensor case, the prefix through GPipe's). The DeepSeek GPipe case took over, as a superset
-(the same mesh, mode and schedule, with an MoE layer before the pipeline), ``test_pipeline_deepseek``'s GPipe
-Explicit CI case, which moved to the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` adds the other modes, interleaved for
-DeepSeek (4 MoE layers in 2 x 2 chunks), and Llama (the same walk as MiniMax-M2's, without stats) on stage 2 x
-fsdp 4, GPipe and 1F1B in both modes.
+Cost: CI runs DeepSeek GPipe (Explicit) and MiniMax-M2 GPipe (Explicit) on stage 2 x expert 2 x fsdp 2 (one compiled
+step each plus the one-device references); DeepSeek's 1F1B with a prefix runs in the full matrix (1F1B's DeepSeek
+code is in CI through ``test_pipeline_deepseek``'s tensor case, the prefix through GPipe's). The DeepSeek GPipe case
+took over, as a superset (the same mesh, mode and schedule, with an MoE layer before the pipeline),
+``test_pipeline_deepseek``'s GPipe Explicit CI case, which moved to the full matrix. ``NNX_ZOO_FULL_MATRIX=1`` adds
+the other modes, interleaved for DeepSeek (4 MoE layers in 2 x 2 chunks), and Llama (the same walk as MiniMax-M2's,
+without stats) on stage 2 x fsdp 4, GPipe and 1F1B in both modes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ DS_CASES = [("explicit", "gpipe")]
 # CausalLM's walk: (family, mode, schedule); MiniMax-M2's MoE stats (Switch loss: GPipe only), Llama's none.
 CAUSAL_CASES = [("minimax", "explicit", "gpipe")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
-    DS_CASES += [("auto", "gpipe"), ("auto", "1f1b"), ("explicit", "1f1b"), ("auto", "interleaved"), ("explicit", "interleaved")]
+    DS_CASES += [("auto", "gpipe"), ("auto", "1f1b"), ("explicit", "1f1b"), ("auto", "interleaved"),
+                 ("explicit", "interleaved")]
     CAUSAL_CASES += [("minimax", "auto", "gpipe")] + [("llama", mode, schedule) for mode in ("auto", "explicit")
                                                       for schedule in ("gpipe", "1f1b")]
 
