@@ -68,7 +68,7 @@ CASES = [(m, mode, accum, micro, schedule) for m in MESHES for mode in ("auto", 
          if schedule != "interleaved" or (MESHES[m][0]["stage"] == 2 and micro % 2 == 0)]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") != "1":
     CASES = [("stage4-fsdp2", "auto", 2, 2, "gpipe"), ("stage4-fsdp2", "explicit", 1, 4, "1f1b"),
-             ("stage2-tensor2-fsdp2", "auto", 1, 4, "1f1b")]
+             ("stage4-tensor2", "auto", 1, 4, "1f1b")]  # 1F1B with 4 devices in a stage: full matrix (README)
 
 
 @functools.cache

@@ -67,7 +67,9 @@ MESHES = {"stage2-expert2-fsdp2": ({"stage": 2, "expert": 2, "fsdp": 2}, 2, 8),
 # GPipe Explicit on stage 2 x expert 2 x fsdp 2 runs in CI in test_pipeline_uneven (the same mesh, mode and
 # schedule, on 1 dense + 5 MoE layers with the first MoE layer before the pipeline); interleaved under Auto is in the
 # full matrix, paying for test_pipeline_deepseek4's CI case (module docstring).
-CASES = [("stage2-tensor2-fsdp2", "explicit", 1, "1f1b")]
+# 1F1B with 4 devices inside a stage (stage 2 x tensor 2 x fsdp 2) intermittently aborts in XLA:CPU's collective
+# rendezvous when compiled steps alternate in one process (README: idle ticks), so CI runs stage 4 x tensor 2.
+CASES = [("stage4-tensor2", "explicit", 1, "1f1b")]
 if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
     CASES += [("stage2-expert2-fsdp2", mode, 1, "interleaved") for mode in ("auto", "explicit")]
     CASES += [("stage2-expert2-fsdp2", mode, 1, "gpipe") for mode in ("auto", "explicit")]
@@ -76,10 +78,11 @@ if os.environ.get("NNX_ZOO_FULL_MATRIX") == "1":
               for schedule in ("gpipe", "1f1b")]
     CASES += [("stage2-fsdp2", mode, accum, "interleaved") for mode in ("auto", "explicit") for accum in (1, 2)]
     CASES += [("stage2-tensor2-fsdp2", mode, 1, schedule) for mode in ("auto", "explicit")
-              for schedule in ("gpipe", "1f1b", "interleaved") if (mode, schedule) != ("explicit", "1f1b")]
+              for schedule in ("gpipe", "1f1b", "interleaved")]
     CASES += [("stage2-tensor2-expert2", mode, 1, schedule) for mode in ("auto", "explicit")
               for schedule in ("1f1b", "interleaved")]
-    CASES += [("stage4-tensor2", mode, 1, schedule) for mode in ("auto", "explicit") for schedule in ("gpipe", "1f1b")]
+    CASES += [("stage4-tensor2", mode, 1, schedule) for mode in ("auto", "explicit") for schedule in ("gpipe", "1f1b")
+              if (mode, schedule) != ("explicit", "1f1b")]
 VIRTUAL_STAGES = 2  # interleaved: 4 MoE layers in 4 chunks of 1, stage s holding chunks s and 2 + s
 
 
