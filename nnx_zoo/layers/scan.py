@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.spec import gather_weight_fsdp_axes
 from nnx_zoo.sharding import restore_sharding, shard_mode_of, sharding_of
+from nnx_zoo.sharding.plan_layers import periodic_runs as _periodic_runs
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -139,23 +140,7 @@ def periodic_runs(kinds: Sequence[Hashable], max_period: int = 4) -> list[tuple[
     >>> periodic_runs(["s", "s", "c", "h", "c", "h", "c"])
     [(('s',), 2), (('c', 'h'), 2), (('c',), 1)]
     """
-    kinds = list(kinds)
-    out: list[tuple[tuple[Hashable, ...], int]] = []
-    i = 0
-    while i < len(kinds):
-        best, best_cover = (tuple(kinds[i:i + 1]), 1), 1
-        for period in range(1, max_period + 1):
-            pattern = kinds[i:i + period]
-            if len(pattern) < period:
-                break
-            repeats = 1
-            while kinds[i + repeats * period:i + (repeats + 1) * period] == pattern:
-                repeats += 1
-            if repeats > 1 and repeats * period > best_cover:
-                best, best_cover = (tuple(pattern), repeats), repeats * period
-        out.append(best)
-        i += best_cover
-    return out
+    return _periodic_runs(kinds, max_period)  # one rule, shared with the memory plan (sharding can't import layers)
 
 
 class Segment(NamedTuple):

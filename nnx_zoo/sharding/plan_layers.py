@@ -214,8 +214,8 @@ def kind_schedule(config: Any, kernels: dict[str, str], attention: str) -> dict[
 
 
 def periodic_runs(kinds: list[Any] | tuple[Any, ...], max_period: int) -> list[tuple[tuple[Any, ...], int]]:
-    """A schedule as the models scan it: ``(pattern, repeats)`` segments (``nnx_zoo.layers.scan.periodic_runs``'s
-    rule; a segment of one repeat is no loop once compiled)."""
+    """A schedule as the models scan it: ``(pattern, repeats)`` segments, the one rule
+    (``nnx_zoo.layers.scan.periodic_runs`` calls this; a segment of one repeat is no loop once compiled)."""
     kinds, out, i = list(kinds), [], 0
     while i < len(kinds):
         best, cover = (tuple(kinds[i:i + 1]), 1), 1
