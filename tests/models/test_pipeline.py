@@ -151,7 +151,14 @@ def test_pipelined_adamw_steps_match_one_device(mesh_name, mode, accum_steps, mi
     sizes, devices = MESHES[mesh_name]
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
     history, model, optimizer = train_two_steps(mesh, accum_steps, microbatches, schedule)
-    want_history, want_params, want_moments = _one_device()
+    assert_matches_one_device(mesh, history, model, optimizer, _one_device())
+    assert model.layers.mlp.up.kernel[...].sharding.spec[0] == "stage"  # each stage holds its own layers
+
+
+def assert_matches_one_device(mesh, history, model, optimizer, want) -> None:
+    """A pipelined run's ``train_two_steps`` result against the one-device run's ``(history, parameters,
+    moments)``, with this module's tolerances, and every parameter and moment on its resolved sharding."""
+    want_history, want_params, want_moments = want
     np.testing.assert_allclose(history, want_history, rtol=1e-5)
     assert history[1][0] < history[0][0]  # it learns
     # Adam's normalised update turns float32 reordering in near-cancelling gradient elements into parameter
@@ -167,7 +174,6 @@ def test_pipelined_adamw_steps_match_one_device(mesh_name, mode, accum_steps, mi
     for state in (nnx.state(model), nnx.state(optimizer, nnx.optimizer.OptState)):
         for (path, var), want in zip(iter_variables(state), state_shardings(state, mesh, rules)):
             assert var[...].sharding.is_equivalent_to(want, var.ndim), path
-    assert model.layers.mlp.up.kernel[...].sharding.spec[0] == "stage"  # each stage holds its own layers
 
 
 def test_stage_axis_places_every_layer_stack_in_every_rule_set():

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from nnx_zoo import Gemma4, Gemma4Config
-from nnx_zoo.sharding import get_rules, iter_variables, make_mesh, state_shardings
-from tests.models.test_pipeline import OPTIMIZER, _arrays, drawn_parts, train_two_steps
+from nnx_zoo.sharding import make_mesh
+from tests.models.test_pipeline import OPTIMIZER, _arrays, assert_matches_one_device, drawn_parts, train_two_steps
 
 VOCAB = 128
 CONFIG = Gemma4Config.preset("gemma4-tiny", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -105,18 +104,7 @@ def test_pipelined_gemma4_adamw_steps_match_one_device(mesh_name, mode, accum_st
     mesh = make_mesh(sizes, shard_mode=mode, devices=jax.devices()[:devices])
     history, model, optimizer = train_two_steps(mesh, accum_steps, microbatches, schedule,
                                                 parts=_parts(pipeline_layers), optimizer_config=OPTIMIZER)
-    want_history, want_params, want_moments = _one_device(pipeline_layers)
-    np.testing.assert_allclose(history, want_history, rtol=1e-5)
-    assert history[1][0] < history[0][0]  # it learns
-    # test_pipeline's tolerances: parameters to a tenth of lr, the gradients sharply through the moments.
-    for got, want in zip(_arrays(nnx.state(model, nnx.Param)), want_params, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.1 * OPTIMIZER.lr)
-    for got, want in zip(_arrays(nnx.state(optimizer, nnx.optimizer.OptState)), want_moments, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
-    rules = get_rules("default")
-    for state in (nnx.state(model), nnx.state(optimizer, nnx.optimizer.OptState)):
-        for (path, var), want in zip(iter_variables(state), state_shardings(state, mesh, rules)):
-            assert var[...].sharding.is_equivalent_to(want, var.ndim), path
+    assert_matches_one_device(mesh, history, model, optimizer, _one_device(pipeline_layers))  # test_pipeline's
     for stack in (model.sliding_layers, model.layers):  # each stage holds its block of both stacks
         assert stack.mlp.experts.wo[...].sharding.spec[0] == "stage"
 
