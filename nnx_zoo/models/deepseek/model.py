@@ -655,7 +655,8 @@ class DeepSeekV3(CausalLMBase):
         if balance_on:
             balance = jnp.sum(stats["balance"])
             if prefix is not None and prefix.balance_loss is not None:  # differentiated here, by the trainer
-                balance = balance + jnp.sum(jnp.sum(prefix.balance_loss, axis=0) * rows)
+                per_sequence = shard(jnp.sum(prefix.balance_loss, axis=0), ("activation_batch",))
+                balance = balance + jnp.sum(per_sequence * rows)  # (its rows split over stage, as the indexer's)
             aux_loss = balance / jnp.maximum(jnp.sum(rows), 1.0)
         load, dropped = stats.get("load"), stats.get("dropped")
         if prefix is not None and load is not None and prefix.expert_load is not None:  # whole, as the prefix's
