@@ -31,10 +31,6 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU runs a device's ready collectives on a shared worker pool sized by NPROC (default: the cores, 2 here); a
-# collective blocks its worker until every device arrives, so with 8 devices and 1F1B's independent forward and
-# backward collectives the pool can fill with waiters and deadlock (seen at S=4, M=8: a rendezvous timeout).
-os.environ.setdefault("NPROC", "16")
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
@@ -56,8 +52,18 @@ from flax import nnx  # noqa: E402
 
 from nnx_zoo import Llama3, Llama3Config  # noqa: E402
 from nnx_zoo.layers import pipeline  # noqa: E402
-from nnx_zoo.sharding import get_rules, logical_to_mesh_axes, make_mesh, state_shardings  # noqa: E402
+from nnx_zoo.sharding import (  # noqa: E402
+    get_rules,
+    logical_to_mesh_axes,
+    make_mesh,
+    reserve_cpu_workers,
+    state_shardings,
+)
 from nnx_zoo.train import OptimizerConfig, make_optimizer  # noqa: E402
+
+# PJRT_NPROC=32 before JAX starts: with XLA:CPU's default of one collective worker per device 1F1B's in-flight
+# collectives can starve the pool (a rendezvous-timeout abort, seen at S=4, M=8; reserve_cpu_workers says why).
+reserve_cpu_workers()
 from nnx_zoo.train.step import train_step  # noqa: E402
 
 COLLECTIVES = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")

@@ -400,8 +400,11 @@ def _pretrained_source(directory: Path, entry: Entry) -> ModelSource:
 # ------------------------------------------------------------------------------------------------ the run
 def main(argv: list[str] | None = None, *, entry: Entry = GENERIC) -> int:
     """Run the recipe; returns the exit code (``EXIT_CODES``)."""
+    from nnx_zoo.sharding import reserve_cpu_workers
     from nnx_zoo.train.loop import DivergenceError
     from nnx_zoo.train.run_spec import EXIT_BAD_INPUT, EXIT_DIVERGED
+
+    reserve_cpu_workers()  # fake CPU devices: room for collectives in flight, before JAX starts its CPU client
 
     try:
         source = model_source(argv, entry)

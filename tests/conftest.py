@@ -16,6 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from nnx_zoo.sharding.mesh import reserve_cpu_workers  # noqa: E402
+
+# Four XLA:CPU collective workers per device (PJRT_NPROC=32), before JAX starts its CPU client: with the default one
+# per device, 1F1B on stage 2 x fsdp 4 aborted in a rendezvous timeout (see reserve_cpu_workers). Subprocesses inherit.
+reserve_cpu_workers()
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 

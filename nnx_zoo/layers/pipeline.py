@@ -27,7 +27,9 @@ outside every branch, every tick. One exception, decided in one place (``skips_i
 the CPU backend with another mesh axis > 1, XLA:CPU's in-process collectives can deadlock on collectives inside a
 branch, so there the idle work is computed and masked (``jnp.where``), the program before. XLA's
 ``cost_analysis()`` (and any static count of the compiled program) counts both branches of a conditional, so it
-reads the same as the masked program: what changes is what runs.
+reads the same as the masked program: what changes is what runs. On XLA:CPU with fake devices a pipeline needs
+``CPU_WORKERS_PER_DEVICE`` collective workers per device (``nnx_zoo.sharding.reserve_cpu_workers``; it warns
+without them), masked or not: a device waiting in several collectives at once can starve the one they wait for.
 
 ``pipeline_1f1b_value_and_grad`` is the 1F1B schedule and, with ``virtual_stages=V > 1``, interleaved 1F1B (each
 stage holds ``V`` non-contiguous chunks of the stack): it takes the head and loss too and returns the loss with
@@ -48,6 +50,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from nnx_zoo.layers.scan import _check_micro_batch, _explicit_spec_of, run_stack, segments
+from nnx_zoo.sharding.mesh import warn_if_few_cpu_workers
 
 STAGE_AXIS = "stage"  # the mesh axis the layer stacks are split over
 
@@ -334,6 +337,7 @@ def pipeline_stack(
                                   chunk_carry=chunk_carry, **run))
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"pipeline microbatches must be a positive integer, got {microbatches!r}")
+    warn_if_few_cpu_workers("a pipelined GPipe step")
     batch = x.shape[0]
     if batch % microbatches:
         raise ValueError(f"{microbatches} pipeline micro-batches do not divide the batch of {batch} rows; use a "
@@ -530,6 +534,7 @@ def pipeline_1f1b_value_and_grad(
     stages = stage_count()
     if stages == 1:
         raise ValueError("pipeline_1f1b_value_and_grad needs a mesh with a 'stage' axis of size > 1")
+    warn_if_few_cpu_workers("a pipelined 1F1B step")
     virtual = virtual_stages
     if not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual stages must be a positive integer, got {virtual!r}")

@@ -27,7 +27,14 @@ from nnx_zoo.sharding.create import (
     state_shardings,
     variable_spec,
 )
-from nnx_zoo.sharding.mesh import make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
+from nnx_zoo.sharding.mesh import (
+    make_abstract_mesh,
+    make_mesh,
+    parse_mesh,
+    reserve_cpu_workers,
+    shard_mode_of,
+    xla_cpu_workers,
+)
 from nnx_zoo.sharding.report import ShardingReport, sharding_report
 from nnx_zoo.sharding.resolve import ShardingError, axes_tuple, logical_to_mesh_axes, named_sharding
 from nnx_zoo.sharding.rules import RULE_SETS, Rules, context_axes, expand_rules, get_rules, validate_rules
@@ -58,6 +65,8 @@ __all__ = [
     "logical_to_mesh_axes",
     "make_abstract_mesh",
     "make_mesh",
+    "reserve_cpu_workers",
+    "xla_cpu_workers",
     "named_sharding",
     "parse_mesh",
     "record_shardings",

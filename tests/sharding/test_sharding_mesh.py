@@ -1,12 +1,24 @@
-"""make_mesh / make_abstract_mesh / shard_mode_of."""
+"""make_mesh / make_abstract_mesh / shard_mode_of, and XLA:CPU's collective workers."""
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import jax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from nnx_zoo.sharding import MESH_AXES, make_abstract_mesh, make_mesh, parse_mesh, shard_mode_of
+from nnx_zoo.sharding import (
+    MESH_AXES,
+    make_abstract_mesh,
+    make_mesh,
+    parse_mesh,
+    reserve_cpu_workers,
+    shard_mode_of,
+    xla_cpu_workers,
+)
+from nnx_zoo.sharding.mesh import warn_if_few_cpu_workers
 
 ORDER = ("stage", "data", "fsdp", "fsdp_transpose", "context", "tensor", "tensor_transpose", "expert")
 
@@ -136,3 +148,40 @@ def test_parse_mesh():
     for bad in ("fsdp", "fsdp=four", "=4"):
         with pytest.raises(ValueError, match=r"must look like axis=size"):
             parse_mesh(bad)
+
+
+def test_xla_cpu_workers_reads_the_environment_as_xla_does(monkeypatch):
+    """The rule mirrors XLA's own: this process (conftest's reserve_cpu_workers: PJRT_NPROC=32 for its 8 devices)
+    runs that many XLA:CPU worker threads (Linux names them), and the variables override in XLA's order."""
+    assert xla_cpu_workers(8) == 32
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    assert names.count("tf_XLAEigen") == 32, names
+    monkeypatch.setenv("PJRT_NPROC", "3")
+    assert xla_cpu_workers(8) == 8 and xla_cpu_workers(2) == 3  # never fewer workers than devices
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.setenv("NPROC", "12")
+    assert xla_cpu_workers(8) == 12
+    monkeypatch.setenv("NPROC", "")  # unset-like: the cores
+    assert xla_cpu_workers(1) == len(os.sched_getaffinity(0))
+
+
+def test_reserve_cpu_workers_sets_four_per_device_unless_set(monkeypatch):
+    for name in ("PJRT_NPROC", "NPROC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_force_host_platform_device_count=6")
+    assert reserve_cpu_workers() == 24 and os.environ["PJRT_NPROC"] == "24"  # the last flag wins, as in XLA
+    monkeypatch.setenv("PJRT_NPROC", "10")
+    assert reserve_cpu_workers() == 10 and os.environ["PJRT_NPROC"] == "10"  # the user's choice is kept
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert reserve_cpu_workers() >= 1 and "PJRT_NPROC" not in os.environ  # one device: nothing to reserve
+
+
+def test_few_cpu_workers_warn_with_the_fix(monkeypatch):
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    with pytest.warns(RuntimeWarning, match=r"8 devices share 8 collective workers.*PJRT_NPROC=32"):
+        warn_if_few_cpu_workers("a pipelined 1F1B step")
+    monkeypatch.setenv("PJRT_NPROC", "32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_few_cpu_workers("a pipelined 1F1B step")
