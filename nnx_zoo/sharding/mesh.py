@@ -25,7 +25,8 @@ _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 # and backward stage permutes), waiters can fill the pool while a collective they wait for sits queued with no
 # worker to run it: after 40 s the rendezvous aborts the process ("Termination timeout ... Exiting"). With one
 # worker per device (the default on a small machine with fake devices) the 1F1B cases of stage 2 x fsdp 4 and stage
-# 2 x tensor 2 x fsdp 2 aborted in 7 of 24 runs; with four, in none of 78.
+# 2 x tensor 2 x fsdp 2 aborted in 7 of 24 runs; with four, in none of 24, nor in two runs of the whole pipeline
+# full matrix (273 cases each).
 CPU_WORKERS_PER_DEVICE = 4
 
 

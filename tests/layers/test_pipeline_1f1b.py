@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -270,3 +271,26 @@ def test_an_idle_stage_runs_no_layer_and_no_head():
     assert calls["head"] == 4
     with jax.set_mesh(make_mesh({"stage": 2, "fsdp": 4})):  # XLA:CPU: collectives in a branch can deadlock
         assert not skips_idle_ticks()
+
+
+def test_both_pipelines_warn_when_xla_cpu_has_few_collective_workers(monkeypatch):
+    """Traced with ``PJRT_NPROC=8`` for this process's 8 devices (one XLA:CPU collective worker each: the pool a
+    pipelined step's in-flight collectives can starve), GPipe and 1F1B each warn with the fix; at conftest's 32,
+    neither does."""
+    mesh = make_mesh({"stage": 2}, devices=jax.devices()[:2])
+    x, target, scale, w = map(jnp.asarray, _inputs())
+    graphdef, state = nnx.split(create_sharded(_stack, mesh, "default"))
+    programs = {"GPipe": lambda state: pipeline_stack(nnx.merge(graphdef, state), _layer, x, scale, microbatches=2),
+                "1F1B": lambda state: pipeline_1f1b_value_and_grad(nnx.merge(graphdef, state), _layer, _head, w, x,
+                                                                    target, scale, microbatches=2)}
+    with jax.set_mesh(mesh), use_rules("default"):
+        monkeypatch.setenv("PJRT_NPROC", "8")
+        for name, program in programs.items():
+            with pytest.warns(RuntimeWarning, match=rf"pipelined {name} step on XLA:CPU: 8 devices share 8 "
+                                                    r"collective workers.*PJRT_NPROC=32"):
+                jax.eval_shape(program, state)
+        monkeypatch.setenv("PJRT_NPROC", "32")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for program in programs.values():
+                jax.eval_shape(lambda state, program=program: program(state), state)  # traced afresh
