@@ -644,19 +644,22 @@ class DeepSeekV3(CausalLMBase):
         stats, ce, mtp_sums, mtp_kl = jax.lax.stop_gradient((stats, ce, mtp_sums, mtp_kl))
         if named:  # the stacks' stats in model order, their sums added
             stats = _in_model_order(stats, kinds)
+
+        def prefix_sum(per_layer: jax.Array) -> jax.Array:  # a prefix term [layers, batch] over the real rows
+            per_sequence = shard(jnp.sum(per_layer, axis=0), ("activation_batch",))  # its rows split over stage
+            return jnp.sum(per_sequence * rows)
+
         indexer_loss = None
         if "indexer" in stats:  # the pipeline's and MTP heads' values (differentiated inside), the prefix's with
             kl_sum = jnp.sum(stats["indexer"]) + (0.0 if mtp_kl is None else mtp_kl)  # its gradient, here
             if prefix_indexer:
-                per_sequence = shard(jnp.sum(jnp.concatenate(prefix_indexer), axis=0), ("activation_batch",))
-                kl_sum = kl_sum + jnp.sum(per_sequence * rows)  # (the prefix's rows were split over stage too)
+                kl_sum = kl_sum + prefix_sum(jnp.concatenate(prefix_indexer))
             indexer_loss = c.indexer_loss_weight * kl_sum / jnp.maximum(jnp.sum(rows), 1.0)
         aux_loss = None
         if balance_on:
             balance = jnp.sum(stats["balance"])
             if prefix is not None and prefix.balance_loss is not None:  # differentiated here, by the trainer
-                per_sequence = shard(jnp.sum(prefix.balance_loss, axis=0), ("activation_batch",))
-                balance = balance + jnp.sum(per_sequence * rows)  # (its rows split over stage, as the indexer's)
+                balance = balance + prefix_sum(prefix.balance_loss)
             aux_loss = balance / jnp.maximum(jnp.sum(rows), 1.0)
         load, dropped = stats.get("load"), stats.get("dropped")
         if prefix is not None and load is not None and prefix.expert_load is not None:  # whole, as the prefix's
